@@ -1,0 +1,149 @@
+"""``quantize``: bf16 Hugging Face MoE checkpoint -> MXFP4 checkpoint that sglang and vLLM load."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from quant.convert import MANIFEST_NAME, ConvertError, convert
+from quant.example import FAMILIES, write_example
+from quant.formats.mxfp4 import ScaleRule
+from quant.layout import UnknownFamilyError, load_family
+from quant.plan import Plan, PlanError, make_plan
+from quant.recipe import RecipeError, load_recipe, with_overrides
+from quant.serving import NamingError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+DESCRIPTION = """\
+Convert a bf16 Hugging Face MoE checkpoint (GLM-5 / DeepSeek-V3 layout) into AMD Quark 0.13's MXFP4
+format, byte for byte what Quark's file-to-file exporter writes, with an exclude list that sglang
+and vLLM really match (including sglang's model.decoder.* names for the MTP layer).
+
+What is quantized is data: the model family manifest (manifests/models/) says which tensor is
+what; the recipe (manifests/recipes/) says which roles become MXFP4. The default recipe quantizes
+routed experts only (W4A4) and keeps everything else bf16.
+
+Output appears atomically: each shard under its final name only when complete, and
+conversion_manifest.json (hashes, recipe, per-tensor error) last.
+
+exit codes: 0 done, 1 failed while converting, 2 bad input (message says what to fix), 130 interrupted"""
+
+EPILOG = """\
+examples:
+  quantize --to mxfp4 --example /tmp/qg            # tiny GLM-5-layout checkpoint, converted
+  quantize --to mxfp4 /ckpt/GLM-5-bf16 /ckpt/GLM-5-mxfp4 --dry-run
+  quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quantize", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", nargs="?", type=Path, help="source checkpoint folder (config.json, shards, index)")
+    p.add_argument("dst", nargs="?", type=Path, help="output folder; must be empty (or see --overwrite)")
+    p.add_argument("--to", required=True, choices=["mxfp4"], help="target format")
+    p.add_argument("--recipe", type=Path, metavar="FILE",
+                   help="recipe YAML (default: manifests/recipes/mxfp4-w4a4-experts.yaml)")
+    p.add_argument("--family-manifest", type=Path, metavar="FILE",
+                   help="model-family YAML, for a model_type without a built-in manifest")
+    p.add_argument("--shared-experts", choices=["bf16", "mxfp4"],
+                   help="shared experts: bf16 (seed default; disables sglang's shared-expert fusion) or mxfp4")
+    p.add_argument("--mtp-experts", choices=["mxfp4", "bf16"],
+                   help="routed experts of the MTP layer: mxfp4 (recommended) or bf16 "
+                        "(then both expert aggregates, model.layers.N.mlp.experts and model.decoder.mlp.experts, "
+                        "are excluded)")
+    p.add_argument("--weight-only", action="store_true",
+                   help="W4A16 config (no input_tensors spec); sglang's quark loader needs W4A4, vLLM loads it")
+    p.add_argument("--scale-rule", choices=[r.value for r in ScaleRule],
+                   help="MXFP4 block-scale rule: even (Quark default), floor (OCP), ceil")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (what is quantized, kept, aliased; bytes in/out) from headers only")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint folder at DST (refused for folders that are not one)")
+    p.add_argument("--example", type=Path, metavar="DIR",
+                   help="write a tiny built-in checkpoint to DIR/bf16 and convert it into DIR/mxfp4")
+    p.add_argument("--example-family", choices=FAMILIES, default="glm_moe_dsa",
+                   help="naming family of the --example checkpoint")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _human_plan(plan: Plan) -> str:
+    s = plan.summary()
+    lines = [
+        f"source      {s['source']}  ({s['family']}, {s['shards']} shards, {s['num_hidden_layers']} layers, "
+        f"MTP layers {', '.join(s['mtp_layers']) or 'none'})",
+        f"recipe      {s['recipe']['name']}  scale rule {s['recipe']['scale_rule']}, "
+        f"{'W4A16 (weight only)' if s['recipe']['weight_only'] else 'W4A4'}",
+        f"tensors     {s['tensors']}: {s['tensors_quantized']} to MXFP4, {s['tensors_kept']} kept",
+    ]
+    for role, counts in sorted(s["by_role"].items()):
+        lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
+    lines += [
+        f"bytes       in {s['bytes_in'] / 1e9:.3f} GB -> out {s['bytes_out'] / 1e9:.3f} GB",
+        f"exclude     {s['exclude_count']} exact module names, {len(s['sglang_aliases'])} of them sglang MTP aliases",
+    ]
+    lines += [f"  alias {a}" for a in s["sglang_aliases"][:8]]
+    if len(s["sglang_aliases"]) > 8:
+        lines.append(f"  ... {len(s['sglang_aliases']) - 8} more (--json lists all)")
+    lines += [f"warning     {w}" for w in s["warnings"]]
+    return "\n".join(lines)
+
+
+def _human_done(manifest: dict, dst: Path) -> str:
+    s = manifest["summary"]
+    return (f"done        {s['tensors_quantized']} tensors quantized, {s['bytes_in'] / 1e9:.3f} GB in, "
+            f"{s['bytes_out'] / 1e9:.3f} GB out, {manifest['seconds']:.1f} s, {s['gb_per_s'] or 0:.3f} GB/s\n"
+            f"output      {dst}  (manifest: {dst / MANIFEST_NAME})")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.example:
+        if args.src or args.dst:
+            raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
+        if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
+            raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
+        args.src, args.dst = write_example(args.example / "bf16", args.example_family), args.example / "mxfp4"
+    if not args.src or not args.dst:
+        raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
+    recipe = with_overrides(load_recipe(args.recipe), shared_experts=args.shared_experts,
+                            mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
+                            scale_rule=args.scale_rule)
+    family = load_family(args.family_manifest) if args.family_manifest else None
+    plan = make_plan(args.src, recipe, family)
+    if args.dry_run:
+        print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
+        return EXIT_OK
+    if not args.json:
+        print(_human_plan(plan), flush=True)
+    manifest = convert(plan, args.dst, overwrite=args.overwrite, show_progress=not (args.quiet or args.json),
+                       command=["quantize", *argv])
+    print(json.dumps({"plan": plan.summary(), "manifest": manifest}, indent=2) if args.json
+          else _human_done(manifest, args.dst))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return run(args, argv)
+    except (PlanError, RecipeError, NamingError, UnknownFamilyError, ConvertError) as exc:
+        print(f"quantize: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # full disk, permissions: the finished shards stay, no partial file is left
+        print(f"quantize: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("quantize: interrupted; finished shards are complete, no partial file kept under a final name",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

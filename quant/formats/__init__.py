@@ -1,0 +1,1 @@
+"""Numeric formats: pure encode/decode functions, one module per format."""

@@ -1,0 +1,98 @@
+"""Model families as data: which checkpoint tensor plays which role.
+
+A family manifest (``manifests/models/<family>.yaml``) lists roles by regex, the fused modules
+the engines build, and which MTP-layer parts sglang lifts to the top level. Adding a family is
+a new manifest, not new code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    pattern: re.Pattern[str]
+    linear: bool
+    quantizable: bool
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    role: str  # "other" when no pattern matched
+    linear: bool
+    quantizable: bool
+    layer: int | None  # index in model.layers, None outside the decoder stack
+    mtp: bool  # a next-n (MTP) layer: index >= num_hidden_layers
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    num_layers_key: str
+    num_mtp_layers_key: str
+    roles: tuple[Role, ...]
+    fused: dict[str, tuple[str, ...]]
+    mtp_top_level: tuple[str, ...]
+    source: str
+
+    def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
+        match = _LAYER_INDEX.match(tensor_name)
+        layer = int(match.group(1)) if match else None
+        mtp = layer is not None and layer >= num_hidden_layers
+        for role in self.roles:
+            if role.pattern.search(tensor_name):
+                return TensorRole(role.name, role.linear, role.quantizable, layer, mtp)
+        return TensorRole("other", False, False, layer, mtp)
+
+
+class UnknownFamilyError(ValueError):
+    pass
+
+
+def manifests_root() -> Path:
+    return Path(str(resources.files("manifests")))
+
+
+def load_family(path: Path) -> Family:
+    data = yaml.safe_load(path.read_text())
+    roles = tuple(
+        Role(r["role"], re.compile(r["pattern"]), bool(r.get("linear", False)), bool(r.get("quantizable", r.get("linear", False))))
+        for r in data["roles"]
+    )
+    return Family(
+        name=data["family"],
+        model_types=tuple(data["model_types"]),
+        num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
+        num_mtp_layers_key=data.get("num_mtp_layers_key", "num_nextn_predict_layers"),
+        roles=roles,
+        fused={k: tuple(v) for k, v in (data.get("fused") or {}).items()},
+        mtp_top_level=tuple(data.get("mtp_top_level") or ()),
+        source=str(path),
+    )
+
+
+def family_for(config: dict, manifest: Path | None = None) -> Family:
+    """The family manifest for a checkpoint's ``config.json`` (or the one given explicitly)."""
+    if manifest is not None:
+        return load_family(manifest)
+    model_type = config.get("model_type")
+    models_dir = manifests_root() / "models"
+    for path in sorted(models_dir.glob("*.yaml")):
+        family = load_family(path)
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for p in models_dir.glob("*.yaml") for t in load_family(p).model_types)
+    raise UnknownFamilyError(
+        f"no model-family manifest for model_type {model_type!r} (known: {', '.join(known)}). "
+        f"Write one like {models_dir / 'glm_moe_dsa.yaml'} (tensor roles by regex, fused modules, "
+        f"MTP top-level parts) and pass it with --family-manifest FILE.")

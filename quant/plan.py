@@ -1,0 +1,221 @@
+"""Pure planning: checkpoint headers + family + recipe -> per-tensor actions, exclude list, sizes.
+
+Never reads tensor data, so ``quantize --dry-run`` answers for a 1.5 TB checkpoint from headers
+alone, and the executor only moves bytes the plan already sized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quant.formats import mxfp4
+from quant.layout import Family, family_for
+from quant.quark_config import quantization_config, strip_quantization_config
+from quant.recipe import Recipe, RecipeError
+from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, encoded_size, read_header
+from quant.serving import build_exclude, sglang_mtp_alias
+
+INDEX_NAME = "model.safetensors.index.json"
+QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
+Entry = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of an output tensor
+
+
+class PlanError(ValueError):
+    """The source cannot be converted as asked; the message names the file/tensor and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    source: TensorInfo
+    role: str
+    linear: bool
+    mtp: bool
+    quantize: bool
+    outputs: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    file: str
+    source_size: int
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [entry for tensor in self.tensors for entry in tensor.outputs]
+
+    @property
+    def output_size(self) -> int:
+        return encoded_size(self.entries)
+
+
+@dataclass(frozen=True)
+class Plan:
+    source_dir: Path
+    config: dict
+    family: Family
+    recipe: Recipe
+    num_hidden_layers: int
+    shards: tuple[ShardPlan, ...]
+    exclude: tuple[str, ...]
+    aux_files: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def tensors(self) -> list[TensorPlan]:
+        return [tensor for shard in self.shards for tensor in shard.tensors]
+
+    def quantization_config(self) -> dict:
+        return quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
+
+    def output_config(self) -> dict:
+        config = strip_quantization_config(self.config)
+        config["quantization_config"] = self.quantization_config()
+        return config
+
+    def weight_map(self) -> dict[str, str]:
+        return {name: shard.file for shard in self.shards for name, _, _ in shard.entries}
+
+    def summary(self) -> dict:
+        quantized = [t for t in self.tensors if t.quantize]
+        by_role: dict[str, dict[str, int]] = {}
+        for tensor in self.tensors:
+            counts = by_role.setdefault(tensor.role, {"quantize": 0, "keep": 0})
+            counts["quantize" if tensor.quantize else "keep"] += 1
+        aliases = sorted({alias for name in self.exclude
+                          if (alias := sglang_mtp_alias(name, self.num_hidden_layers, self.family))})
+        return {
+            "source": str(self.source_dir),
+            "family": self.family.name,
+            "recipe": self.recipe.to_dict(),
+            "num_hidden_layers": self.num_hidden_layers,
+            "mtp_layers": sorted({t.source.name.split(".")[2] for t in self.tensors if t.mtp}),
+            "shards": len(self.shards),
+            "tensors": len(self.tensors),
+            "tensors_quantized": len(quantized),
+            "tensors_kept": len(self.tensors) - len(quantized),
+            "by_role": by_role,
+            "bytes_in": sum(s.source_size for s in self.shards),
+            "bytes_out": sum(s.output_size for s in self.shards),
+            "bytes_quantized_in": sum(t.source.nbytes for t in quantized),
+            "exclude_count": len(self.exclude),
+            "exclude": list(self.exclude),
+            "sglang_aliases": aliases,
+            "aux_files": list(self.aux_files),
+            "warnings": list(self.warnings),
+        }
+
+
+def read_config(source_dir: Path) -> dict:
+    path = source_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{path}: missing; {source_dir} is not a Hugging Face checkpoint folder") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path}: not valid JSON ({exc})") from None
+
+
+def source_shards(source_dir: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """The index's weight map (None without an index) and the shard files to read."""
+    index_path = source_dir / INDEX_NAME
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise PlanError(f"{index_path}: unreadable index ({exc})") from None
+        return weight_map, sorted(set(weight_map.values()))
+    files = sorted(p.name for p in source_dir.glob("*.safetensors"))
+    if not files:
+        raise PlanError(f"{source_dir}: no {INDEX_NAME} and no *.safetensors files")
+    return None, files
+
+
+def _read_headers(source_dir: Path, files: list[str]) -> dict[str, ShardHeader]:
+    headers = {}
+    for name in files:
+        try:
+            headers[name] = read_header(source_dir / name)
+        except ShardError as exc:
+            raise PlanError(str(exc)) from None
+    return headers
+
+
+def _check_index(weight_map: dict[str, str] | None, headers: dict[str, ShardHeader]) -> list[str]:
+    warnings = []
+    if weight_map is None:
+        return warnings
+    for tensor, file in sorted(weight_map.items()):
+        if tensor not in headers[file].tensors:
+            raise PlanError(f"{INDEX_NAME} maps {tensor} to {file}, which has no such tensor; "
+                            "the index and shards disagree (re-download the shard or regenerate the index)")
+    for file, header in headers.items():
+        orphans = sorted(set(header.tensors) - {t for t, f in weight_map.items() if f == file})
+        if orphans:
+            warnings.append(f"{file}: {len(orphans)} tensors not in the index (e.g. {orphans[0]}); copied as they are")
+    return warnings
+
+
+def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_layers: int, file: str) -> TensorPlan:
+    role = family.classify(info.name, num_hidden_layers)
+    quantize = recipe.action(role) == "quantize"
+    if quantize and not role.quantizable:
+        raise RecipeError(f"recipe {recipe.name} asks to quantize {info.name} (role {role.role}), which must stay "
+                          f"{info.dtype}: the engines build it unquantized")
+    if not quantize:
+        return TensorPlan(info, role.role, role.linear, role.mtp, False, ((info.name, info.dtype, info.shape),))
+    where = f"{file}: tensor {info.name} {info.dtype}{list(info.shape)}"
+    if info.dtype not in QUANTIZABLE_SOURCE_DTYPES:
+        raise PlanError(f"{where} is not a float tensor; quantize from a bf16 checkpoint "
+                        "(dequantize FP8 sources first)")
+    if len(info.shape) != 2:
+        raise PlanError(f"{where} is not a 2-D Linear weight; check the family manifest's role patterns")
+    if info.shape[1] % mxfp4.BLOCK:
+        raise PlanError(f"{where}: input dim {info.shape[1]} is not divisible by the MXFP4 block "
+                        f"({mxfp4.BLOCK}); keep this role bf16 in the recipe")
+    weight_shape, scale_shape = mxfp4.packed_shapes(info.shape)
+    outputs = ((info.name, "U8", weight_shape), (info.name + "_scale", "U8", scale_shape))
+    return TensorPlan(info, role.role, role.linear, role.mtp, True, outputs)
+
+
+def make_plan(source_dir: Path, recipe: Recipe, family: Family | None = None) -> Plan:
+    source_dir = Path(source_dir)
+    config = read_config(source_dir)
+    family = family or family_for(config)
+    if family.num_layers_key not in config:
+        raise PlanError(f"{source_dir / 'config.json'}: no {family.num_layers_key!r}; cannot tell the MTP layer apart")
+    num_hidden_layers = int(config[family.num_layers_key])
+    weight_map, files = source_shards(source_dir)
+    headers = _read_headers(source_dir, files)
+    warnings = _check_index(weight_map, headers)
+
+    shards = []
+    for file in files:
+        infos = sorted(headers[file].tensors.values(), key=lambda t: t.begin)
+        tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file) for info in infos)
+        shards.append(ShardPlan(file, headers[file].file_size, tensors))
+
+    kept, quantized = set(), set()
+    for shard in shards:
+        for tensor in shard.tensors:
+            if tensor.linear and len(tensor.source.shape) == 2:
+                (quantized if tensor.quantize else kept).add(tensor.source.name.removesuffix(".weight"))
+    if not quantized:
+        warnings.append("the recipe quantizes no tensor of this checkpoint; the output is a copy with a Quark config")
+    if recipe.weight_only:
+        warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
+                        "vLLM loads it")
+    if any(t.role == "shared_expert" and not t.quantize for s in shards for t in s.tensors):
+        warnings.append("shared experts stay bf16: sglang disables its shared-expert fusion (a speed cost, not an error)")
+    exclude = build_exclude(kept, quantized, family, num_hidden_layers)
+
+    aux = tuple(sorted(p.name for p in source_dir.iterdir()
+                       if p.is_file() and not p.name.endswith(".safetensors")
+                       and p.name not in (INDEX_NAME, "config.json")))
+    return Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude), aux,
+                tuple(warnings))
+
+
+__all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan", "sglang_mtp_alias"]

@@ -1,0 +1,63 @@
+"""The ``quantization_config`` block of config.json in AMD Quark 0.13's schema (SPEC section 2)."""
+
+from __future__ import annotations
+
+import copy
+
+from quant.formats.mxfp4 import BLOCK, ScaleRule
+
+QUARK_VERSION = "0.13"
+
+
+def mx_spec(dtype: str, scale_rule: ScaleRule, is_dynamic: bool) -> dict:
+    return {
+        "dtype": dtype, "is_dynamic": is_dynamic, "qscheme": "per_group", "ch_axis": -1,
+        "group_size": BLOCK, "block_size": None, "symmetric": None, "round_method": "half_even",
+        "scale_type": "float", "zero_point_type": "int32", "scale_format": "e8m0",
+        "scale_calculation_mode": scale_rule.value, "mx_element_dtype": None,
+        "observer_cls": "PerBlockMXObserver", "is_scale_quant": False,
+        "enable_buffer_reuse": False, "max_input_numel": 4194304,
+    }
+
+
+def quantization_config(exclude: list[str], scale_rule: ScaleRule, weight_only: bool, dtype: str = "fp4") -> dict:
+    """Quark's schema, with both dict fields vLLM iterates unguarded written as ``{}``.
+
+    sglang's Quark loader requires ``export`` and, for MXFP4, an ``input_tensors`` spec (W4A4).
+    Activations are quantized at run time, so their spec uses Quark's default ``even`` rule.
+    """
+    return {
+        "quant_method": "quark",
+        "version": QUARK_VERSION,
+        "quant_mode": "eager_mode",
+        "global_quant_config": {
+            "input_tensors": None if weight_only else mx_spec(dtype, ScaleRule.EVEN, is_dynamic=True),
+            "output_tensors": None,
+            "weight": mx_spec(dtype, scale_rule, is_dynamic=False),
+            "bias": None,
+            "target_device": None,
+        },
+        "exclude": list(exclude),
+        "layer_quant_config": {},
+        "layer_type_quant_config": {},
+        "kv_cache_quant_config": {},
+        "kv_cache_post_rope": False,
+        "algo_config": None,
+        "softmax_quant_spec": None,
+        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                   "weight_format": "real_quantized", "weight_merge_groups": None},
+    }
+
+
+def strip_quantization_config(config: dict) -> dict:
+    """A copy of a model config without any (nested) ``quantization_config``, as Quark does."""
+    clean = copy.deepcopy(config)
+
+    def strip(node: dict) -> None:
+        node.pop("quantization_config", None)
+        for value in node.values():
+            if isinstance(value, dict):
+                strip(value)
+
+    strip(clean)
+    return clean

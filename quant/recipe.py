@@ -1,0 +1,95 @@
+"""Quantization recipes as data: which roles are quantized, in which layers, with which scale rule.
+
+A recipe is ``manifests/recipes/<name>.yaml``; CLI policy flags become rules put in front of
+the recipe's own, so the recorded recipe in the conversion manifest says exactly what was done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from quant.formats.mxfp4 import ScaleRule
+from quant.layout import TensorRole, manifests_root
+
+DEFAULT_RECIPE = "mxfp4-w4a4-experts"
+ACTIONS = ("quantize", "keep")
+
+
+class RecipeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Rule:
+    role: str
+    action: str
+    mtp: bool | None = None  # None: any layer
+
+    def matches(self, role: TensorRole) -> bool:
+        return self.role == role.role and (self.mtp is None or self.mtp == role.mtp)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    format: str
+    scale_rule: ScaleRule
+    weight_only: bool
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def action(self, role: TensorRole) -> str:
+        for rule in self.rules:
+            if rule.matches(role):
+                return rule.action
+        return "keep"
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["scale_rule"] = self.scale_rule.value
+        return data
+
+
+def load_recipe(path: Path | None = None) -> Recipe:
+    path = path or manifests_root() / "recipes" / f"{DEFAULT_RECIPE}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"recipe {path} not found") from None
+    if data.get("format") != "mxfp4":
+        raise RecipeError(f"{path}: format {data.get('format')!r} is not supported yet (supported: mxfp4)")
+    rules = []
+    for raw in data.get("rules") or []:
+        if raw.get("action") not in ACTIONS:
+            raise RecipeError(f"{path}: rule {raw} needs action one of {ACTIONS}")
+        rules.append(Rule(raw["role"], raw["action"], raw.get("mtp")))
+    activations = data.get("activations", "dynamic")
+    if activations not in ("dynamic", "none"):
+        raise RecipeError(f"{path}: activations must be 'dynamic' (W4A4) or 'none' (W4A16), got {activations!r}")
+    return Recipe(
+        name=data.get("name", path.stem),
+        format=data["format"],
+        scale_rule=ScaleRule(data.get("scale_rule", "even")),
+        weight_only=activations == "none",
+        rules=tuple(rules),
+    )
+
+
+def with_overrides(recipe: Recipe, *, shared_experts: str | None = None, mtp_experts: str | None = None,
+                   weight_only: bool | None = None, scale_rule: str | None = None) -> Recipe:
+    """Apply the CLI's policy flags; each becomes a rule ahead of the recipe's own."""
+    to_action = {"bf16": "keep", "mxfp4": "quantize"}
+    extra: list[Rule] = []
+    if mtp_experts:
+        extra.append(Rule("routed_expert", to_action[mtp_experts], mtp=True))
+    if shared_experts:
+        extra.append(Rule("shared_expert", to_action[shared_experts]))
+    return Recipe(
+        name=recipe.name,
+        format=recipe.format,
+        scale_rule=ScaleRule(scale_rule) if scale_rule else recipe.scale_rule,
+        weight_only=recipe.weight_only if weight_only is None else weight_only,
+        rules=tuple(extra) + recipe.rules,
+    )
