@@ -1,0 +1,111 @@
+"""Streaming and atomic output: plans from headers alone, and a killed run leaves no lie on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quant.convert import MANIFEST_NAME, sha256_file
+from quant.example import tensor_shapes, tiny_config, write_checkpoint
+from quant.plan import make_plan
+from quant.recipe import load_recipe
+from quant.safetensors_io import DTYPE_BYTES, PARTIAL_SUFFIX, encode_header, read_header
+
+TORCH_TO_ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
+
+
+def write_sparse_checkpoint(dst, config, tensors_per_shard: int) -> int:
+    """Real headers followed by holes: a full-size layout that uses no disk. Returns bytes claimed."""
+    dst.mkdir(parents=True)
+    items = [(name, TORCH_TO_ST[str(dtype)], shape) for name, (shape, dtype) in tensor_shapes(config).items()]
+    chunks = [items[i:i + tensors_per_shard] for i in range(0, len(items), tensors_per_shard)]
+    weight_map, claimed = {}, 0
+    for i, chunk in enumerate(chunks, 1):
+        file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"
+        header, offsets = encode_header(chunk)
+        size = max(offsets[n] + DTYPE_BYTES[d] * _numel(s) for n, d, s in chunk)
+        with open(dst / file, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+        claimed += size
+        weight_map.update({name: file for name, _, _ in chunk})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "config.json").write_text(json.dumps(config))
+    return claimed
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_dry_run_plans_from_headers_only(tmp_path):
+    # Real GLM-5 expert dims, 8 layers x 16 experts: ~9 GB claimed, ~0 bytes on disk.
+    config = tiny_config(num_hidden_layers=8, first_k_dense_replace=3, n_routed_experts=16,
+                         hidden_size=6144, moe_intermediate_size=2048, intermediate_size=12288, vocab_size=1024)
+    claimed = write_sparse_checkpoint(tmp_path / "sparse", config, tensors_per_shard=200)
+    used = sum(os.stat(p).st_blocks * 512 for p in (tmp_path / "sparse").iterdir())
+    assert claimed > 9e9 and used < 10e6
+    started = time.time()
+    out = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--dry-run", "--json",
+                          str(tmp_path / "sparse"), str(tmp_path / "out")], capture_output=True, text=True, check=True)
+    assert time.time() - started < 30
+    summary = json.loads(out.stdout)
+    assert summary["tensors_quantized"] == (8 - 3 + 1) * 16 * 3  # 5 MoE layers + the MTP layer
+    assert summary["bytes_in"] == claimed
+    expert_bytes = 6144 * 2048 * 2
+    packed_bytes = expert_bytes // 4 + expert_bytes // 2 // 32  # 4-bit codes + one byte per 32 values
+    assert summary["bytes_in"] - summary["bytes_out"] == pytest.approx(
+        summary["tensors_quantized"] * (expert_bytes - packed_bytes), rel=1e-4)
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_header_written_from_plan_matches_safetensors_reader(glm_ckpt, tmp_path):
+    from quant.convert import convert
+
+    plan = make_plan(glm_ckpt, load_recipe())
+    convert(plan, tmp_path / "out", show_progress=False)
+    for shard in plan.shards:
+        header = read_header(tmp_path / "out" / shard.file)
+        assert [(t.name, t.dtype, t.shape) for t in sorted(header.tensors.values(), key=lambda t: t.begin)] == \
+            [(n, d, tuple(s)) for n, d, s in shard.entries]
+        assert header.file_size == shard.output_size
+        assert header.metadata == {"format": "pt"}
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory):
+    """~100 MB in 8 shards: long enough to kill a conversion in the middle."""
+    config = tiny_config(num_hidden_layers=2, first_k_dense_replace=0, n_routed_experts=8,
+                         hidden_size=1024, moe_intermediate_size=1024, intermediate_size=1024, vocab_size=384)
+    return write_checkpoint(tmp_path_factory.mktemp("big") / "bf16", config, shard_bytes=14 << 20)
+
+
+def test_killed_conversion_leaves_only_complete_shards(big_ckpt, tmp_path):
+    reference = tmp_path / "reference"
+    subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", str(big_ckpt), str(reference)],
+                   check=True, capture_output=True)
+    dst = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", str(big_ckpt), str(dst)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # kill while a later shard is in flight, after an earlier one finished
+        if list(dst.glob("*.safetensors")) and list(dst.glob("*" + PARTIAL_SUFFIX)):
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = sorted(dst.glob("*.safetensors"))
+    assert finished, "the conversion ended before it could be killed mid-way"
+    assert len(finished) < len(list(reference.glob("*.safetensors")))
+    for shard in finished:  # every final-named shard is complete and identical to the uninterrupted run
+        assert sha256_file(shard) == sha256_file(reference / shard.name)
+    assert not (dst / MANIFEST_NAME).exists() and not (dst / "model.safetensors.index.json").exists()
