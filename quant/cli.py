@@ -8,12 +8,13 @@ import logging
 import sys
 from pathlib import Path
 
-from quant.convert import MANIFEST_NAME, ConvertError, convert
+from quant.convert import MANIFEST_NAME, ConvertError, DiskFullError, NonFiniteError, convert
 from quant.example import FAMILIES, write_example
 from quant.formats.mxfp4 import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
 from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides
+from quant.safetensors_io import ShardError
 from quant.serving import NamingError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint folder at DST (refused for folders that are not one)")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an interrupted conversion in DST: shards recorded as done are re-checked "
+                        "(size, sha256) and kept, the rest redone; same options as the first run")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="worker processes, one shard each (default: number of cores, at most the shard count)")
+    p.add_argument("--device", default="cpu",
+                   help="where the quantization math runs: cpu (default; fast bf16 kernel) or cuda[:N]")
     p.add_argument("--example", type=Path, metavar="DIR",
                    help="write a tiny built-in checkpoint to DIR/bf16 and convert it into DIR/mxfp4")
     p.add_argument("--example-family", choices=FAMILIES, default="glm_moe_dsa",
@@ -120,8 +128,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return EXIT_OK
     if not args.json:
         print(_human_plan(plan), flush=True)
-    manifest = convert(plan, args.dst, overwrite=args.overwrite, show_progress=not (args.quiet or args.json),
-                       command=["quantize", *argv])
+    if args.device != "cpu":
+        import torch
+
+        if not args.device.startswith("cuda") or not torch.cuda.is_available():
+            raise PlanError(f"--device {args.device}: no such device here (torch sees "
+                            f"{torch.cuda.device_count()} CUDA devices); use --device cpu")
+    manifest = convert(plan, args.dst, overwrite=args.overwrite, resume=args.resume, workers=args.workers,
+                       device=args.device, show_progress=not (args.quiet or args.json), command=["quantize", *argv])
     print(json.dumps({"plan": plan.summary(), "manifest": manifest}, indent=2) if args.json
           else _human_done(manifest, args.dst))
     return EXIT_OK
@@ -133,15 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return run(args, argv)
-    except (PlanError, RecipeError, NamingError, UnknownFamilyError, ConvertError) as exc:
-        print(f"quantize: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as exc:  # full disk, permissions: the finished shards stay, no partial file is left
+    except (DiskFullError, OSError) as exc:  # finished shards stay, no partial file is left: --resume
         print(f"quantize: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except (PlanError, RecipeError, NamingError, UnknownFamilyError, ConvertError, NonFiniteError,
+            ShardError) as exc:
+        print(f"quantize: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("quantize: interrupted; finished shards are complete, no partial file kept under a final name",
-              file=sys.stderr)
+        print("quantize: interrupted; finished shards are kept and no partial file is left: "
+              "rerun with --resume to finish", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -1,63 +1,54 @@
-"""Executes a plan: streams tensors shard by shard into atomic output files, then the metadata.
+"""Executes a plan: shards in parallel worker processes, atomic outputs, resumable, then metadata.
 
 Order of appearance in DST, each file under its final name only once complete: auxiliary files,
-shards (each written as ``<name>.partial`` and renamed), the index, ``config.json``, and last the
-conversion manifest. So a folder without ``conversion_manifest.json`` is an unfinished one, and
-no final-named shard is ever a partial one.
+shards (each written as ``<name>.partial`` and renamed; ``.quantgate-progress.json`` records each
+finished one with its size and sha256), the index, ``config.json``, and last the conversion
+manifest. A folder without ``conversion_manifest.json`` is unfinished; ``--resume`` completes it,
+re-checking every shard it keeps against the recorded size and hash.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import errno
 import hashlib
 import json
-import logging
-import math
+import multiprocessing
 import os
 import shutil
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import quant
-from quant.formats import mxfp4
-from quant.plan import INDEX_NAME, Plan, ShardPlan, TensorPlan
-from quant.safetensors_io import PARTIAL_SUFFIX, ShardWriter, copy_range, read_rows
+from quant.plan import INDEX_NAME, Plan
+from quant.hashing import sha256_file
+from quant.safetensors_io import PARTIAL_SUFFIX
+from quant.shard import NonFiniteError, ShardJob, convert_shard
 
 MANIFEST_NAME = "conversion_manifest.json"
-CHUNK_BYTES = 32 << 20  # source bytes quantized per step: bounds memory independent of tensor size
-log = logging.getLogger(__name__)
+PROGRESS_NAME = ".quantgate-progress.json"
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+MIN_BYTES_PER_WORKER = 512 << 20
+
+__all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "PROGRESS_NAME", "convert",
+           "sha256_file"]
 
 
 class ConvertError(RuntimeError):
     """The conversion cannot proceed; nothing under a final name is incomplete."""
 
 
-class NonFiniteError(ConvertError):
+class DiskFullError(ConvertError):
     pass
 
 
-def check_destination(plan: Plan, dst: Path, overwrite: bool) -> None:
-    """Refuse a destination that would destroy the source or mix with other files."""
-    src = plan.source_dir.resolve()
-    dst = dst.resolve()
-    if dst == src or src in dst.parents or dst in src.parents:
-        raise ConvertError(f"output folder {dst} overlaps the input {src}; choose a separate, empty folder")
-    if dst.exists() and not dst.is_dir():
-        raise ConvertError(f"output {dst} exists and is not a folder")
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise ConvertError(f"output folder {dst} is not empty; choose an empty folder or pass --overwrite "
-                               "to replace a previous conversion there")
-        if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")):
-            raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
-                               "(no config.json or shards); remove it yourself if you mean it")
-        shutil.rmtree(dst)
-    needed = sum(s.output_size for s in plan.shards)
-    free = shutil.disk_usage(dst if dst.exists() else dst.parent if dst.parent.exists() else Path("/")).free
-    if needed > free:
-        raise ConvertError(f"{dst}: needs {needed / 1e9:.2f} GB but only {free / 1e9:.2f} GB are free")
+def plan_fingerprint(plan: Plan) -> str:
+    """What must not change between a run and its --resume: sources, recipe, exclude, tool version."""
+    key = {"version": quant.__version__, "recipe": plan.recipe.to_dict(), "exclude": list(plan.exclude),
+           "shards": [(s.file, s.source_size, s.output_size) for s in plan.shards]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -69,105 +60,170 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+def _check_overlap(plan: Plan, dst: Path) -> None:
+    src, dst = plan.source_dir.resolve(), dst.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ConvertError(f"output folder {dst} overlaps the input {src}; choose a separate, empty folder")
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"output {dst} exists and is not a folder")
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def _prepare_fresh(dst: Path, overwrite: bool) -> None:
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
+            raise ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
+                               f"to replace a previous conversion there{hint}")
+        if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
+                and not (dst / PROGRESS_NAME).exists():
+            raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
+                               "(no config.json or shards); remove it yourself if you mean it")
+        shutil.rmtree(dst)
 
 
-def _quantize_tensor(src_fd: int, tensor: TensorPlan, writer: ShardWriter, rule: mxfp4.ScaleRule,
-                     progress: tqdm | None) -> dict:
-    """Quantize one weight in row chunks; returns its error figures for the manifest."""
-    info = tensor.source
-    rows, cols = info.shape
-    step = max(1, CHUNK_BYTES // (info.nbytes // rows))
-    weight_name, scale_name = tensor.outputs[0][0], tensor.outputs[1][0]
-    err_sq = ref_sq = 0.0
-    for start in range(0, rows, step):
-        end = min(rows, start + step)
-        x = read_rows(src_fd, info, start, end)
-        if not torch.isfinite(x).all():
-            bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-            raise NonFiniteError(f"{info.name}: NaN/Inf at row {start + bad[0]}, column {bad[1]}; "
-                                 "fix the source checkpoint (Quark would silently write garbage here)")
-        packed, scales = mxfp4.quantize(x, rule)
-        writer.write(weight_name, start * (cols // 2), packed.numpy().tobytes())
-        writer.write(scale_name, start * (cols // mxfp4.BLOCK), scales.numpy().tobytes())
-        xf = x.to(torch.float32)
-        err_sq += float(((mxfp4.dequantize(packed, scales, torch.float32) - xf) ** 2).sum())
-        ref_sq += float((xf * xf).sum())
-        if progress:
-            progress.update((end - start) * (info.nbytes // rows))
-    return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
-
-
-def convert_shard(plan: Plan, shard: ShardPlan, dst: Path, progress: tqdm | None = None) -> dict:
-    """Write one output shard; returns its manifest record."""
-    writer = ShardWriter(dst / shard.file, shard.entries)
-    src_path = plan.source_dir / shard.file
-    errors: dict[str, dict] = {}
-    src_fd = os.open(src_path, os.O_RDONLY)
+def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> dict[str, dict]:
+    """Finished shards that are still intact; anything else there is removed to be redone."""
+    if (dst / MANIFEST_NAME).exists():
+        raise ConvertError(f"--resume: {dst} is already a finished conversion ({MANIFEST_NAME} is there)")
     try:
-        for tensor in shard.tensors:
-            if tensor.quantize:
-                errors[tensor.source.name] = _quantize_tensor(src_fd, tensor, writer, plan.recipe.scale_rule, progress)
-            else:
-                copy_range(src_fd, tensor.source.begin, writer, tensor.source.name, tensor.source.nbytes)
-                if progress:
-                    progress.update(tensor.source.nbytes)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+        state = json.loads((dst / PROGRESS_NAME).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        raise ConvertError(f"--resume: {dst} holds no readable {PROGRESS_NAME}; start over with --overwrite") from None
+    if state.get("fingerprint") != plan_fingerprint(plan):
+        raise ConvertError(f"--resume: {dst} was started with other sources, recipe or quantgate version; "
+                           "start over with --overwrite (or resume with the original options)")
+    kept: dict[str, dict] = {}
+    records = state.get("shards", {})
+    for name in tqdm(sorted(records), desc="verify", unit="shard", disable=not show_progress):
+        record, path = records[name], dst / name
+        if path.exists() and path.stat().st_size == record["size"] and sha256_file(path) == record["sha256"]:
+            kept[name] = record
+    for path in dst.iterdir():  # stale partials and shards that failed verification
+        if path.name.endswith(PARTIAL_SUFFIX) or (path.suffix == ".safetensors" and path.name not in kept):
+            path.unlink()
+    return kept
+
+
+def _check_space(dst: Path, needed: int) -> None:
+    free = shutil.disk_usage(dst).free
+    if needed > free:
+        raise DiskFullError(f"{dst}: needs {needed / 1e9:.2f} GB more but only {free / 1e9:.2f} GB are free; "
+                            "free space (then --resume if a run was started)")
+
+
+_progress_counter = None
+
+
+def _init_worker(threads: int, counter) -> None:
+    global _progress_counter
+    _progress_counter = counter
+    import numba
+
+    numba.set_num_threads(threads)
+
+
+def _advance_shared(nbytes: int) -> None:
+    with _progress_counter.get_lock():
+        _progress_counter.value += nbytes
+
+
+def _run_in_worker(job: ShardJob) -> dict:
+    return convert_shard(job, _advance_shared)
+
+
+def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> None:
+    """Convert shards, calling ``on_done(record)`` as each finishes (also when another one fails)."""
+    if workers <= 1:
+        for job in jobs:
+            progress.set_postfix_str(job.shard.file)
+            on_done(convert_shard(job, progress.update))
+        return
+    context = multiprocessing.get_context("spawn")  # no fork after numba's or torch's threads started
+    counter = context.Value("q", 0)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    pool = cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(threads, counter))
+    pending = {pool.submit(_run_in_worker, job) for job in jobs}
+    failure: BaseException | None = None
+    try:
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
+            progress.update(counter.value - progress.n)
+            for future in done:
+                if future.exception() is None:
+                    on_done(future.result())
+                elif failure is None:
+                    failure = future.exception()
+                    for other in pending:
+                        other.cancel()
+    except BaseException as exc:  # Ctrl-C: workers abort their partial files; keep what finished
+        failure = exc
+        for other in pending:
+            other.cancel()
+        for future in cf.as_completed(pending):
+            if not future.cancelled() and future.exception() is None:
+                on_done(future.result())
     finally:
-        os.close(src_fd)
-    out_path = dst / shard.file
-    return {
-        "file": shard.file,
-        "source_size": shard.source_size,
-        "source_sha256": sha256_file(src_path),
-        "size": out_path.stat().st_size,
-        "sha256": sha256_file(out_path),
-        "quantized": errors,
-    }
+        pool.shutdown(wait=True, cancel_futures=True)
+    if failure is not None:
+        raise failure
 
 
-def convert(plan: Plan, dst: Path, *, overwrite: bool = False, show_progress: bool = True,
-            command: list[str] | None = None) -> dict:
+def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = False, workers: int | None = None,
+            device: str = "cpu", show_progress: bool = True, command: list[str] | None = None) -> dict:
     """Run the whole plan into ``dst``; returns the conversion manifest (also written there)."""
     dst = Path(dst)
-    check_destination(plan, dst, overwrite)
+    _check_overlap(plan, dst)
+    if resume and dst.exists():
+        done = _load_resumable(plan, dst, show_progress)
+    else:
+        _prepare_fresh(dst, overwrite)
+        done = {}
     dst.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in plan.shards if s.file not in done]
+    _check_space(dst, sum(s.output_size for s in todo))
     started = time.time()
+    fingerprint = plan_fingerprint(plan)
+
+    def save_progress() -> None:
+        _write_atomic(dst / PROGRESS_NAME, json.dumps({"fingerprint": fingerprint, "shards": done}).encode())
+
+    def record(result: dict) -> None:
+        done[result["file"]] = result
+        save_progress()
+
+    save_progress()
     for name in plan.aux_files:
-        _copy_atomic(plan.source_dir / name, dst / name)
+        tmp = dst / (name + PARTIAL_SUFFIX)
+        shutil.copyfile(plan.source_dir / name, tmp)
+        os.replace(tmp, dst / name)
 
-    total = sum(s.source_size for s in plan.shards)
-    records = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not show_progress) as progress:
-        for shard in plan.shards:
-            progress.set_postfix_str(shard.file)
-            records.append(convert_shard(plan, shard, dst, progress))
+    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device) for s in todo]
+    todo_bytes = sum(s.source_size for s in todo)
+    # A worker process costs ~2 s to start (torch, numba): only worth it for real work.
+    default_workers = min(os.cpu_count() or 1, -(-todo_bytes // MIN_BYTES_PER_WORKER))
+    workers = 1 if device != "cpu" else max(1, min(workers or default_workers, len(jobs)))
+    try:
+        with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="quantize", disable=not show_progress) as bar:
+            _run_jobs(jobs, workers, bar, record)
+    except OSError as exc:
+        if exc.errno in _DISK_ERRNOS:
+            raise DiskFullError(f"disk full writing into {dst} ({exc.strerror}); {len(done)} of "
+                                f"{len(plan.shards)} shards are finished and kept; free space and rerun with "
+                                "--resume") from exc
+        raise
+    elapsed = time.time() - started
 
-    weight_map = plan.weight_map()
-    index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": weight_map}
+    records = [done[s.file] for s in plan.shards]
+    index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}
     _write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
     _write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
-    elapsed = time.time() - started
     manifest = {
         "tool": "quantgate",
         "version": quant.__version__,
         "command": command,
         "created_unix": int(started),
         "seconds": round(elapsed, 3),
+        "resumed_shards": len(plan.shards) - len(todo),
         "source": str(plan.source_dir.resolve()),
         "family": plan.family.name,
         "recipe": plan.recipe.to_dict(),
@@ -178,9 +234,12 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, show_progress: bo
             "tensors_quantized": sum(len(r["quantized"]) for r in records),
             "bytes_in": sum(r["source_size"] for r in records),
             "bytes_out": sum(r["size"] for r in records),
-            "gb_per_s": round(total / 1e9 / elapsed, 4) if elapsed else None,
+            "gb_per_s": round(todo_bytes / 1e9 / elapsed, 4) if elapsed else None,
+            "workers": workers,
+            "device": device,
         },
         "warnings": list(plan.warnings),
     }
     _write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+    (dst / PROGRESS_NAME).unlink()
     return manifest

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from quant.hashing import StreamHasher
+
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -128,14 +130,16 @@ class ShardWriter:
     """Writes one output shard under ``<final>.partial`` and renames it only when complete.
 
     Space for the whole file is reserved up front (``posix_fallocate``), so a full disk fails
-    before any data is written rather than leaving a sparse, complete-looking file.
+    before any data is written rather than leaving a sparse, complete-looking file. Data must
+    arrive in file order; it is hashed on the way, so committing needs no second read.
     """
 
-    def __init__(self, final_path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+    def __init__(self, final_path: Path, entries: list[tuple[str, str, tuple[int, ...]]], hasher: StreamHasher):
         self.final_path = final_path
         self.tmp_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
         header, self.offsets = encode_header(entries)
         self.size = len(header) + sum(numel(s) * DTYPE_BYTES[d] for _, d, s in entries)
+        self.hasher, self.digest = hasher, hasher.new()
         self.fd = os.open(self.tmp_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         try:
             if self.size:
@@ -144,39 +148,32 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
+        self.hasher.update(self.digest, header)
+        self.pos = len(header)
 
-    def write(self, name: str, offset_in_tensor: int, data: bytes | memoryview) -> None:
-        os.pwrite(self.fd, data, self.offsets[name] + offset_in_tensor)
+    def write(self, name: str, offset_in_tensor: int, data) -> None:
+        offset = self.offsets[name] + offset_in_tensor
+        if offset != self.pos:
+            raise AssertionError(f"{name}: out-of-order write at {offset}, expected {self.pos}")
+        written = os.pwrite(self.fd, data, offset)
+        if written != len(memoryview(data).cast("B")):
+            raise OSError(f"{self.tmp_path}: short write")
+        self.hasher.update(self.digest, data)
+        self.pos += written
 
-    def commit(self) -> None:
+    def commit(self) -> str:
+        """Flush and rename into place; returns the file's sha256."""
+        if self.pos != self.size:
+            raise AssertionError(f"{self.tmp_path}: {self.pos} of {self.size} bytes written")
+        self.hasher.drain()
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp_path, self.final_path)
+        return self.digest.hexdigest()
 
     def abort(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self.tmp_path.unlink(missing_ok=True)
-
-
-def read_rows(fd: int, info: TensorInfo, row_start: int, row_end: int) -> torch.Tensor:
-    """Rows ``[row_start, row_end)`` of a 2-D tensor, read with one ``pread``."""
-    row_bytes = info.nbytes // info.shape[0]
-    buf = bytearray(os.pread(fd, (row_end - row_start) * row_bytes, info.begin + row_start * row_bytes))
-    if len(buf) != (row_end - row_start) * row_bytes:
-        raise ShardError(f"{info.name}: short read (file changed or truncated during conversion)")
-    return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(row_end - row_start, *info.shape[1:])
-
-
-def copy_range(src_fd: int, src_offset: int, writer: ShardWriter, name: str, nbytes: int,
-               chunk: int = 16 << 20) -> None:
-    """Copy a tensor's bytes unchanged, in bounded chunks."""
-    done = 0
-    while done < nbytes:
-        data = os.pread(src_fd, min(chunk, nbytes - done), src_offset + done)
-        if not data:
-            raise ShardError(f"{name}: short read (file changed or truncated during conversion)")
-        writer.write(name, done, data)
-        done += len(data)

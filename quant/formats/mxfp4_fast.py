@@ -1,0 +1,108 @@
+"""The fast CPU path of MXFP4 for bf16 weights under the ``even`` rule: integer work on bit patterns.
+
+For a bf16 ``x`` and block exponent ``e``, ``y = x / 2^e`` is exact and its bit pattern is ``x``'s
+with ``e`` subtracted from the exponent field. Bit patterns of non-negative floats order like the
+floats, so the E2M1 code of ``y`` (ties, saturation) is a count of integer comparisons against
+the rounding midpoints: branch-free integer work that vectorizes. One pass per block (amax,
+scale, codes, packing) in a numba kernel, rows spread over the cores. Tests hold it to the
+reference ``mxfp4.quantize`` on every bf16 bit pattern and to Quark's bytes.
+
+Blocks whose exponent is tiny (``e < -119``, amax below about 2^-117) are flagged and redone by
+the reference path: there a subnormal ``x`` can still scale to a non-zero code.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numba
+import numpy as np
+import torch
+
+from quant.formats import mxfp4
+
+BLOCK = mxfp4.BLOCK
+ROW_OK, ROW_NON_FINITE, ROW_NEEDS_REFERENCE = 0, 1, 2
+if sys.byteorder != "little":
+    raise ImportError("the fast MXFP4 kernel reads bf16 pairs as little-endian uint32")
+
+
+# The float value of every bf16 bit pattern (non-finite ones never reach the error loop).
+_BF16_VALUES = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64).numpy()
+_VALUES = np.array(mxfp4.E2M1_VALUES + tuple(-v for v in mxfp4.E2M1_VALUES), dtype=np.float64)
+
+
+@numba.njit(inline="always", cache=True)
+def _code(x, shift):  # pragma: no cover
+    """E2M1 code of bf16 ``x`` divided by ``2^e`` (``shift = e << 7``), branch-free so it vectorizes.
+
+    ``a`` is the bit pattern of ``|x| / 2^e`` (negative or tiny when that is below 2^-126, which
+    is code 0 anyway); the code counts the rounding midpoints below it, ``>`` where the tie goes
+    down to an even code, ``>=`` where it goes up: 0.25 0.75 1.25 1.75 2.5 3.5 5.
+    """
+    a = np.int32(x & 0x7FFF) - shift
+    code = (np.int32(a > 0x3E80) + np.int32(a >= 0x3F40) + np.int32(a > 0x3FA0) + np.int32(a >= 0x3FE0)
+            + np.int32(a > 0x4020) + np.int32(a >= 0x4060) + np.int32(a > 0x40A0))
+    return np.uint8(code | ((np.int32(x) >> 12) & 8 & -np.int32(code > 0)))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _quantize_rows(pairs, values, bf16_values, error_stride, row_offset, packed, scales, flags, err_sq, ref_sq):  # pragma: no cover
+    """``pairs`` holds two bf16 per uint32 (element 2i in the low half, as memory is little-endian),
+    which is exactly the pairing of one output byte: low nibble 2i, high nibble 2i+1."""
+    rows, cols2 = pairs.shape
+    for r in numba.prange(rows):
+        flag = 0
+        row_err = 0.0
+        row_ref = 0.0
+        for b in range(cols2 // 16):
+            block = pairs[r, b * 16:(b + 1) * 16]
+            amax = np.uint32(0)
+            for i in range(16):
+                v = block[i] & np.uint32(0x7FFF7FFF)
+                amax = max(amax, max(v & np.uint32(0xFFFF), v >> np.uint32(16)))
+            amax = np.int32(amax)
+            if amax >= 0x7F80:  # Inf or NaN somewhere in the block
+                flag = 1
+                break
+            field = (amax + 32) >> 7  # the "even" rule: round amax up when its mantissa is >= 1.75
+            e = 127 if field == 255 else max(field - 129, -127)
+            if e < -119:
+                flag = 2
+            scales[r, b] = max(e + 127, 1)
+            shift = np.int32(e << 7)
+            for i in range(16):
+                w = block[i]
+                packed[r, b * 16 + i] = (_code(np.uint16(w & np.uint32(0xFFFF)), shift)
+                                         | (_code(np.uint16(w >> np.uint32(16)), shift) << 4))
+            if (r + row_offset) % error_stride == 0:
+                scale = 2.0 ** e
+                for i in range(32):
+                    x = np.uint16((block[i // 2] >> np.uint32(16 * (i % 2))) & np.uint32(0xFFFF))
+                    xv = bf16_values[x]
+                    d = xv - values[_code(x, shift)] * scale
+                    row_err += d * d
+                    row_ref += xv * xv
+        flags[r] = flag
+        err_sq[r] = row_err
+        ref_sq[r] = row_ref
+
+
+def quantize_bf16(weight: torch.Tensor, error_stride: int = 64, row_offset: int = 0):
+    """``(packed, scales, row_flags, err_sq, ref_sq)`` for a bf16 ``[rows, in]`` weight.
+
+    ``err_sq``/``ref_sq`` are per-row sums of squared quantization error and squared value, on
+    rows whose index plus ``row_offset`` is a multiple of ``error_stride`` (a sample keeps the
+    error figure cheap), else 0. Callers handle rows
+    flagged ``ROW_NON_FINITE`` (refuse) and ``ROW_NEEDS_REFERENCE`` (redo with ``mxfp4.quantize``).
+    """
+    rows, cols = weight.shape
+    pairs = weight.contiguous().view(torch.int16).numpy().view(np.uint32)
+    packed = np.empty((rows, cols // 2), dtype=np.uint8)
+    scales = np.empty((rows, cols // BLOCK), dtype=np.uint8)
+    flags = np.empty(rows, dtype=np.uint8)
+    err_sq = np.empty(rows, dtype=np.float64)
+    ref_sq = np.empty(rows, dtype=np.float64)
+    _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset,
+                   packed, scales, flags, err_sq, ref_sq)
+    return packed, scales, flags, err_sq, ref_sq

@@ -1,0 +1,176 @@
+"""Converting one shard: read tensors in file order, quantize or copy them, write one atomic file.
+
+The source is read front to back exactly once; the same bytes feed its sha256, so provenance
+costs no second read. Memory is bounded by one chunk (``CHUNK_BYTES`` of source) whatever the
+tensor or shard size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from quant.formats import mxfp4, mxfp4_fast
+from quant.hashing import StreamHasher
+from quant.plan import ShardPlan, TensorPlan
+from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
+
+CHUNK_BYTES = 32 << 20  # source bytes per step
+ERROR_ROW_STRIDE = 64  # the error figure is measured on every 64th row: cheap and representative
+
+
+class NonFiniteError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    source_dir: Path
+    dst: Path
+    shard: ShardPlan
+    scale_rule: mxfp4.ScaleRule
+    device: str = "cpu"
+
+
+class SourceReader:
+    """Reads one source file at increasing offsets and hashes every byte of it on the way.
+
+    Reads land in a small ring of reused buffers; the ring outlasts the hasher's backlog, so a
+    buffer is hashed (by the reader and by the writer it was copied to) before it is reused.
+    """
+
+    def __init__(self, path: Path, hasher: StreamHasher):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.hasher, self.digest = hasher, hasher.new()
+        self.pos = 0
+        self._buffers = [bytearray(0) for _ in range(2 * hasher.backlog + 2)]
+        self._next = 0
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes at ``offset``; valid until a few reads later (buffers are reused)."""
+        if offset > self.pos:  # header, or padding between tensors
+            self.hasher.update(self.digest, self._pread(self.pos, offset - self.pos))
+        elif offset < self.pos:
+            raise AssertionError("tensors must be read in file order")
+        data = self._pread(offset, nbytes)
+        self.hasher.update(self.digest, data)
+        self.pos = offset + nbytes
+        return data
+
+    def _pread(self, offset: int, nbytes: int) -> memoryview:
+        buf = self._buffers[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
+        if len(buf) < nbytes:
+            buf.extend(bytes(nbytes - len(buf)))
+        view = memoryview(buf)[:nbytes]
+        got = os.preadv(self.fd, [view], offset) if nbytes else 0
+        if got != nbytes:
+            raise ShardError(f"{self.path}: short read at byte {offset} (file truncated or changed during conversion)")
+        return view
+
+    def finish(self) -> str:
+        size = os.fstat(self.fd).st_size
+        while self.pos < size:
+            self.read(self.pos, min(CHUNK_BYTES, size - self.pos))
+        self.hasher.drain()
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _nonfinite_error(name: str, x: torch.Tensor, row0: int) -> NonFiniteError:
+    row, col = (~torch.isfinite(x)).nonzero()[0].tolist()
+    return NonFiniteError(f"{name}: NaN/Inf at row {row0 + row}, column {col}; "
+                          "fix the source checkpoint (Quark would silently write garbage here)")
+
+
+def _sampled_error(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row0: int) -> tuple[float, float]:
+    """Squared error and squared value sums over the chunk's rows at multiples of the stride."""
+    rows = torch.arange((-row0) % ERROR_ROW_STRIDE, x.shape[0], ERROR_ROW_STRIDE, device=x.device)
+    xf = x[rows].to(torch.float32)
+    deq = mxfp4.dequantize(packed[rows].cpu(), scales[rows].cpu(), torch.float32).to(x.device)
+    return float(((deq - xf) ** 2).sum()), float((xf * xf).sum())
+
+
+def _quantize_chunk(x: torch.Tensor, name: str, row0: int, rule: mxfp4.ScaleRule,
+                    device: str) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """``(packed, scales, err_sq, ref_sq)`` for rows of one weight."""
+    if device == "cpu" and rule is mxfp4.ScaleRule.EVEN and x.dtype == torch.bfloat16:
+        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(x, ERROR_ROW_STRIDE, row0)
+        if (flags == mxfp4_fast.ROW_NON_FINITE).any():
+            raise _nonfinite_error(name, x, row0)
+        redo = np.flatnonzero(flags == mxfp4_fast.ROW_NEEDS_REFERENCE)
+        if redo.size:  # tiny blocks: the reference path is exact there
+            p, s = mxfp4.quantize(x[torch.from_numpy(redo)], rule)
+            packed[redo], scales[redo] = p.numpy(), s.numpy()
+        return packed, scales, float(err.sum()), float(ref.sum())
+    xd = x.to(device)
+    if not torch.isfinite(xd).all():
+        raise _nonfinite_error(name, xd.cpu(), row0)
+    packed, scales = mxfp4.quantize(xd, rule)
+    err, ref = _sampled_error(xd, packed, scales, row0)
+    return packed.cpu().numpy(), scales.cpu().numpy(), err, ref
+
+
+def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                     advance: Callable[[int], None]) -> dict:
+    info = tensor.source
+    rows, cols = info.shape
+    row_bytes = info.nbytes // rows
+    step = max(1, CHUNK_BYTES // row_bytes)
+    (weight_name, _, _), (scale_name, _, _) = tensor.outputs
+    err_sq = ref_sq = 0.0
+    scale_chunks = []  # written after the weight, keeping the file order (1/64 of the tensor's size)
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        data = reader.read(info.begin + start * row_bytes, count * row_bytes)
+        x = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(count, cols)
+        packed, scales, err, ref = _quantize_chunk(x, info.name, start, job.scale_rule, job.device)
+        writer.write(weight_name, start * (cols // 2), packed.data)
+        scale_chunks.append(scales)
+        err_sq, ref_sq = err_sq + err, ref_sq + ref
+        advance(count * row_bytes)
+    writer.write(scale_name, 0, np.concatenate(scale_chunks).data)
+    return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+
+
+def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter,
+                 advance: Callable[[int], None]) -> None:
+    info = tensor.source
+    for done in range(0, info.nbytes, CHUNK_BYTES):
+        size = min(CHUNK_BYTES, info.nbytes - done)
+        writer.write(info.name, done, reader.read(info.begin + done, size))
+        advance(size)
+
+
+def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None) -> dict:
+    """Write one output shard atomically; returns its record for the conversion manifest."""
+    shard = job.shard
+    hasher = StreamHasher()
+    writer = ShardWriter(job.dst / shard.file, shard.entries, hasher)
+    reader = SourceReader(job.source_dir / shard.file, hasher)
+    errors: dict[str, dict] = {}
+    try:
+        for tensor in shard.tensors:
+            if tensor.quantize:
+                errors[tensor.source.name] = _quantize_tensor(reader, tensor, writer, job, advance)
+            else:
+                _copy_tensor(reader, tensor, writer, advance)
+        source_sha256 = reader.finish()
+        output_sha256 = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+        hasher.close()
+    return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
+            "size": writer.size, "sha256": output_sha256, "quantized": errors}
