@@ -30,7 +30,7 @@ from quant.shard import NonFiniteError, ShardJob, convert_shard
 MANIFEST_NAME = "conversion_manifest.json"
 PROGRESS_NAME = ".quantgate-progress.json"
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-MIN_BYTES_PER_WORKER = 512 << 20
+MIN_BYTES_PER_WORKER = 4 << 30  # measured: below this a second process's start-up costs more than it gains
 
 __all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "PROGRESS_NAME", "convert",
            "sha256_file"]
@@ -53,11 +53,15 @@ def plan_fingerprint(plan: Plan) -> str:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _check_overlap(plan: Plan, dst: Path) -> None:
@@ -205,8 +209,10 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
     try:
         with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="quantize", disable=not show_progress) as bar:
             _run_jobs(jobs, workers, bar, record)
-    except OSError as exc:
-        if exc.errno in _DISK_ERRNOS:
+    except BaseException as exc:
+        for partial in dst.glob("*.safetensors" + PARTIAL_SUFFIX):  # every worker has stopped by now
+            partial.unlink()
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
             raise DiskFullError(f"disk full writing into {dst} ({exc.strerror}); {len(done)} of "
                                 f"{len(plan.shards)} shards are finished and kept; free space and rerun with "
                                 "--resume") from exc

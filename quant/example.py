@@ -55,6 +55,17 @@ def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, firs
     return config
 
 
+def glm5_config() -> dict:
+    """GLM-5's real dimensions (SPEC section 5): for full-size planning tests on sparse files."""
+    config = tiny_config("glm_moe_dsa", num_hidden_layers=78, first_k_dense_replace=3, n_routed_experts=256,
+                         hidden_size=6144, moe_intermediate_size=2048, intermediate_size=12288, vocab_size=154880)
+    config.update({"num_attention_heads": 64, "num_key_value_heads": 64, "num_experts_per_tok": 8,
+                   "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
+                   "qk_head_dim": 256, "v_head_dim": 256, "head_dim": 64, "index_head_dim": 128,
+                   "index_n_heads": 32, "index_topk": 2048, "max_position_embeddings": 202752})
+    return config
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of the checkpoint, in storage order, with shape and dtype."""
     c = config

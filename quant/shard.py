@@ -8,6 +8,7 @@ tensor or shard size.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from quant.plan import ShardPlan, TensorPlan
 from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
+RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
 ERROR_ROW_STRIDE = 64  # the error figure is measured on every 64th row: cheap and representative
 
 
@@ -41,49 +43,57 @@ class ShardJob:
 class SourceReader:
     """Reads one source file at increasing offsets and hashes every byte of it on the way.
 
-    Reads land in a small ring of reused buffers; the ring outlasts the hasher's backlog, so a
-    buffer is hashed (by the reader and by the writer it was copied to) before it is reused.
+    The file is memory-mapped, so a read costs no copy; ranges left behind are dropped from the
+    mapping (``MADV_DONTNEED``: the pages stay in the page cache, just not in this process), so
+    resident memory stays a few chunks whatever the shard size.
     """
 
     def __init__(self, path: Path, hasher: StreamHasher):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
         self.hasher, self.digest = hasher, hasher.new()
-        self.pos = 0
-        self._buffers = [bytearray(0) for _ in range(2 * hasher.backlog + 2)]
-        self._next = 0
+        self.pos = self.released = 0
+        with path.open("rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        if self.map:
+            self.map.madvise(mmap.MADV_SEQUENTIAL)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes at ``offset``; valid until a few reads later (buffers are reused)."""
+        """The bytes at ``offset``, as a view into the mapping."""
         if offset > self.pos:  # header, or padding between tensors
-            self.hasher.update(self.digest, self._pread(self.pos, offset - self.pos))
+            self.hasher.update(self.digest, self._view(self.pos, offset))
         elif offset < self.pos:
             raise AssertionError("tensors must be read in file order")
-        data = self._pread(offset, nbytes)
+        if offset + nbytes > self.size:
+            raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes} "
+                             "(file truncated or changed during conversion)")
+        data = self._view(offset, offset + nbytes)
         self.hasher.update(self.digest, data)
         self.pos = offset + nbytes
+        self._release_behind(offset - RELEASE_LAG)
         return data
 
-    def _pread(self, offset: int, nbytes: int) -> memoryview:
-        buf = self._buffers[self._next]
-        self._next = (self._next + 1) % len(self._buffers)
-        if len(buf) < nbytes:
-            buf.extend(bytes(nbytes - len(buf)))
-        view = memoryview(buf)[:nbytes]
-        got = os.preadv(self.fd, [view], offset) if nbytes else 0
-        if got != nbytes:
-            raise ShardError(f"{self.path}: short read at byte {offset} (file truncated or changed during conversion)")
-        return view
+    def _view(self, start: int, end: int) -> memoryview:
+        return memoryview(self.map)[start:end] if self.map else memoryview(b"")
+
+    def _release_behind(self, offset: int) -> None:
+        end = offset - offset % mmap.PAGESIZE
+        if self.map and end > self.released:
+            self.map.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            self.released = end
 
     def finish(self) -> str:
-        size = os.fstat(self.fd).st_size
-        while self.pos < size:
-            self.read(self.pos, min(CHUNK_BYTES, size - self.pos))
+        if self.pos < self.size:
+            self.read(self.pos, self.size - self.pos)
         self.hasher.drain()
         return self.digest.hexdigest()
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.map:
+            try:
+                self.map.close()
+            except BufferError:  # a view is still referenced; the mapping goes with it
+                pass
 
 
 def _nonfinite_error(name: str, x: torch.Tensor, row0: int) -> NonFiniteError:
@@ -100,17 +110,19 @@ def _sampled_error(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     return float(((deq - xf) ** 2).sum()), float((xf * xf).sum())
 
 
-def _quantize_chunk(x: torch.Tensor, name: str, row0: int, rule: mxfp4.ScaleRule,
+def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, rule: mxfp4.ScaleRule,
                     device: str) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """``(packed, scales, err_sq, ref_sq)`` for rows of one weight."""
-    if device == "cpu" and rule is mxfp4.ScaleRule.EVEN and x.dtype == torch.bfloat16:
-        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(x, ERROR_ROW_STRIDE, row0)
-        if (flags == mxfp4_fast.ROW_NON_FINITE).any():
-            raise _nonfinite_error(name, x, row0)
+    """``(packed, scales, err_sq, ref_sq)`` for rows of one weight, given as raw bytes ``[rows, row_bytes]``."""
+    fast = device == "cpu" and rule is mxfp4.ScaleRule.EVEN and dtype == "BF16"
+    if fast:
+        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
+        if not flags.any():
+            return packed, scales, float(err.sum()), float(ref.sum())
+    x = torch.frombuffer(bytearray(raw), dtype=TORCH_DTYPES[dtype]).reshape(raw.shape[0], -1)
+    if fast and not (flags == mxfp4_fast.ROW_NON_FINITE).any():  # tiny blocks: the reference is exact
         redo = np.flatnonzero(flags == mxfp4_fast.ROW_NEEDS_REFERENCE)
-        if redo.size:  # tiny blocks: the reference path is exact there
-            p, s = mxfp4.quantize(x[torch.from_numpy(redo)], rule)
-            packed[redo], scales[redo] = p.numpy(), s.numpy()
+        p, s = mxfp4.quantize(x[torch.from_numpy(redo)], rule)
+        packed[redo], scales[redo] = p.numpy(), s.numpy()
         return packed, scales, float(err.sum()), float(ref.sum())
     xd = x.to(device)
     if not torch.isfinite(xd).all():
@@ -131,9 +143,9 @@ def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWrit
     scale_chunks = []  # written after the weight, keeping the file order (1/64 of the tensor's size)
     for start in range(0, rows, step):
         count = min(step, rows - start)
-        data = reader.read(info.begin + start * row_bytes, count * row_bytes)
-        x = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(count, cols)
-        packed, scales, err, ref = _quantize_chunk(x, info.name, start, job.scale_rule, job.device)
+        raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
+        packed, scales, err, ref = _quantize_chunk(raw.reshape(count, row_bytes), info.dtype, info.name, start,
+                                                   job.scale_rule, job.device)
         writer.write(weight_name, start * (cols // 2), packed.data)
         scale_chunks.append(scales)
         err_sq, ref_sq = err_sq + err, ref_sq + ref
@@ -155,10 +167,11 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     """Write one output shard atomically; returns its record for the conversion manifest."""
     shard = job.shard
     hasher = StreamHasher()
-    writer = ShardWriter(job.dst / shard.file, shard.entries, hasher)
-    reader = SourceReader(job.source_dir / shard.file, hasher)
+    writer = reader = None
     errors: dict[str, dict] = {}
     try:
+        writer = ShardWriter(job.dst / shard.file, shard.entries, hasher)
+        reader = SourceReader(job.source_dir / shard.file, hasher)
         for tensor in shard.tensors:
             if tensor.quantize:
                 errors[tensor.source.name] = _quantize_tensor(reader, tensor, writer, job, advance)
@@ -167,10 +180,12 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
         source_sha256 = reader.finish()
         output_sha256 = writer.commit()
     except BaseException:
-        writer.abort()
+        if writer:
+            writer.abort()
         raise
     finally:
-        reader.close()
+        if reader:
+            reader.close()
         hasher.close()
     return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
             "size": writer.size, "sha256": output_sha256, "quantized": errors}

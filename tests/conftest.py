@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from quant.example import tiny_config, write_checkpoint
+from quant.example import tensor_shapes, tiny_config, write_checkpoint
+from quant.safetensors_io import DTYPE_BYTES, encode_header, numel
 
 # Module globs equivalent to the seed recipe (routed experts only), in Quark's own fnmatch syntax:
 # Quark quantizes every Linear weight that no pattern matches.
@@ -56,3 +61,73 @@ def dsv3_ckpt(tmp_path_factory) -> Path:
     """DeepSeek-V3 layout, 4 main layers so the MTP layer sits at 4 (nothing hard-codes 78 or 61)."""
     return write_checkpoint(tmp_path_factory.mktemp("dsv3") / "bf16",
                             tiny_config("deepseek_v3", num_hidden_layers=4, first_k_dense_replace=2), seed=1)
+
+
+TORCH_TO_ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
+
+
+def write_sparse_checkpoint(dst, config, tensors_per_shard: int = 0, shards: int = 0) -> int:
+    """Real headers followed by holes: a full-size layout that uses no disk. Returns bytes claimed."""
+    dst.mkdir(parents=True)
+    items = [(name, TORCH_TO_ST[str(dtype)], shape) for name, (shape, dtype) in tensor_shapes(config).items()]
+    per_shard = tensors_per_shard or -(-len(items) // shards)
+    chunks = [items[i:i + per_shard] for i in range(0, len(items), per_shard)]
+    weight_map, claimed = {}, 0
+    for i, chunk in enumerate(chunks, 1):
+        file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"
+        header, offsets = encode_header(chunk)
+        size = max(offsets[n] + DTYPE_BYTES[d] * numel(s) for n, d, s in chunk)
+        with open(dst / file, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+        claimed += size
+        weight_map.update({name: file for name, _, _ in chunk})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "config.json").write_text(json.dumps(config))
+    return claimed
+
+
+def quantize_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", *map(str, args)]
+
+
+def interrupt_midway(src: Path, dst: Path, sig: int, *args, on_stop=None) -> tuple[int, str]:
+    """Start a conversion, and once one shard is recorded done and the next is in flight, send ``sig``.
+
+    With ``sig`` = SIGSTOP, ``on_stop()`` runs while the process is frozen, then it continues.
+    Returns the exit code and stderr.
+    """
+    proc = subprocess.Popen(quantize_cmd(src, dst, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    progress = dst / ".quantgate-progress.json"
+    while time.time() < deadline and proc.poll() is None:
+        if list(dst.glob("*.safetensors.partial")) and progress.exists():
+            try:
+                if json.loads(progress.read_text())["shards"]:
+                    break
+            except (OSError, ValueError):  # replaced while we read it
+                pass
+        time.sleep(0.001)
+    proc.send_signal(sig)
+    if sig == signal.SIGSTOP:
+        on_stop()
+        proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="session")
+def multi_shard_ckpt(tmp_path_factory) -> Path:
+    """~100 MB in 8 shards: long enough to interrupt a conversion in the middle."""
+    config = tiny_config(num_hidden_layers=2, first_k_dense_replace=0, n_routed_experts=8,
+                         hidden_size=1024, moe_intermediate_size=1024, intermediate_size=1024, vocab_size=384)
+    return write_checkpoint(tmp_path_factory.mktemp("multi") / "bf16", config, shard_bytes=14 << 20)
+
+
+@pytest.fixture(scope="session")
+def multi_shard_reference(multi_shard_ckpt, tmp_path_factory) -> Path:
+    """The uninterrupted conversion of ``multi_shard_ckpt``."""
+    dst = tmp_path_factory.mktemp("multi_ref") / "out"
+    subprocess.run(quantize_cmd(multi_shard_ckpt, dst), check=True, capture_output=True)
+    return dst

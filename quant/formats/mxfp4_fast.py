@@ -88,21 +88,34 @@ def _quantize_rows(pairs, values, bf16_values, error_stride, row_offset, packed,
         ref_sq[r] = row_ref
 
 
-def quantize_bf16(weight: torch.Tensor, error_stride: int = 64, row_offset: int = 0):
+def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row_offset: int = 0):
     """``(packed, scales, row_flags, err_sq, ref_sq)`` for a bf16 ``[rows, in]`` weight.
 
-    ``err_sq``/``ref_sq`` are per-row sums of squared quantization error and squared value, on
-    rows whose index plus ``row_offset`` is a multiple of ``error_stride`` (a sample keeps the
-    error figure cheap), else 0. Callers handle rows
-    flagged ``ROW_NON_FINITE`` (refuse) and ``ROW_NEEDS_REFERENCE`` (redo with ``mxfp4.quantize``).
+    ``weight`` is a bf16 tensor, or its raw bytes as a ``[rows, in * 2]`` uint8 array (read-only
+    is fine: a memory-mapped source is used without a copy). ``err_sq``/``ref_sq`` are per-row
+    sums of squared quantization error and squared value, on rows whose index plus ``row_offset``
+    is a multiple of ``error_stride`` (a sample keeps the error figure cheap), else 0. Callers
+    handle rows flagged ``ROW_NON_FINITE`` (refuse) and ``ROW_NEEDS_REFERENCE`` (redo those rows
+    with ``mxfp4.quantize``).
     """
-    rows, cols = weight.shape
-    pairs = weight.contiguous().view(torch.int16).numpy().view(np.uint32)
+    if isinstance(weight, torch.Tensor):
+        weight = weight.contiguous().view(torch.uint8).numpy()
+    rows, cols = weight.shape[0], weight.shape[1] // 2
+    pairs = weight.view(np.uint32)
     packed = np.empty((rows, cols // 2), dtype=np.uint8)
     scales = np.empty((rows, cols // BLOCK), dtype=np.uint8)
     flags = np.empty(rows, dtype=np.uint8)
     err_sq = np.empty(rows, dtype=np.float64)
     ref_sq = np.empty(rows, dtype=np.float64)
-    _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset,
-                   packed, scales, flags, err_sq, ref_sq)
+    _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset, packed, scales, flags, err_sq, ref_sq)
     return packed, scales, flags, err_sq, ref_sq
+
+
+def _load_kernel() -> None:
+    """Load the compiled kernel and start numba's threads now, at import, not inside the first shard."""
+    raw = np.zeros((1, 2 * BLOCK), dtype=np.uint8)
+    raw.setflags(write=False)  # the signature conversion uses: read-only views of the mapped source
+    quantize_bf16(raw)
+
+
+_load_kernel()

@@ -12,40 +12,11 @@ import time
 import pytest
 
 from quant.convert import MANIFEST_NAME, sha256_file
-from quant.example import tensor_shapes, tiny_config, write_checkpoint
+from quant.example import tiny_config, write_checkpoint
 from quant.plan import make_plan
 from quant.recipe import load_recipe
-from quant.safetensors_io import DTYPE_BYTES, PARTIAL_SUFFIX, encode_header, read_header
-
-TORCH_TO_ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
-
-
-def write_sparse_checkpoint(dst, config, tensors_per_shard: int) -> int:
-    """Real headers followed by holes: a full-size layout that uses no disk. Returns bytes claimed."""
-    dst.mkdir(parents=True)
-    items = [(name, TORCH_TO_ST[str(dtype)], shape) for name, (shape, dtype) in tensor_shapes(config).items()]
-    chunks = [items[i:i + tensors_per_shard] for i in range(0, len(items), tensors_per_shard)]
-    weight_map, claimed = {}, 0
-    for i, chunk in enumerate(chunks, 1):
-        file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"
-        header, offsets = encode_header(chunk)
-        size = max(offsets[n] + DTYPE_BYTES[d] * _numel(s) for n, d, s in chunk)
-        with open(dst / file, "wb") as f:
-            f.write(header)
-            f.truncate(size)
-        claimed += size
-        weight_map.update({name: file for name, _, _ in chunk})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (dst / "config.json").write_text(json.dumps(config))
-    return claimed
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
+from quant.safetensors_io import PARTIAL_SUFFIX, read_header
+from tests.conftest import interrupt_midway, write_sparse_checkpoint
 
 def test_dry_run_plans_from_headers_only(tmp_path):
     # Real GLM-5 expert dims, 8 layers x 16 experts: ~9 GB claimed, ~0 bytes on disk.
@@ -81,31 +52,13 @@ def test_output_header_written_from_plan_matches_safetensors_reader(glm_ckpt, tm
         assert header.metadata == {"format": "pt"}
 
 
-@pytest.fixture(scope="module")
-def big_ckpt(tmp_path_factory):
-    """~100 MB in 8 shards: long enough to kill a conversion in the middle."""
-    config = tiny_config(num_hidden_layers=2, first_k_dense_replace=0, n_routed_experts=8,
-                         hidden_size=1024, moe_intermediate_size=1024, intermediate_size=1024, vocab_size=384)
-    return write_checkpoint(tmp_path_factory.mktemp("big") / "bf16", config, shard_bytes=14 << 20)
-
-
-def test_killed_conversion_leaves_only_complete_shards(big_ckpt, tmp_path):
-    reference = tmp_path / "reference"
-    subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", str(big_ckpt), str(reference)],
-                   check=True, capture_output=True)
+def test_killed_conversion_leaves_only_complete_shards(multi_shard_ckpt, multi_shard_reference, tmp_path):
     dst = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", str(big_ckpt), str(dst)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline:  # kill while a later shard is in flight, after an earlier one finished
-        if list(dst.glob("*.safetensors")) and list(dst.glob("*" + PARTIAL_SUFFIX)):
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    code, _ = interrupt_midway(multi_shard_ckpt, dst, signal.SIGKILL)
+    assert code == -signal.SIGKILL
     finished = sorted(dst.glob("*.safetensors"))
     assert finished, "the conversion ended before it could be killed mid-way"
-    assert len(finished) < len(list(reference.glob("*.safetensors")))
+    assert len(finished) < len(list(multi_shard_reference.glob("*.safetensors")))
     for shard in finished:  # every final-named shard is complete and identical to the uninterrupted run
-        assert sha256_file(shard) == sha256_file(reference / shard.name)
+        assert sha256_file(shard) == sha256_file(multi_shard_reference / shard.name)
     assert not (dst / MANIFEST_NAME).exists() and not (dst / "model.safetensors.index.json").exists()
