@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from quant.convert import MANIFEST_NAME, ConvertError, DiskFullError, NonFiniteError, convert
+from quant.errors import ConvertError, DiskFullError, NonFiniteError
 from quant.example import FAMILIES, write_example
 from quant.formats.mxfp4 import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
@@ -103,6 +103,8 @@ def _human_plan(plan: Plan) -> str:
 
 
 def _human_done(manifest: dict, dst: Path) -> str:
+    from quant.convert import MANIFEST_NAME
+
     s = manifest["summary"]
     return (f"done        {s['tensors_quantized']} tensors quantized, {s['bytes_in'] / 1e9:.3f} GB in, "
             f"{s['bytes_out'] / 1e9:.3f} GB out, {manifest['seconds']:.1f} s, {s['gb_per_s'] or 0:.3f} GB/s\n"
@@ -126,6 +128,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.dry_run:
         print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
         return EXIT_OK
+    from quant.convert import convert  # loads the numba kernel: only when there is data to convert
+
     if not args.json:
         print(_human_plan(plan), flush=True)
     if args.device != "cpu":

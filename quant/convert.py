@@ -25,7 +25,8 @@ import quant
 from quant.plan import INDEX_NAME, Plan
 from quant.hashing import sha256_file
 from quant.safetensors_io import PARTIAL_SUFFIX
-from quant.shard import NonFiniteError, ShardJob, convert_shard
+from quant.errors import ConvertError, DiskFullError, NonFiniteError
+from quant.shard import ShardJob, convert_shard
 
 MANIFEST_NAME = "conversion_manifest.json"
 PROGRESS_NAME = ".quantgate-progress.json"
@@ -34,14 +35,6 @@ MIN_BYTES_PER_WORKER = 4 << 30  # measured: below this a second process's start-
 
 __all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "PROGRESS_NAME", "convert",
            "sha256_file"]
-
-
-class ConvertError(RuntimeError):
-    """The conversion cannot proceed; nothing under a final name is incomplete."""
-
-
-class DiskFullError(ConvertError):
-    pass
 
 
 def plan_fingerprint(plan: Plan) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from quant.formats import mxfp4
@@ -46,7 +47,7 @@ class ShardPlan:
     def entries(self) -> list[Entry]:
         return [entry for tensor in self.tensors for entry in tensor.outputs]
 
-    @property
+    @cached_property
     def output_size(self) -> int:
         return encoded_size(self.entries)
 

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from quant.errors import NonFiniteError
 from quant.formats import mxfp4, mxfp4_fast
 from quant.hashing import StreamHasher
 from quant.plan import ShardPlan, TensorPlan
@@ -25,10 +26,6 @@ from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
 CHUNK_BYTES = 32 << 20  # source bytes per step
 RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
 ERROR_ROW_STRIDE = 64  # the error figure is measured on every 64th row: cheap and representative
-
-
-class NonFiniteError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
