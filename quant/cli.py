@@ -37,7 +37,9 @@ EPILOG = """\
 examples:
   quantize --to mxfp4 --example /tmp/qg            # tiny GLM-5-layout checkpoint, converted
   quantize --to mxfp4 /ckpt/GLM-5-bf16 /ckpt/GLM-5-mxfp4 --dry-run
-  quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json"""
+  quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json
+  quantize --to mxfp4 SRC DST --resume             # finish an interrupted run
+  quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", type=Path, help="source checkpoint folder (config.json, shards, index)")
     p.add_argument("dst", nargs="?", type=Path, help="output folder; must be empty (or see --overwrite)")
-    p.add_argument("--to", required=True, choices=["mxfp4"], help="target format")
+    p.add_argument("--to", required=True, choices=["mxfp4", "bf16"],
+                   help="target format: mxfp4, or bf16 to decode an MXFP4 checkpoint exactly back to plain bf16 "
+                        "(transformers cannot load Quark MXFP4 MoE checkpoints; this lets any machine evaluate one)")
     p.add_argument("--recipe", type=Path, metavar="FILE",
                    help="recipe YAML (default: manifests/recipes/mxfp4-w4a4-experts.yaml)")
     p.add_argument("--family-manifest", type=Path, metavar="FILE",
@@ -113,6 +117,8 @@ def _human_done(manifest: dict, dst: Path) -> str:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.example:
+        if args.to != "mxfp4":
+            raise PlanError("--example converts to mxfp4; run --to bf16 on its DIR/mxfp4 afterwards")
         if args.src or args.dst:
             raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
@@ -120,6 +126,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         args.src, args.dst = write_example(args.example / "bf16", args.example_family), args.example / "mxfp4"
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
+    if args.to == "bf16":
+        from quant.dequantize import dequantize_checkpoint
+
+        result = dequantize_checkpoint(args.src, args.dst, overwrite=args.overwrite,
+                                       show_progress=not (args.quiet or args.json))
+        print(json.dumps(result, indent=2) if args.json else
+              f"done        {result['tensors_dequantized']} MXFP4 weights decoded to bf16 in {result['shards']} "
+              f"shards\noutput      {args.dst}")
+        return EXIT_OK
     recipe = with_overrides(load_recipe(args.recipe), shared_experts=args.shared_experts,
                             mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                             scale_rule=args.scale_rule)

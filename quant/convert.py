@@ -44,7 +44,7 @@ def plan_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
     try:
         with tmp.open("wb") as f:
@@ -57,8 +57,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _check_overlap(plan: Plan, dst: Path) -> None:
-    src, dst = plan.source_dir.resolve(), dst.resolve()
+def _check_overlap(src: Path, dst: Path) -> None:
+    src, dst = src.resolve(), dst.resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise ConvertError(f"output folder {dst} overlaps the input {src}; choose a separate, empty folder")
     if dst.exists() and not dst.is_dir():
@@ -76,6 +76,12 @@ def _prepare_fresh(dst: Path, overwrite: bool) -> None:
             raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
                                "(no config.json or shards); remove it yourself if you mean it")
         shutil.rmtree(dst)
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """A fresh output folder that neither overlaps the source nor holds anything else."""
+    _check_overlap(src, dst)
+    _prepare_fresh(dst, overwrite)
 
 
 def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> dict[str, dict]:
@@ -169,11 +175,11 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
             device: str = "cpu", show_progress: bool = True, command: list[str] | None = None) -> dict:
     """Run the whole plan into ``dst``; returns the conversion manifest (also written there)."""
     dst = Path(dst)
-    _check_overlap(plan, dst)
     if resume and dst.exists():
+        _check_overlap(plan.source_dir, dst)
         done = _load_resumable(plan, dst, show_progress)
     else:
-        _prepare_fresh(dst, overwrite)
+        check_destination(plan.source_dir, dst, overwrite)
         done = {}
     dst.mkdir(parents=True, exist_ok=True)
     todo = [s for s in plan.shards if s.file not in done]
@@ -182,7 +188,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
     fingerprint = plan_fingerprint(plan)
 
     def save_progress() -> None:
-        _write_atomic(dst / PROGRESS_NAME, json.dumps({"fingerprint": fingerprint, "shards": done}).encode())
+        write_atomic(dst / PROGRESS_NAME, json.dumps({"fingerprint": fingerprint, "shards": done}).encode())
 
     def record(result: dict) -> None:
         done[result["file"]] = result
@@ -214,8 +220,8 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
 
     records = [done[s.file] for s in plan.shards]
     index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}
-    _write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
-    _write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
+    write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
+    write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
     manifest = {
         "tool": "quantgate",
         "version": quant.__version__,
@@ -239,6 +245,6 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
         },
         "warnings": list(plan.warnings),
     }
-    _write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+    write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
     (dst / PROGRESS_NAME).unlink()
     return manifest

@@ -1,0 +1,99 @@
+"""``quantize --to bf16``: an MXFP4 (Quark) checkpoint back to plain bf16 that transformers loads.
+
+transformers cannot load Quark MXFP4 MoE checkpoints; decoding them exactly (E2M1 value x
+2^(byte - 127)) lets quantized numerics be evaluated on any machine. Shards stream row chunk by
+row chunk into atomic files, like the converter's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from quant.convert import check_destination, write_atomic
+from quant.formats import mxfp4
+from quant.hashing import StreamHasher
+from quant.plan import INDEX_NAME, PlanError, read_config, source_shards
+from quant.quark_config import strip_quantization_config
+from quant.safetensors_io import PARTIAL_SUFFIX, ShardError, ShardWriter, read_header
+
+CHUNK_ROWS_BYTES = 16 << 20
+
+
+def _shard_entries(header) -> tuple[list[tuple[str, str, tuple[int, ...]]], set[str]]:
+    """Output entries in file order, and the names of the weights to decode."""
+    tensors = header.tensors
+    packed = {n for n, t in tensors.items() if t.dtype == "U8" and n + "_scale" in tensors and n.endswith(".weight")}
+    entries = []
+    for info in sorted(tensors.values(), key=lambda t: t.begin):
+        if info.name.removesuffix("_scale") in packed and info.name.endswith("_scale"):
+            continue
+        if info.name in packed:
+            if info.shape[1] * 2 % mxfp4.BLOCK or tensors[info.name + "_scale"].shape != (
+                    info.shape[0], info.shape[1] * 2 // mxfp4.BLOCK):
+                raise PlanError(f"{header.path.name}: {info.name} is U8{list(info.shape)} but its scale does not fit "
+                                "MXFP4 ([out, in/32]); not an MXFP4 checkpoint quantgate can decode")
+            entries.append((info.name, "BF16", (info.shape[0], info.shape[1] * 2)))
+        else:
+            entries.append((info.name, info.dtype, info.shape))
+    return entries, packed
+
+
+def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show_progress: bool = True) -> dict:
+    src, dst = Path(src), Path(dst)
+    config = read_config(src)
+    qconfig = config.get("quantization_config") or {}
+    if qconfig.get("quant_method") != "quark":
+        raise PlanError(f"{src / 'config.json'}: not a Quark-quantized checkpoint (quant_method "
+                        f"{qconfig.get('quant_method')!r}); nothing to dequantize")
+    _, files = source_shards(src)
+    try:
+        headers = {f: read_header(src / f) for f in files}
+    except ShardError as exc:
+        raise PlanError(str(exc)) from None
+    check_destination(src, dst, overwrite)
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map, decoded = {}, 0
+    total = sum(h.file_size for h in headers.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="dequantize", disable=not show_progress) as bar:
+        for file, header in headers.items():
+            entries, packed = _shard_entries(header)
+            hasher = StreamHasher()
+            writer = ShardWriter(dst / file, entries, hasher)
+            try:
+                with safe_open(str(src / file), "pt") as f:
+                    for name, _, shape in entries:
+                        if name in packed:
+                            weight, scale = f.get_slice(name), f.get_slice(name + "_scale")
+                            step = max(1, CHUNK_ROWS_BYTES // (shape[1] * 2))
+                            for r in range(0, shape[0], step):
+                                rows = mxfp4.dequantize(weight[r:r + step], scale[r:r + step], torch.bfloat16)
+                                writer.write(name, r * shape[1] * 2, rows.view(torch.uint8).numpy().data)
+                            decoded += 1
+                        else:
+                            tensor = f.get_tensor(name)
+                            writer.write(name, 0, tensor.contiguous().view(torch.uint8).numpy().data
+                                         if tensor.numel() else b"")
+                        bar.update(header.tensors[name].nbytes)
+                writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                hasher.close()
+            weight_map.update({name: file for name, _, _ in entries})
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
+                INDEX_NAME, "config.json", "conversion_manifest.json"):
+            shutil.copyfile(path, dst / (path.name + PARTIAL_SUFFIX))
+            os.replace(dst / (path.name + PARTIAL_SUFFIX), dst / path.name)
+    write_atomic(dst / INDEX_NAME, json.dumps({"metadata": {"total_size": sum(
+        (dst / f).stat().st_size for f in headers)}, "weight_map": weight_map}, indent=2).encode())
+    write_atomic(dst / "config.json", json.dumps(strip_quantization_config(config), indent=2).encode())
+    return {"source": str(src), "output": str(dst), "tensors_dequantized": decoded, "shards": len(headers)}
