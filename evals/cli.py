@@ -24,6 +24,56 @@ exit codes: 0 loads correctly in every engine asked for; 1 it would not (or woul
 2 the input is unreadable or not a checkpoint"""
 
 
+ACCURACY_HELP = """\
+Compare a candidate run with a reference run question by question. Per benchmark: both scores
+with n and a 95% interval, the paired delta, one-sided paired-bootstrap bounds (items resampled;
+repeats averaged per item; tau2 resampled within domains, macro = mean of domain deltas), exact
+McNemar p for single-repeat binary scores, and a verdict against the policy's margin:
+PASS (lower bound > -margin), FAIL (upper bound < -margin, or an absolute floor broken),
+INCONCLUSIVE (anything else; says how many items would decide it).
+
+exit codes: 0 PASS; 1 FAIL or a blocking INCONCLUSIVE; 2 bad input (bundles that do not pair:
+different items, documents, data files or filters)"""
+
+RELEASE_HELP = """\
+gate checkpoint + gate accuracy in one verdict; writes report.md and report.json.
+
+exit codes: 0 release; 1 block; 2 bad input"""
+
+
+def _margins(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        bench, _, value = item.partition("=")
+        try:
+            out[bench] = float(value)
+        except ValueError:
+            raise SystemExit(f"gate: --margin {item!r}: expected BENCH=VALUE, e.g. gsm8k=0.02") from None
+    return out
+
+
+def human_accuracy(result: dict) -> str:
+    lines = [f"{'eval':<14} {'n':>5} {'reference':>22} {'candidate':>22} {'delta':>8} {'bounds':>19} "
+             f"{'margin':>7}  verdict"]
+    for b in result["benchmarks"]:
+        ref, cand = b["reference"], b["candidate"]
+        lines.append(f"{b['benchmark']:<14} {b['n_items']:>5} {ref['score']:.4f} [{ref['ci_low']:.3f},{ref['ci_high']:.3f}] "
+                     f"{cand['score']:.4f} [{cand['ci_low']:.3f},{cand['ci_high']:.3f}] {b['delta']:+.4f} "
+                     f"[{b['lower']:+.3f},{b['upper']:+.3f}] {-b['margin']:+.3f}  {b['verdict']}")
+        notes = [b["rule"]]
+        if b["mcnemar_p"] is not None:
+            notes.append(f"b={b['discordant_ref_only']} c={b['discordant_cand_only']} McNemar p={b['mcnemar_p']:.4f}")
+        if b["items_to_decide"]:
+            notes.append(f"~{b['items_to_decide']} items would decide it")
+        if b["noise"]:
+            notes.append("within noise of the reference rerun" if b["noise"]["within_noise"] else "beyond noise")
+        lines.append("               " + "; ".join(notes))
+    lines.append("scores: mean over items, 95% normal interval; bounds: one-sided paired bootstrap at the policy's "
+                 "confidence")
+    lines.append(f"verdict: {result['verdict']}" + (f" ({'; '.join(result['blocking'])})" if result["blocking"] else ""))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gate", description="Pre-release checks for quantized checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--deep", action="store_true",
                        help="also read tensor data: scale bytes in range, no all-zero scale rows, no NaN/Inf in bf16")
     check.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+
+    def accuracy_args(p):
+        p.add_argument("--candidate", type=Path, required=True, help="candidate run bundle (evals run)")
+        p.add_argument("--reference", type=Path, required=True, help="reference run bundle, same items and settings")
+        p.add_argument("--reference-rerun", type=Path, help="a second reference run: its self-discordance is the "
+                                                            "noise floor the candidate is judged against")
+        p.add_argument("--policy", type=Path, help="gate policy YAML (default: manifests/gates/release.yaml)")
+        p.add_argument("--margin", action="append", default=[], metavar="BENCH=VALUE",
+                       help="override a benchmark's non-inferiority margin, e.g. gsm8k=0.03")
+        p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+
+    acc = sub.add_parser("accuracy", help="paired, noise-aware accuracy verdict: candidate vs reference runs",
+                         description=ACCURACY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    accuracy_args(acc)
+    acc.add_argument("--reference-table", type=Path,
+                     help="published summary scores (manifests/references/...): adds an UNPAIRED, weaker comparison")
+    rel = sub.add_parser("release", help="gate checkpoint + gate accuracy: one verdict, report.md and report.json",
+                         description=RELEASE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rel.add_argument("checkpoint", type=Path, help="the quantized checkpoint folder")
+    accuracy_args(rel)
+    rel.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
     return parser
 
 
@@ -49,14 +120,35 @@ def human_report(report: Report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from evals.bundle import BundleError
+    from evals.gate import PASS, accuracy_gate, load_policy, unpaired_against_reference
+    from evals.report import write
+
     args = build_parser().parse_args(argv)
     try:
-        report = verify(args.dir, args.engine, args.deep)
-    except UnreadableCheckpoint as exc:
+        if args.command == "checkpoint":
+            report = verify(args.dir, args.engine, args.deep)
+            print(json.dumps(report.to_dict(), indent=2) if args.json else human_report(report))
+            return EXIT_OK if report.ok else EXIT_BLOCK
+        result = accuracy_gate(args.candidate, args.reference, load_policy(args.policy), _margins(args.margin),
+                               args.reference_rerun)
+        if args.command == "accuracy":
+            if args.reference_table:
+                result["unpaired"] = unpaired_against_reference(args.candidate, args.reference_table)
+            print(json.dumps(result, indent=2, default=float) if args.json else human_accuracy(result))
+            return EXIT_OK if result["verdict"] == PASS else EXIT_BLOCK
+        structure = verify(args.checkpoint, "all")
+        verdict = "RELEASE" if structure.ok and result["verdict"] == PASS else "BLOCK"
+        report = {"verdict": verdict, "checkpoint": str(args.checkpoint), "structure": structure.to_dict(),
+                  "accuracy": result}
+        md, js = write(report, args.report_dir or args.candidate)
+        print(json.dumps(report, indent=2, default=float) if args.json else
+              f"{human_report(structure)}\n\n{human_accuracy(result)}\n\nrelease verdict: {verdict}\n"
+              f"report: {md} and {js}")
+        return EXIT_OK if verdict == "RELEASE" else EXIT_BLOCK
+    except (UnreadableCheckpoint, BundleError) as exc:
         print(f"gate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(report.to_dict(), indent=2) if args.json else human_report(report))
-    return EXIT_OK if report.ok else EXIT_BLOCK
 
 
 EVALS_EPILOG = """\

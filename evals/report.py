@@ -1,0 +1,59 @@
+"""report.md / report.json for ``gate release``: the seed's table, with CIs, verdicts and structure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% normal interval over "
+              "items. Delta: paired (candidate - reference, same items); bounds: one-sided paired bootstrap "
+              "(resampling items; tau2 within domains) at the policy's confidence.")
+
+
+def _fmt(score: dict) -> str:
+    return f"{score['score']:.4f} [{score['ci_low']:.4f}, {score['ci_high']:.4f}]"
+
+
+def markdown(report: dict) -> str:
+    acc = report["accuracy"]
+    lines = [f"# Release gate: {report['verdict']}", "",
+             f"- checkpoint: `{report['checkpoint']}` - structure: "
+             f"{'loads correctly in ' + ', '.join(report['structure']['engines']) if report['structure']['ok'] else 'WOULD NOT LOAD'}",
+             f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`", "",
+             "| eval | n items x repeats | reference | candidate | delta | one-sided bounds | margin | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b in acc["benchmarks"]:
+        lines.append(f"| {b['benchmark']} ({b['filter']}) | {b['n_items']} x {b['repeats']} | {_fmt(b['reference'])} | "
+                     f"{_fmt(b['candidate'])} | {b['delta']:+.4f} | [{b['lower']:+.4f}, {b['upper']:+.4f}] | "
+                     f"-{b['margin']} | **{b['verdict']}** |")
+    lines += ["", CONVENTION, ""]
+    for b in acc["benchmarks"]:
+        extra = [f"rule: {b['rule']}"]
+        if b["mcnemar_p"] is not None:
+            extra.append(f"discordant: reference-only {b['discordant_ref_only']}, candidate-only "
+                         f"{b['discordant_cand_only']}, exact McNemar p = {b['mcnemar_p']:.4f}")
+        if b["items_to_decide"]:
+            extra.append(f"about {b['items_to_decide']} items would decide it at this per-item spread (80% power)")
+        if b["noise"]:
+            extra.append(f"noise floor: reference rerun differs on {b['noise']['reference_self_discordant']} items, "
+                         f"candidate on {b['noise']['candidate_discordant']}: "
+                         f"{'within noise' if b['noise']['within_noise'] else 'beyond noise'}")
+        if b["per_stratum"]:
+            extra.append("per " + ("domain" if b["benchmark"] == "tau2" else "seed (repeat)") + ": " + ", ".join(
+                f"{k}: {v['reference']:.3f} -> {v['candidate']:.3f}" for k, v in b["per_stratum"].items()))
+        lines += [f"**{b['benchmark']}**: " + "; ".join(extra), ""]
+    if acc["blocking"]:
+        lines += ["## Blocking", *[f"- {x}" for x in acc["blocking"]], ""]
+    problems = [f for e in report["structure"]["engines"].values() for f in e["findings"]]
+    if problems:
+        lines += ["## Structure problems", *[f"- [{f['check']}] `{f['module']}`: {f['why']} (fix: {f['fix']})"
+                                             for f in problems], ""]
+    return "\n".join(lines)
+
+
+def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / "report.md", out_dir / "report.json"
+    js.write_text(json.dumps(report, indent=2, default=float))
+    md.write_text(markdown(report))
+    return md, js
