@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("checkpoint", type=Path, help="the quantized checkpoint folder")
     accuracy_args(rel)
     rel.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
+    rel.add_argument("--plots", type=Path, metavar="DIR",
+                     help="also write the dashboard's figures (PNG) and an HTML page with tables and figures to DIR")
     return parser
 
 
@@ -142,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         report = {"verdict": verdict, "checkpoint": str(args.checkpoint), "structure": structure.to_dict(),
                   "accuracy": result}
         md, js = write(report, args.report_dir or args.candidate)
+        if args.plots:
+            from evals import dashboard
+
+            dashboard.write_plots(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
         print(json.dumps(report, indent=2, default=float) if args.json else
               f"{human_report(structure)}\n\n{human_accuracy(result)}\n\nrelease verdict: {verdict}\n"
               f"report: {md} and {js}")

@@ -1,0 +1,163 @@
+"""The dashboard's logic: tables and figures from run bundles, a gate report and a checkpoint.
+
+``notebooks/dashboard.ipynb`` only calls these and displays them; ``gate release --plots DIR``
+writes the same figures as PNG and one HTML page, so everything here is tested without Jupyter.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
+
+from evals.bundle import pair, read_bundle
+from evals.gate import accuracy_gate, load_policy
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
+
+
+def load(candidate=None, reference=None, checkpoint=None, report=None) -> dict:
+    """Everything the dashboard shows: from a gate report.json, or computed from the bundles."""
+    data: dict = {"candidate": candidate, "reference": reference, "checkpoint": checkpoint}
+    if report:
+        saved = json.loads(Path(report).read_text())
+        data["accuracy"], data["structure"] = saved["accuracy"], saved.get("structure")
+        data["candidate"] = data["candidate"] or saved["accuracy"]["candidate"]
+        data["reference"] = data["reference"] or saved["accuracy"]["reference"]
+    elif candidate and reference:
+        data["accuracy"] = accuracy_gate(Path(candidate), Path(reference), load_policy())
+    if checkpoint:
+        from quant.verify import verify
+
+        data["structure"] = data.get("structure") or verify(Path(checkpoint)).to_dict()
+        manifest = Path(checkpoint) / "conversion_manifest.json"
+        data["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
+    return data
+
+
+def seed_table(data: dict) -> pd.DataFrame:
+    """The seed's table, with n, 95% intervals, the paired delta and bounds, and the verdict."""
+    rows = []
+    for b in data["accuracy"]["benchmarks"]:
+        rows.append({"eval": b["benchmark"], "filter": b["filter"], "items x repeats": f"{b['n_items']} x {b['repeats']}",
+                     "reference": f"{b['reference']['score']:.4f} [{b['reference']['ci_low']:.3f}, "
+                                  f"{b['reference']['ci_high']:.3f}]",
+                     "candidate": f"{b['candidate']['score']:.4f} [{b['candidate']['ci_low']:.3f}, "
+                                  f"{b['candidate']['ci_high']:.3f}]",
+                     "delta": round(b["delta"], 4), "one-sided bounds": f"[{b['lower']:+.4f}, {b['upper']:+.4f}]",
+                     "margin": -b["margin"], "verdict": b["verdict"]})
+    return pd.DataFrame(rows)
+
+
+def forest_plot(data: dict):
+    """Paired delta per benchmark with its one-sided bounds and the margin line."""
+    benches = data["accuracy"]["benchmarks"]
+    fig = Figure(figsize=(7, 1.2 + 0.8 * len(benches)))
+    ax = fig.subplots()
+    colours = {"PASS": "tab:green", "FAIL": "tab:red", "INCONCLUSIVE": "tab:orange"}
+    for y, b in enumerate(benches):
+        ax.plot([b["lower"], b["upper"]], [y, y], color=colours[b["verdict"]], linewidth=3)
+        ax.plot([b["delta"]], [y], "o", color="black")
+        ax.plot([-b["margin"]] * 2, [y - 0.35, y + 0.35], "--", color="grey")
+        ax.annotate(b["verdict"], (max(b["upper"], 0) + 0.002, y), va="center", fontsize=8)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(benches)), [b["benchmark"] for b in benches])
+    ax.set_xlabel("paired delta, candidate - reference (bar: one-sided bounds; dashed: -margin)")
+    ax.set_title(f"gate verdict: {data['accuracy']['verdict']}")
+    fig.tight_layout()
+    return fig
+
+
+def _pairs(data: dict, benchmark: str) -> list[tuple[dict, dict]]:
+    bench = next(b for b in data["accuracy"]["benchmarks"] if b["benchmark"] == benchmark)
+    select = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == bench["filter"]]  # noqa: E731
+    return pair(select(read_bundle(Path(data["reference"]))[1]), select(read_bundle(Path(data["candidate"]))[1]))
+
+
+def discordance_tables(data: dict) -> dict[str, pd.DataFrame]:
+    """2x2 per benchmark over (item, repeat) outcomes: reference right/wrong x candidate right/wrong."""
+    out = {}
+    for b in data["accuracy"]["benchmarks"]:
+        counts = np.zeros((2, 2), dtype=int)
+        for ref, cand in _pairs(data, b["benchmark"]):
+            counts[int(ref["score"] < 0.5), int(cand["score"] < 0.5)] += 1
+        out[b["benchmark"]] = pd.DataFrame(counts, index=["reference right", "reference wrong"],
+                                           columns=["candidate right", "candidate wrong"])
+    return out
+
+
+def breakdown_tables(data: dict) -> dict[str, pd.DataFrame]:
+    """Per-seed (GPQA repeats) and per-domain (tau2) scores."""
+    return {b["benchmark"]: pd.DataFrame(b["per_stratum"]).T for b in data["accuracy"]["benchmarks"]
+            if b.get("per_stratum")}
+
+
+def structure_table(data: dict) -> pd.DataFrame:
+    rows = []
+    for engine, result in (data.get("structure") or {}).get("engines", {}).items():
+        if not result["findings"]:
+            rows.append({"engine": engine, "status": "OK", "module": "", "why": "", "fix": ""})
+        rows += [{"engine": engine, "status": "PROBLEM", **{k: f[k] for k in ("module", "why", "fix")}}
+                 for f in result["findings"]]
+    return pd.DataFrame(rows)
+
+
+def error_matrix(manifest: dict) -> pd.DataFrame:
+    """Relative RMS quantization error, layer x projection (routed experts averaged per layer)."""
+    cells: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for shard in manifest["shards"]:
+        for name, info in shard["quantized"].items():
+            match = _EXPERT.match(name)
+            if match:
+                group = "experts" if match.group(2).startswith("experts") else "shared_experts"
+                cells[(int(match.group(1)), f"{group}.{match.group(3)}_proj")].append(info["rel_rms_error"])
+    frame = pd.Series({k: float(np.mean(v)) for k, v in cells.items()}).unstack()
+    return frame.sort_index()
+
+
+def error_heatmap(data: dict):
+    matrix = error_matrix(data["manifest"])
+    fig = Figure(figsize=(1.5 + 1.2 * matrix.shape[1], 1 + 0.25 * matrix.shape[0]))
+    ax = fig.subplots()
+    image = ax.imshow(matrix.to_numpy(), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(matrix.shape[1]), matrix.columns, rotation=30, ha="right")
+    ax.set_yticks(range(matrix.shape[0]), [f"layer {i}" for i in matrix.index])
+    fig.colorbar(image, ax=ax, label="relative RMS error")
+    ax.set_title("MXFP4 quantization error per layer x projection")
+    fig.tight_layout()
+    return fig
+
+
+def figures(data: dict) -> dict:
+    out = {"forest": forest_plot(data)} if data.get("accuracy") else {}
+    if data.get("manifest"):
+        out["heatmap"] = error_heatmap(data)
+    return out
+
+
+def write_plots(data: dict, out_dir: Path) -> list[Path]:
+    """PNG per figure and one self-contained HTML page with the tables and figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths, html = [], ["<html><head><meta charset='utf-8'><title>quantgate dashboard</title></head><body>",
+                       "<h1>quantgate: candidate vs reference</h1>"]
+    if data.get("accuracy"):
+        html += [seed_table(data).to_html(index=False)]
+        for bench, table in discordance_tables(data).items():
+            html += [f"<h3>{bench}: discordance</h3>", table.to_html()]
+    if data.get("structure"):
+        html += ["<h2>structure</h2>", structure_table(data).to_html(index=False)]
+    for name, fig in figures(data).items():
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        (out_dir / f"{name}.png").write_bytes(buf.getvalue())
+        paths.append(out_dir / f"{name}.png")
+        html.append(f"<img alt='{name}' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'/>")
+    (out_dir / "dashboard.html").write_text("\n".join(html + ["</body></html>"]))
+    return paths + [out_dir / "dashboard.html"]

@@ -1,0 +1,83 @@
+"""The dashboard: figures and tables from the package, and the notebook executed headless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evals import dashboard
+from evals.cli import main as gate
+from quant.convert import convert
+from quant.plan import make_plan
+from quant.recipe import load_recipe, with_overrides
+from tests.evals.test_gate import binary_pair, bundle
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "dashboard.ipynb"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, glm_ckpt):
+    root = tmp_path_factory.mktemp("dash")
+    ref, cand = binary_pair(200, 6, 2)
+    rng = np.random.default_rng(0)
+    gref = rng.integers(0, 2, size=(20, 2))
+    gcand = gref.copy()
+    gcand[:3, 0] = 1 - gcand[:3, 0]
+    for name, gsm, gpqa in (("ref", ref, gref), ("cand", cand, gcand)):
+        bundle(root / name / "g", "gsm8k", gsm)
+        bundle(root / name / "q", "gpqa_diamond", gpqa, repeats=2)
+        rows = [json.loads(line) for sub in ("g", "q") for line in (root / name / sub / "samples.jsonl").read_text().splitlines()]
+        (root / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (root / name / "run.json").write_text(json.dumps({"benchmarks": {
+            "gsm8k": {"primary_filter": "flexible-extract"}, "gpqa_diamond": {"primary_filter": "flexible-extract"}}}))
+    ckpt = root / "mxfp4"
+    convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), ckpt, show_progress=False)
+    return root / "cand", root / "ref", ckpt
+
+
+def test_figures_and_tables_are_not_empty(runs):
+    cand, ref, ckpt = runs
+    data = dashboard.load(cand, ref, ckpt)
+    table = dashboard.seed_table(data)
+    assert list(table["eval"]) == ["gpqa_diamond", "gsm8k"] and set(table["verdict"]) <= {"PASS", "FAIL", "INCONCLUSIVE"}
+    forest = dashboard.forest_plot(data)
+    assert len(forest.axes[0].lines) >= 3 * 2  # bound bar, point and margin line per benchmark
+    two_by_two = dashboard.discordance_tables(data)["gsm8k"]
+    assert two_by_two.loc["reference right", "candidate wrong"] == 6
+    assert two_by_two.loc["reference wrong", "candidate right"] == 2
+    assert set(dashboard.breakdown_tables(data)["gpqa_diamond"].index) == {"0", "1"}
+    matrix = dashboard.error_matrix(data["manifest"])
+    assert list(matrix.index) == [1, 2, 3] and "shared_experts.gate_proj" in matrix.columns
+    assert ((matrix > 0.05) & (matrix < 0.2)).all().all()
+    heat = dashboard.error_heatmap(data)
+    assert heat.axes[0].images[0].get_array().shape == matrix.shape
+    assert set(dashboard.structure_table(data)["status"]) == {"OK"}
+
+
+def test_gate_release_plots(runs, tmp_path, capsys):
+    cand, ref, ckpt = runs
+    code = gate(["release", str(ckpt), "--candidate", str(cand), "--reference", str(ref), "--report-dir",
+                 str(tmp_path), "--plots", str(tmp_path / "plots")])
+    capsys.readouterr()
+    assert code in (0, 1)
+    for name in ("forest.png", "heatmap.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    html = (tmp_path / "plots" / "dashboard.html").read_text()
+    assert "data:image/png;base64," in html and "gsm8k" in html
+
+
+def test_notebook_executes_headless(runs, tmp_path):
+    papermill = pytest.importorskip("papermill")
+    cand, ref, ckpt = runs
+    out = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK), str(out), parameters={
+        "candidate": str(cand), "reference": str(ref), "checkpoint": str(ckpt)}, kernel_name="python3",
+        cwd=str(NOTEBOOK.parents[1]), progress_bar=False)
+    executed = json.loads(out.read_text())
+    outputs = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 2  # forest plot and heatmap
