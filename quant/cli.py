@@ -47,17 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", type=Path, help="source checkpoint folder (config.json, shards, index)")
     p.add_argument("dst", nargs="?", type=Path, help="output folder; must be empty (or see --overwrite)")
-    p.add_argument("--to", required=True, choices=["mxfp4", "bf16"],
-                   help="target format: mxfp4, or bf16 to decode an MXFP4 checkpoint exactly back to plain bf16 "
+    p.add_argument("--to", required=True, choices=["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "fp8", "bf16"],
+                   help="target format: mxfp4 (Quark, W4A4); mxfp6_e2m3 / mxfp6_e3m2 (Quark MXFP6: vLLM loads it, "
+                        "sglang's Quark loader does not yet); fp8 (DeepSeek-V3-style 128x128 block FP8, to build "
+                        "your own reference); or bf16 to decode any of those exactly back to plain bf16 "
                         "(transformers cannot load Quark MXFP4 MoE checkpoints; this lets any machine evaluate one)")
     p.add_argument("--recipe", type=Path, metavar="FILE",
                    help="recipe YAML (default: manifests/recipes/mxfp4-w4a4-experts.yaml)")
     p.add_argument("--family-manifest", type=Path, metavar="FILE",
                    help="model-family YAML, for a model_type without a built-in manifest")
-    p.add_argument("--shared-experts", choices=["bf16", "mxfp4"],
-                   help="shared experts: bf16 (seed default; disables sglang's shared-expert fusion) or mxfp4")
-    p.add_argument("--mtp-experts", choices=["mxfp4", "bf16"],
-                   help="routed experts of the MTP layer: mxfp4 (recommended) or bf16 "
+    p.add_argument("--shared-experts", choices=["bf16", "mxfp4", "quantize"],
+                   help="shared experts: bf16 (seed default; disables sglang's shared-expert fusion) or mxfp4 "
+                        "(= quantize, in the --to format)")
+    p.add_argument("--mtp-experts", choices=["mxfp4", "quantize", "bf16"],
+                   help="routed experts of the MTP layer: mxfp4 (= quantize; recommended) or bf16 "
                         "(then both expert aggregates, model.layers.N.mlp.experts and model.decoder.mlp.experts, "
                         "are excluded)")
     p.add_argument("--weight-only", action="store_true",
@@ -89,9 +92,10 @@ def _human_plan(plan: Plan) -> str:
     lines = [
         f"source      {s['source']}  ({s['family']}, {s['shards']} shards, {s['num_hidden_layers']} layers, "
         f"MTP layers {', '.join(s['mtp_layers']) or 'none'})",
-        f"recipe      {s['recipe']['name']}  scale rule {s['recipe']['scale_rule']}, "
-        f"{'W4A16 (weight only)' if s['recipe']['weight_only'] else 'W4A4'}",
-        f"tensors     {s['tensors']}: {s['tensors_quantized']} to MXFP4, {s['tensors_kept']} kept",
+        f"recipe      {s['recipe']['name']} -> {s['recipe']['format']}, scale rule {s['recipe']['scale_rule']}"
+        f"{', weight only' if s['recipe']['weight_only'] else ''}",
+        f"tensors     {s['tensors']}: {s['tensors_quantized']} to {s['recipe']['format'].upper()}, "
+        f"{s['tensors_kept']} kept",
     ]
     for role, counts in sorted(s["by_role"].items()):
         lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
@@ -117,13 +121,13 @@ def _human_done(manifest: dict, dst: Path) -> str:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.example:
-        if args.to != "mxfp4":
-            raise PlanError("--example converts to mxfp4; run --to bf16 on its DIR/mxfp4 afterwards")
+        if args.to == "bf16":
+            raise PlanError("--example converts bf16 to a quantized format; run --to bf16 on its output afterwards")
         if args.src or args.dst:
             raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
-        args.src, args.dst = write_example(args.example / "bf16", args.example_family), args.example / "mxfp4"
+        args.src, args.dst = write_example(args.example / "bf16", args.example_family), args.example / args.to
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
     if args.to == "bf16":
@@ -132,10 +136,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         result = dequantize_checkpoint(args.src, args.dst, overwrite=args.overwrite,
                                        show_progress=not (args.quiet or args.json))
         print(json.dumps(result, indent=2) if args.json else
-              f"done        {result['tensors_dequantized']} MXFP4 weights decoded to bf16 in {result['shards']} "
+              f"done        {result['tensors_dequantized']} quantized weights decoded to bf16 in {result['shards']} "
               f"shards\noutput      {args.dst}")
         return EXIT_OK
-    recipe = with_overrides(load_recipe(args.recipe), shared_experts=args.shared_experts,
+    recipe = with_overrides(load_recipe(args.recipe, args.to), shared_experts=args.shared_experts,
                             mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                             scale_rule=args.scale_rule)
     family = load_family(args.family_manifest) if args.family_manifest else None

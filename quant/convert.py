@@ -200,7 +200,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
         shutil.copyfile(plan.source_dir / name, tmp)
         os.replace(tmp, dst / name)
 
-    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device) for s in todo]
+    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format) for s in todo]
     todo_bytes = sum(s.source_size for s in todo)
     # A worker process costs ~2 s to start (torch, numba): only worth it for real work.
     default_workers = min(os.cpu_count() or 1, -(-todo_bytes // MIN_BYTES_PER_WORKER))

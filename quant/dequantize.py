@@ -1,7 +1,7 @@
-"""``quantize --to bf16``: an MXFP4 (Quark) checkpoint back to plain bf16 that transformers loads.
+"""``quantize --to bf16``: an MXFP4/MXFP6 (Quark) or block-FP8 checkpoint back to plain bf16.
 
-transformers cannot load Quark MXFP4 MoE checkpoints; decoding them exactly (E2M1 value x
-2^(byte - 127)) lets quantized numerics be evaluated on any machine. Shards stream row chunk by
+transformers cannot load Quark MXFP4 MoE checkpoints; decoding them exactly (element value x
+2^(byte - 127), or e4m3 x the tile's scale_inv) lets quantized numerics be evaluated anywhere. Shards stream row chunk by
 row chunk into atomic files, like the converter's.
 """
 
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from quant.convert import check_destination, write_atomic
-from quant.formats import mxfp4
+from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.hashing import StreamHasher
 from quant.plan import INDEX_NAME, PlanError, read_config, source_shards
 from quant.quark_config import strip_quantization_config
@@ -26,20 +26,22 @@ from quant.safetensors_io import PARTIAL_SUFFIX, ShardError, ShardWriter, read_h
 CHUNK_ROWS_BYTES = 16 << 20
 
 
-def _shard_entries(header) -> tuple[list[tuple[str, str, tuple[int, ...]]], set[str]]:
+def _shard_entries(header, fmt: WeightFormat) -> tuple[list[tuple[str, str, tuple[int, ...]]], set[str]]:
     """Output entries in file order, and the names of the weights to decode."""
     tensors = header.tensors
-    packed = {n for n, t in tensors.items() if t.dtype == "U8" and n + "_scale" in tensors and n.endswith(".weight")}
+    packed = {n for n, t in tensors.items() if t.dtype == fmt.weight_dtype and n.endswith(".weight")
+              and n + fmt.scale_suffix in tensors}
     entries = []
     for info in sorted(tensors.values(), key=lambda t: t.begin):
-        if info.name.removesuffix("_scale") in packed and info.name.endswith("_scale"):
+        if info.name.endswith(fmt.scale_suffix) and info.name.removesuffix(fmt.scale_suffix) in packed:
             continue
         if info.name in packed:
-            if info.shape[1] * 2 % mxfp4.BLOCK or tensors[info.name + "_scale"].shape != (
-                    info.shape[0], info.shape[1] * 2 // mxfp4.BLOCK):
-                raise PlanError(f"{header.path.name}: {info.name} is U8{list(info.shape)} but its scale does not fit "
-                                "MXFP4 ([out, in/32]); not an MXFP4 checkpoint quantgate can decode")
-            entries.append((info.name, "BF16", (info.shape[0], info.shape[1] * 2)))
+            shape = logical_shape(fmt, info.shape)
+            expected = fmt.outputs(info.name, shape)[1][2]
+            if tensors[info.name + fmt.scale_suffix].shape != tuple(expected):
+                raise PlanError(f"{header.path.name}: {info.name} is {info.dtype}{list(info.shape)} but its scale does "
+                                f"not fit {fmt.name} (expected {list(expected)}); cannot decode it")
+            entries.append((info.name, "BF16", shape))
         else:
             entries.append((info.name, info.dtype, info.shape))
     return entries, packed
@@ -48,10 +50,10 @@ def _shard_entries(header) -> tuple[list[tuple[str, str, tuple[int, ...]]], set[
 def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show_progress: bool = True) -> dict:
     src, dst = Path(src), Path(dst)
     config = read_config(src)
-    qconfig = config.get("quantization_config") or {}
-    if qconfig.get("quant_method") != "quark":
-        raise PlanError(f"{src / 'config.json'}: not a Quark-quantized checkpoint (quant_method "
-                        f"{qconfig.get('quant_method')!r}); nothing to dequantize")
+    try:
+        fmt = checkpoint_format(config)
+    except ValueError as exc:
+        raise PlanError(f"{src / 'config.json'}: {exc}") from None
     _, files = source_shards(src)
     try:
         headers = {f: read_header(src / f) for f in files}
@@ -63,17 +65,19 @@ def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show
     total = sum(h.file_size for h in headers.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="dequantize", disable=not show_progress) as bar:
         for file, header in headers.items():
-            entries, packed = _shard_entries(header)
+            entries, packed = _shard_entries(header, fmt)
             hasher = StreamHasher()
             writer = ShardWriter(dst / file, entries, hasher)
             try:
                 with safe_open(str(src / file), "pt") as f:
                     for name, _, shape in entries:
                         if name in packed:
-                            weight, scale = f.get_slice(name), f.get_slice(name + "_scale")
-                            step = max(1, CHUNK_ROWS_BYTES // (shape[1] * 2))
+                            weight, scale = f.get_slice(name), f.get_slice(name + fmt.scale_suffix)
+                            step = max(fmt.row_multiple, CHUNK_ROWS_BYTES // (shape[1] * 2) // fmt.row_multiple
+                                       * fmt.row_multiple)
                             for r in range(0, shape[0], step):
-                                rows = mxfp4.dequantize(weight[r:r + step], scale[r:r + step], torch.bfloat16)
+                                s0 = r // fmt.row_multiple
+                                rows = fmt.dequantize(weight[r:r + step], scale[s0:s0 + -(-step // fmt.row_multiple)])
                                 writer.write(name, r * shape[1] * 2, rows.view(torch.uint8).numpy().data)
                             decoded += 1
                         else:

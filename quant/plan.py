@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from quant.formats import mxfp4
+from quant.formats import weight_format
 from quant.layout import Family, family_for
-from quant.quark_config import quantization_config, strip_quantization_config
+from quant.quark_config import fp8_config, quantization_config, strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, encoded_size, read_header
 from quant.serving import build_exclude, sglang_mtp_alias
@@ -69,7 +69,10 @@ class Plan:
         return [tensor for shard in self.shards for tensor in shard.tensors]
 
     def quantization_config(self) -> dict:
-        return quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
+        if self.recipe.format == "fp8":
+            return fp8_config(list(self.exclude))
+        element = weight_format(self.recipe.format).element
+        return quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only, element.name)
 
     def output_config(self) -> dict:
         config = strip_quantization_config(self.config)
@@ -173,11 +176,11 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
                         "(dequantize FP8 sources first)")
     if len(info.shape) != 2:
         raise PlanError(f"{where} is not a 2-D Linear weight; check the family manifest's role patterns")
-    if info.shape[1] % mxfp4.BLOCK:
-        raise PlanError(f"{where}: input dim {info.shape[1]} is not divisible by the MXFP4 block "
-                        f"({mxfp4.BLOCK}); keep this role bf16 in the recipe")
-    weight_shape, scale_shape = mxfp4.packed_shapes(info.shape)
-    outputs = ((info.name, "U8", weight_shape), (info.name + "_scale", "U8", scale_shape))
+    fmt = weight_format(recipe.format)
+    problem = fmt.shape_problem(info.shape)
+    if problem:
+        raise PlanError(f"{where}: {problem}; keep this role bf16 in the recipe")
+    outputs = fmt.outputs(info.name, info.shape)
     return TensorPlan(info, role.role, role.linear, role.mtp, True, outputs)
 
 
@@ -205,6 +208,9 @@ def make_plan(source_dir: Path, recipe: Recipe, family: Family | None = None) ->
                 (quantized if tensor.quantize else kept).add(tensor.source.name.removesuffix(".weight"))
     if not quantized:
         warnings.append("the recipe quantizes no tensor of this checkpoint; the output is a copy with a Quark config")
+    if recipe.format.startswith("mxfp6"):
+        warnings.append(f"{recipe.format}: vLLM loads MXFP6 (emulated); sglang's Quark loader accepts only fp4 "
+                        "today and will refuse this checkpoint")
     if recipe.weight_only:
         warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
                         "vLLM loads it")

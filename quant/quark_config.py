@@ -49,6 +49,12 @@ def quantization_config(exclude: list[str], scale_rule: ScaleRule, weight_only: 
     }
 
 
+def fp8_config(exclude: list[str]) -> dict:
+    """DeepSeek-V3-style block FP8 (SPEC section 1), what vLLM and sglang load as block FP8."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+            "modules_to_not_convert": list(exclude)}
+
+
 def strip_quantization_config(config: dict) -> dict:
     """A copy of a model config without any (nested) ``quantization_config``, as Quark does."""
     clean = copy.deepcopy(config)

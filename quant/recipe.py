@@ -14,7 +14,9 @@ import yaml
 from quant.formats.mxfp4 import ScaleRule
 from quant.layout import TensorRole, manifests_root
 
-DEFAULT_RECIPE = "mxfp4-w4a4-experts"
+DEFAULT_RECIPES = {"mxfp4": "mxfp4-w4a4-experts", "mxfp6_e2m3": "mxfp4-w4a4-experts",
+                   "mxfp6_e3m2": "mxfp4-w4a4-experts", "fp8": "fp8-block"}
+MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
 ACTIONS = ("quantize", "keep")
 
 
@@ -52,25 +54,39 @@ class Recipe:
         return data
 
 
-def load_recipe(path: Path | None = None) -> Recipe:
-    path = path or manifests_root() / "recipes" / f"{DEFAULT_RECIPE}.yaml"
+def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
+    """The recipe at ``path``, or the default one for target format ``to`` (mxfp4 if neither).
+
+    MX recipes are format-agnostic in what they quantize: ``--to mxfp6_e2m3`` with the default
+    (seed) recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
+    engine is known here to load that (sglang's Quark loader takes fp4 only).
+    """
+    path = path or manifests_root() / "recipes" / f"{DEFAULT_RECIPES[to or 'mxfp4']}.yaml"
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise RecipeError(f"recipe {path} not found") from None
-    if data.get("format") != "mxfp4":
-        raise RecipeError(f"{path}: format {data.get('format')!r} is not supported yet (supported: mxfp4)")
+    fmt = data.get("format")
+    if to and fmt != to and not (fmt in MX_FORMATS and to in MX_FORMATS and not data.get("format_fixed")):
+        raise RecipeError(f"{path}: a {fmt} recipe cannot produce --to {to}")
+    fmt = to or fmt
+    if fmt not in DEFAULT_RECIPES:
+        raise RecipeError(f"{path}: format {fmt!r} is not supported (supported: {sorted(DEFAULT_RECIPES)})")
     rules = []
     for raw in data.get("rules") or []:
         if raw.get("action") not in ACTIONS:
             raise RecipeError(f"{path}: rule {raw} needs action one of {ACTIONS}")
+        if raw.get("format", fmt) != fmt:
+            raise RecipeError(f"{path}: rule {raw} asks for {raw['format']} in a {fmt} checkpoint. Mixed formats are "
+                              "refused: sglang's Quark loader accepts only fp4, and vLLM's per-layer Quark configs "
+                              "are not proven here; convert the whole checkpoint to one format")
         rules.append(Rule(raw["role"], raw["action"], raw.get("mtp")))
     activations = data.get("activations", "dynamic")
     if activations not in ("dynamic", "none"):
         raise RecipeError(f"{path}: activations must be 'dynamic' (W4A4) or 'none' (W4A16), got {activations!r}")
     return Recipe(
         name=data.get("name", path.stem),
-        format=data["format"],
+        format=fmt,
         scale_rule=ScaleRule(data.get("scale_rule", "even")),
         weight_only=activations == "none",
         rules=tuple(rules),
@@ -80,7 +96,7 @@ def load_recipe(path: Path | None = None) -> Recipe:
 def with_overrides(recipe: Recipe, *, shared_experts: str | None = None, mtp_experts: str | None = None,
                    weight_only: bool | None = None, scale_rule: str | None = None) -> Recipe:
     """Apply the CLI's policy flags; each becomes a rule ahead of the recipe's own."""
-    to_action = {"bf16": "keep", "mxfp4": "quantize"}
+    to_action = {"bf16": "keep", "mxfp4": "quantize", "quantize": "quantize"}
     extra: list[Rule] = []
     if mtp_experts:
         extra.append(Rule("routed_expert", to_action[mtp_experts], mtp=True))

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from quant.errors import NonFiniteError
-from quant.formats import mxfp4, mxfp4_fast
+from quant.formats import mxfp4, mxfp4_fast, weight_format
 from quant.hashing import StreamHasher
 from quant.plan import ShardPlan, TensorPlan
 from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
-ERROR_ROW_STRIDE = 64  # the error figure is measured on every 64th row: cheap and representative
+ERROR_ROW_STRIDE = 64  # the fast path measures error on every 64th row: cheap and representative
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ShardJob:
     shard: ShardPlan
     scale_rule: mxfp4.ScaleRule
     device: str = "cpu"
+    format: str = "mxfp4"
 
 
 class SourceReader:
@@ -99,18 +100,11 @@ def _nonfinite_error(name: str, x: torch.Tensor, row0: int) -> NonFiniteError:
                           "fix the source checkpoint (Quark would silently write garbage here)")
 
 
-def _sampled_error(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row0: int) -> tuple[float, float]:
-    """Squared error and squared value sums over the chunk's rows at multiples of the stride."""
-    rows = torch.arange((-row0) % ERROR_ROW_STRIDE, x.shape[0], ERROR_ROW_STRIDE, device=x.device)
-    xf = x[rows].to(torch.float32)
-    deq = mxfp4.dequantize(packed[rows].cpu(), scales[rows].cpu(), torch.float32).to(x.device)
-    return float(((deq - xf) ** 2).sum()), float((xf * xf).sum())
-
-
-def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, rule: mxfp4.ScaleRule,
-                    device: str) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """``(packed, scales, err_sq, ref_sq)`` for rows of one weight, given as raw bytes ``[rows, row_bytes]``."""
-    fast = device == "cpu" and rule is mxfp4.ScaleRule.EVEN and dtype == "BF16"
+def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, job: "ShardJob",
+                    ) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """``(weight, scales, err_sq, ref_sq)`` for rows of one weight, given as raw bytes ``[rows, row_bytes]``."""
+    rule, fmt = job.scale_rule, weight_format(job.format)
+    fast = job.format == "mxfp4" and job.device == "cpu" and rule is mxfp4.ScaleRule.EVEN and dtype == "BF16"
     if fast:
         packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
         if not flags.any():
@@ -121,12 +115,13 @@ def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, rule: mxf
         p, s = mxfp4.quantize(x[torch.from_numpy(redo)], rule)
         packed[redo], scales[redo] = p.numpy(), s.numpy()
         return packed, scales, float(err.sum()), float(ref.sum())
-    xd = x.to(device)
+    xd = x.to(job.device)
     if not torch.isfinite(xd).all():
         raise _nonfinite_error(name, xd.cpu(), row0)
-    packed, scales = mxfp4.quantize(xd, rule)
-    err, ref = _sampled_error(xd, packed, scales, row0)
-    return packed.cpu().numpy(), scales.cpu().numpy(), err, ref
+    weight, scales = fmt.quantize(xd, rule)  # the reference path: error measured on every row
+    xf = xd.to(torch.float32)
+    err = float(((fmt.dequantize(weight, scales, torch.float32) - xf) ** 2).sum())
+    return weight.cpu().numpy(), scales.cpu().numpy(), err, float((xf * xf).sum())
 
 
 def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
@@ -134,16 +129,16 @@ def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWrit
     info = tensor.source
     rows, cols = info.shape
     row_bytes = info.nbytes // rows
-    step = max(1, CHUNK_BYTES // row_bytes)
+    multiple = weight_format(job.format).row_multiple  # FP8 scales cover 128-row tiles
+    step = max(multiple, CHUNK_BYTES // row_bytes // multiple * multiple)
     (weight_name, _, _), (scale_name, _, _) = tensor.outputs
     err_sq = ref_sq = 0.0
     scale_chunks = []  # written after the weight, keeping the file order (1/64 of the tensor's size)
     for start in range(0, rows, step):
         count = min(step, rows - start)
         raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
-        packed, scales, err, ref = _quantize_chunk(raw.reshape(count, row_bytes), info.dtype, info.name, start,
-                                                   job.scale_rule, job.device)
-        writer.write(weight_name, start * (cols // 2), packed.data)
+        packed, scales, err, ref = _quantize_chunk(raw.reshape(count, row_bytes), info.dtype, info.name, start, job)
+        writer.write(weight_name, start * packed.shape[1] * packed.itemsize, packed.data)
         scale_chunks.append(scales)
         err_sq, ref_sq = err_sq + err, ref_sq + ref
         advance(count * row_bytes)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from quant.engines import GLOB_CHARS, Finding, Module, config_findings, engine_rules, replay
-from quant.formats.mxfp4 import BLOCK
+from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.layout import UnknownFamilyError, family_for
 from quant.plan import INDEX_NAME, PlanError, read_config, source_shards
 from quant.safetensors_io import ShardError, ShardHeader, read_header
@@ -57,22 +57,24 @@ def _load(checkpoint: Path) -> tuple[dict, dict[str, str] | None, dict[str, Shar
     return config, weight_map, headers
 
 
-def _layout_findings(checkpoint: Path, weight_map: dict[str, str] | None,
-                     headers: dict[str, ShardHeader]) -> list[Finding]:
+def _layout_findings(checkpoint: Path, weight_map: dict[str, str] | None, headers: dict[str, ShardHeader],
+                     fmt: WeightFormat | None) -> list[Finding]:
     findings = []
     tensors = {name: info for h in headers.values() for name, info in h.tensors.items()}
+    suffix = fmt.scale_suffix if fmt else "_scale"
     for name, info in sorted(tensors.items()):
         if not name.endswith(".weight"):
             continue
-        scale = tensors.get(name + "_scale")
-        if info.dtype == "U8":
+        scale = tensors.get(name + suffix)
+        if fmt and info.dtype == fmt.weight_dtype:
+            expected = fmt.outputs(name, logical_shape(fmt, info.shape))[1]
             if scale is None:
-                findings.append(Finding("layout", None, name, "U8 weight without weight_scale: the engines load it "
-                                        "silently as garbage", "re-export the checkpoint; the scale is missing"))
-            elif scale.dtype != "U8" or scale.shape != (info.shape[0], info.shape[1] * 2 // BLOCK):
-                findings.append(Finding("layout", None, name + "_scale",
-                                        f"scale {scale.dtype}{list(scale.shape)} does not fit the MXFP4 weight "
-                                        f"U8{list(info.shape)}: expected U8[{info.shape[0]}, {info.shape[1] * 2 // BLOCK}]",
+                findings.append(Finding("layout", None, name, f"{info.dtype} weight without weight{suffix}: the engines "
+                                        "load it silently as garbage", "re-export the checkpoint; the scale is missing"))
+            elif scale.dtype != expected[1] or scale.shape != tuple(expected[2]):
+                findings.append(Finding("layout", None, name + suffix,
+                                        f"scale {scale.dtype}{list(scale.shape)} does not fit the {fmt.name} weight "
+                                        f"{info.dtype}{list(info.shape)}: expected {expected[1]}{list(expected[2])}",
                                         "re-export the checkpoint"))
         elif info.dtype in FLOAT_DTYPES and scale is not None:
             findings.append(Finding("layout", None, name, f"{info.dtype} weight has a weight_scale",
@@ -129,7 +131,7 @@ def _deep_findings(checkpoint: Path, headers: dict[str, ShardHeader]) -> list[Fi
         with safe_open(str(checkpoint / file), "pt") as f:
             for name, info in header.tensors.items():
                 tensor = f.get_tensor(name)
-                if name.endswith(".weight_scale") and info.dtype == "U8":
+                if name.endswith(".weight_scale") and info.dtype == "U8":  # MX scales
                     if (tensor == 255).any():
                         findings.append(Finding("layout", None, name, "scale byte 255 (E8M0 NaN)", "re-export"))
                     zero_rows = int((tensor == 0).all(dim=-1).sum()) if tensor.dim() == 2 else 0
@@ -151,17 +153,23 @@ def verify(checkpoint: Path, engine: str = "all", deep: bool = False) -> Report:
     rules = engine_rules(engine)
     report = Report(str(checkpoint), [r.name for r in rules])
     num_hidden_layers = int(config[family.num_layers_key])
+    try:
+        fmt = checkpoint_format(config) if config.get("quantization_config") else None
+    except ValueError as exc:
+        raise UnreadableCheckpoint(str(exc)) from None
     modules: dict[str, Module] = {}
     for header in headers.values():
         for name, info in header.tensors.items():
             role = family.classify(name, num_hidden_layers)
             if role.linear and name.endswith(".weight") and len(info.shape) == 2:
-                cols = info.shape[1] * 2 if info.dtype == "U8" else info.shape[1]
-                modules[name.removesuffix(".weight")] = Module(info.dtype == "U8", (info.shape[0], cols), role.role)
+                quantized = fmt is not None and info.dtype == fmt.weight_dtype
+                shape = logical_shape(fmt, info.shape) if quantized else tuple(info.shape)
+                modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
     report.modules_checked = len(modules)
     qconfig = config.get("quantization_config")
-    report.findings += _layout_findings(checkpoint, weight_map, headers)
-    report.findings += _config_findings(qconfig, any(m.quantized for m in modules.values()))
+    report.findings += _layout_findings(checkpoint, weight_map, headers, fmt)
+    has_quantized = any(i.dtype in ("U8", "F8_E4M3") for h in headers.values() for i in h.tensors.values())
+    report.findings += _config_findings(qconfig, has_quantized)
     exclude = (qconfig or {}).get("exclude") or []
     is_quark = (qconfig or {}).get("quant_method") == "quark"
     for rule in rules:
@@ -169,7 +177,7 @@ def verify(checkpoint: Path, engine: str = "all", deep: bool = False) -> Report:
             report.findings += config_findings(rule, qconfig)
             report.findings += replay(rule, modules, [e for e in exclude if isinstance(e, str)], family,
                                       num_hidden_layers)
-        elif any(m.quantized for m in modules.values()):
+        elif any(m.quantized for m in modules.values()) and (qconfig or {}).get("quant_method") != "fp8":
             report.findings.append(Finding("config", rule.name, "quantization_config",
                                            "U8 weights without a Quark quantization_config", "re-export"))
     if deep:

@@ -24,13 +24,13 @@ QUARK_SEED_EXCLUDES = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj",
 
 
 def quark_convert(src: Path, dst: Path, exclude: list[str], scale_rule: str = "even",
-                  weight_only: bool = False) -> dict:
+                  weight_only: bool = False, scheme: str = "mxfp4") -> dict:
     """Run Quark 0.13's file-to-file exporter on CPU; returns the written config.json."""
     from quark.torch import LLMTemplate
     from quark.torch.quantization.file2file_quantization import quantize_model_per_safetensor
 
     logging.getLogger("quark").setLevel(logging.WARNING)
-    config = LLMTemplate.get("llama").get_config(scheme="mxfp4_weight_only" if weight_only else "mxfp4",
+    config = LLMTemplate.get("llama").get_config(scheme="mxfp4_weight_only" if weight_only else scheme,
                                                  exclude_layers=exclude)
     config.global_quant_config.weight.scale_calculation_mode = scale_rule
     quantize_model_per_safetensor(str(src), config, str(dst), device="cpu")

@@ -76,12 +76,12 @@ def edge_case_weight() -> torch.Tensor:
     return torch.cat([w, spread]).to(torch.bfloat16).repeat(1, 2)
 
 
-def quark_single_tensor(tmp_path, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quark_single_tensor(tmp_path, weight: torch.Tensor, rule: str, scheme: str = "mxfp4"):
     src = tmp_path / f"src_{rule}"
     src.mkdir()
     save_file({NAME: weight}, str(src / "model.safetensors"), metadata={"format": "pt"})
     (src / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
-    quark_convert(src, tmp_path / f"quark_{rule}", exclude=[], scale_rule=rule)
+    quark_convert(src, tmp_path / f"quark_{rule}", exclude=[], scale_rule=rule, scheme=scheme)
     out = load_file(str(tmp_path / f"quark_{rule}" / "model.safetensors"))
     return out[NAME], out[NAME + "_scale"]
 

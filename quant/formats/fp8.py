@@ -1,0 +1,41 @@
+"""Block FP8 (DeepSeek-V3 style), the reference format: e4m3 weights, one float32 scale per
+128x128 tile (SPEC section 1). ``w ~= q * scale_inv``; ``scale_inv = amax_tile / 448`` (1.0 for an
+all-zero tile); ``q = clamp(w / scale_inv, -448, 448)`` cast to e4m3 with round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 128
+E4M3_MAX = 448.0
+
+
+def _tiles(rows: int, cols: int) -> tuple[int, int]:
+    return -(-rows // TILE), -(-cols // TILE)
+
+
+def _expand(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return scale_inv.repeat_interleave(TILE, 0)[:rows].repeat_interleave(TILE, 1)[:, :cols]
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [rows, cols], scale_inv float32 [ceil(rows/128), ceil(cols/128)])``."""
+    rows, cols = weight.shape
+    tr, tc = _tiles(rows, cols)
+    x = weight.to(torch.float32)
+    padded = torch.zeros(tr * TILE, tc * TILE, dtype=torch.float32, device=x.device)
+    padded[:rows, :cols] = x.abs()
+    amax = padded.reshape(tr, TILE, tc, TILE).amax(dim=(1, 3))
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    q = (x / _expand(scale_inv, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    rows, cols = q.shape
+    return (q.to(torch.float32) * _expand(scale_inv.to(torch.float32), rows, cols)).to(dtype)
+
+
+def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    return tuple(shape), _tiles(*shape)
