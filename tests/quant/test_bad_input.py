@@ -43,7 +43,7 @@ def test_dim_not_divisible_by_block(tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src", tiny_config(moe_intermediate_size=48))
     code, err = run_cli(capsys, src, tmp_path / "dst")
     assert code == 2
-    assert "down_proj.weight BF16[64, 48]" in err and "not divisible by the MXFP4 block" in err
+    assert "down_proj.weight BF16[64, 48]" in err and "not divisible by the mxfp4 block (32)" in err
     assert not (tmp_path / "dst").exists()
 
 
