@@ -10,7 +10,7 @@ from pathlib import Path
 
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
 from quant.example import FAMILIES, write_example
-from quant.formats.mxfp4 import ScaleRule
+from quant.formats.mx import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
 from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides

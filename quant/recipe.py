@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from quant.formats.mxfp4 import ScaleRule
+from quant.formats.mx import ScaleRule
 from quant.layout import TensorRole, manifests_root
 
 DEFAULT_RECIPES = {"mxfp4": "mxfp4-w4a4-experts", "mxfp6_e2m3": "mxfp4-w4a4-experts",

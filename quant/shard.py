@@ -19,6 +19,7 @@ import torch
 
 from quant.errors import NonFiniteError
 from quant.formats import mxfp4, mxfp4_fast, weight_format
+from quant.formats.mx import ScaleRule
 from quant.hashing import StreamHasher
 from quant.plan import ShardPlan, TensorPlan
 from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
@@ -33,7 +34,7 @@ class ShardJob:
     source_dir: Path
     dst: Path
     shard: ShardPlan
-    scale_rule: mxfp4.ScaleRule
+    scale_rule: ScaleRule
     device: str = "cpu"
     format: str = "mxfp4"
 
@@ -104,7 +105,7 @@ def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, job: "Sha
                     ) -> tuple[np.ndarray, np.ndarray, float, float]:
     """``(weight, scales, err_sq, ref_sq)`` for rows of one weight, given as raw bytes ``[rows, row_bytes]``."""
     rule, fmt = job.scale_rule, weight_format(job.format)
-    fast = job.format == "mxfp4" and job.device == "cpu" and rule is mxfp4.ScaleRule.EVEN and dtype == "BF16"
+    fast = job.format == "mxfp4" and job.device == "cpu" and rule is ScaleRule.EVEN and dtype == "BF16"
     if fast:
         packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
         if not flags.any():

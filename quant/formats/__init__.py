@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from quant.formats import fp8, mx
-from quant.formats.mxfp4 import BLOCK, ScaleRule
+from quant.formats.mx import BLOCK, ScaleRule
 
 
 @dataclass(frozen=True)

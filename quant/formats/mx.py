@@ -8,12 +8,34 @@ MXFP6 packs 4 six-bit codes (bit 5 = sign) into 3 bytes little-endian:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
-from quant.formats import mxfp4
-from quant.formats.mxfp4 import BLOCK, ScaleRule
+BLOCK = 32
+SCALE_BIAS = 127
+ZERO_BLOCK_FALLBACK_EXP = -23  # Quark's floor/ceil fall back to float32 eps for an all-zero block
+
+
+class ScaleRule(str, enum.Enum):
+    """How the shared exponent ``e`` of a block follows from its largest magnitude ``amax``
+    (``emax`` is the element format's largest exponent, 2 for E2M1):
+
+    - ``even`` (Quark's default): ``floor(log2(amax)) - emax`` after rounding ``amax`` up to the
+      next power of two when its mantissa would round past the element's top (>= 1.75 for E2M1).
+      Implemented as ``exponent(amax_bits + 2^(23 - mbits - 1)) - emax`` on the fp32 bit pattern;
+      a carry into the all-ones exponent field means +inf, which Quark clamps to 127.
+    - ``floor`` (plain OCP): ``floor(log2(amax)) - emax``; ``ceil``: ``ceil(log2(amax)) - emax``.
+      Quark takes this ``log2`` in the weight's own dtype: bf16 rounds it to 8 significant bits,
+      so e.g. log2 = -57.05 becomes -57.0 and floors to -57 (plain math says -58); an all-zero
+      block gets float32 eps = 2^-23 as its scale.
+    ``e`` is clamped to [-127, 127]; the stored byte is ``e + 127`` but at least 1.
+    """
+
+    EVEN = "even"
+    FLOOR = "floor"
+    CEIL = "ceil"
 
 
 @dataclass(frozen=True)
@@ -50,8 +72,7 @@ FORMATS = {"mxfp4": E2M1, "mxfp6_e2m3": E2M3, "mxfp6_e3m2": E3M2}
 
 
 def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, source_dtype: torch.dtype) -> torch.Tensor:
-    """Quark's shared exponent per block (see ``mxfp4._block_exponents``; the ``even`` round-up
-    threshold depends on the element's mantissa bits: ``amax_bits + 2^(23 - mbits - 1)``)."""
+    """Quark's unbiased shared exponent per block (int32, clamped to [-127, 127]); see ``ScaleRule``."""
     if rule is ScaleRule.EVEN:
         bits = amax.view(torch.int32) + (1 << (23 - fmt.mbits - 1))
         field = (bits >> 23) & 0xFF
@@ -59,7 +80,7 @@ def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, sou
     else:
         log2 = torch.log2(amax.to(source_dtype)).to(torch.float32)
         log2 = log2.floor() if rule is ScaleRule.FLOOR else log2.ceil()
-        exponent = torch.where(amax == 0, mxfp4.ZERO_BLOCK_FALLBACK_EXP + fmt.emax, log2.clamp(-200, 200))
+        exponent = torch.where(amax == 0, ZERO_BLOCK_FALLBACK_EXP + fmt.emax, log2.clamp(-200, 200))
         exponent = exponent.to(torch.int32)
     return (exponent - fmt.emax).clamp_(-127, 127)
 
@@ -124,7 +145,7 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     values = code_values(fmt)[unpack(packed, fmt).long()]
     rows = values.shape[0]
-    factor = torch.ldexp(torch.ones(scales.shape, dtype=torch.float32), scales.to(torch.int32) - 127)
+    factor = torch.ldexp(torch.ones(scales.shape, dtype=torch.float32), scales.to(torch.int32) - SCALE_BIAS)
     return (values.reshape(rows, -1, BLOCK) * factor.unsqueeze(-1)).reshape(rows, -1).to(dtype)
 
 
