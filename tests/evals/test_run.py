@@ -209,3 +209,20 @@ def test_dead_server_fails_clearly_and_resume_completes(glm_ckpt, data_dir, serv
     assert not (tmp_path / "r" / "run.json").exists()
     assert run_cli(*args, "--base-url", served, "--resume") == 0
     assert len(read_bundle(tmp_path / "r")[1]) == 8
+
+
+def test_tau2_driven_against_the_loopback_server(glm_ckpt, data_dir, served, tmp_path):
+    """`tau2 run` for real (its mock domain, 2 tasks), agent and fixed user simulator both the served
+    tiny model; the results land in the bundle beside GSM8K."""
+    api_base = served.rsplit("/v1", 1)[0] + "/v1"
+    assert run_cli("--benchmarks", "gsm8k,tau2", "--out", tmp_path / "t", "--data-dir", data_dir, "--model", glm_ckpt,
+                   "--base-url", served, "--limit", 2, *GEN, "--tau2-domains", "mock",
+                   "--tau2-user-llm", f"openai/{glm_ckpt}",
+                   "--tau2-user-llm-args", json.dumps({"api_base": api_base, "temperature": 0.0, "max_tokens": 16}),
+                   "--tau2-max-steps", 4) == 0
+    run, rows = read_bundle(tmp_path / "t")
+    tau2 = run["benchmarks"]["tau2"]
+    assert tau2["user_llm"] == f"openai/{glm_ckpt}" and tau2["domains"]["mock"]["tasks"] == 2
+    tau2_rows = [r for r in rows if r["benchmark"] == "tau2"]
+    assert len(tau2_rows) == 2 and all(r["item_id"].startswith("mock/") for r in tau2_rows)
+    assert all(r["score"] == 0.0 for r in tau2_rows)  # a random model completes no task

@@ -72,7 +72,8 @@ def test_not_a_results_file(tmp_path, capsys):
     assert "not a tau2 results file" in capsys.readouterr().err
 
 
-def test_run_says_how_to_get_tau2(tmp_path, capsys):
+def test_run_tau2_needs_an_endpoint_and_a_user_simulator(tmp_path, capsys):
     code = evals_main(["run", "--benchmarks", "tau2", "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path),
                        "--model", "m"])
-    assert code == 2 and "evals import-tau2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "--tau2-user-llm" in err and "evals import-tau2" in err
