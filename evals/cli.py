@@ -175,10 +175,12 @@ def build_evals_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     data = sub.add_parser("data", help="import benchmark data into a data folder, recording sha256s")
     data.add_argument("--data-dir", type=Path, required=True, help="where the prepared data goes")
-    data.add_argument("--gsm8k", type=Path, metavar="DIR", help="folder with GSM8K's official train.jsonl, test.jsonl")
+    data.add_argument("--gsm8k", type=Path, metavar="DIR",
+                      help="folder with GSM8K's official train.jsonl, test.jsonl; or `hub` to fetch it with datasets")
     data.add_argument("--gpqa", type=Path, metavar="FILE",
-                      help="GPQA-Diamond's official CSV (you supply it: it is gated and never bundled); the choice "
-                           "order is frozen into the prepared file")
+                      help="GPQA-Diamond's official CSV (you supply it: it is gated and never bundled), or `hub` to "
+                           "fetch it with datasets once you have accepted its terms; the choice order is frozen "
+                           "into the prepared file")
     tau2 = sub.add_parser("import-tau2", help="ingest tau2-bench results files (one per domain) into a run bundle")
     tau2.add_argument("results", type=Path, nargs="+", help="tau2 results JSON files, one per domain")
     tau2.add_argument("--out", type=Path, required=True, help="run bundle folder to create")
@@ -211,7 +213,7 @@ def build_evals_parser() -> argparse.ArgumentParser:
 
 
 def evals_main(argv: list[str] | None = None) -> int:
-    from evals.data import DataError, import_gpqa, import_gsm8k
+    from evals.data import DataError, fetch_from_hub, import_gpqa, import_gsm8k
     from evals.run import PROTOCOLS, RunError, RunSpec, run
     from evals.tau2 import Tau2Error, import_tau2
 
@@ -225,10 +227,13 @@ def evals_main(argv: list[str] | None = None) -> int:
             if not (args.gsm8k or args.gpqa):
                 raise DataError("nothing to import: give --gsm8k DIR and/or --gpqa FILE")
             done = {}
+            staging = args.data_dir / ".hub"
             if args.gsm8k:
-                done["gsm8k"] = import_gsm8k(args.gsm8k, args.data_dir)
+                source = fetch_from_hub("gsm8k", staging / "gsm8k") if str(args.gsm8k) == "hub" else args.gsm8k
+                done["gsm8k"] = import_gsm8k(source, args.data_dir)
             if args.gpqa:
-                done["gpqa_diamond"] = import_gpqa(args.gpqa, args.data_dir)
+                source = fetch_from_hub("gpqa_diamond", staging / "gpqa") if str(args.gpqa) == "hub" else args.gpqa
+                done["gpqa_diamond"] = import_gpqa(source, args.data_dir)
             print(json.dumps(done, indent=2))
             return EXIT_OK
         benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]

@@ -54,6 +54,32 @@ def import_gsm8k(source_dir: Path, data_dir: Path) -> dict:
     return _update_manifest(data_dir, "gsm8k", files, str(source_dir))
 
 
+HUB_SOURCES = {"gsm8k": ("openai/gsm8k", "main"), "gpqa_diamond": ("Idavidrein/gpqa", "gpqa_diamond")}
+
+
+def fetch_from_hub(benchmark: str, staging: Path) -> Path:
+    """Download a benchmark with ``datasets`` into ``staging`` in its official file layout.
+
+    GSM8K is public; GPQA is gated (accept its terms on the hub and log in first). Nothing here
+    is used unless asked for with ``hub``: the offline path is the default.
+    """
+    repo, name = HUB_SOURCES[benchmark]
+    try:
+        import datasets
+
+        data = datasets.load_dataset(repo, name)
+    except Exception as exc:  # offline, gated, no credentials
+        raise DataError(f"could not fetch {repo} ({name}) from the hub: {type(exc).__name__}: {str(exc)[:300]}; "
+                        "download the official files yourself and pass their path instead") from None
+    staging.mkdir(parents=True, exist_ok=True)
+    if benchmark == "gsm8k":
+        for split in ("train", "test"):
+            data[split].to_json(str(staging / f"{split}.jsonl"), lines=True, force_ascii=False)
+        return staging
+    data["train"].to_csv(str(staging / "gpqa_diamond.csv"), index=False)
+    return staging / "gpqa_diamond.csv"
+
+
 def _read_gpqa_rows(path: Path) -> list[dict]:
     if path.suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as f:

@@ -226,3 +226,14 @@ def test_tau2_driven_against_the_loopback_server(glm_ckpt, data_dir, served, tmp
     tau2_rows = [r for r in rows if r["benchmark"] == "tau2"]
     assert len(tau2_rows) == 2 and all(r["item_id"].startswith("mock/") for r in tau2_rows)
     assert all(r["score"] == 0.0 for r in tau2_rows)  # a random model completes no task
+
+
+def test_evals_data_cli_imports_and_says_when_the_hub_is_out_of_reach(tmp_path, capsys, monkeypatch):
+    assert evals_main(["data", "--data-dir", str(tmp_path / "d"), "--gsm8k", str(GSM8K)]) == 0
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert set(manifest["gsm8k"]["files"]) == {"train.jsonl", "test.jsonl"}
+    capsys.readouterr()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # this machine has no hub; say so, lose nothing
+    assert evals_main(["data", "--data-dir", str(tmp_path / "d"), "--gsm8k", "hub"]) == 2
+    assert "could not fetch openai/gsm8k" in capsys.readouterr().err
+    assert json.loads((tmp_path / "d" / "manifest.json").read_text()) == manifest
