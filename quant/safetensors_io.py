@@ -121,8 +121,9 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...]]],
     return struct.pack("<Q", len(body)) + body, {name: start + off for name, off in relative.items()}
 
 
-def encoded_size(entries: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    header, _ = encode_header(entries)
+def encoded_size(entries: list[tuple[str, str, tuple[int, ...]]], header: bytes | None = None) -> int:
+    """Bytes of the whole file: header plus every tensor's data."""
+    header = header if header is not None else encode_header(entries)[0]
     return len(header) + sum(numel(shape) * DTYPE_BYTES[dtype] for _, dtype, shape in entries)
 
 
@@ -138,7 +139,7 @@ class ShardWriter:
         self.final_path = final_path
         self.tmp_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
         header, self.offsets = encode_header(entries)
-        self.size = len(header) + sum(numel(s) * DTYPE_BYTES[d] for _, d, s in entries)
+        self.size = encoded_size(entries, header)
         self.hasher, self.digest = hasher, hasher.new()
         self.fd = os.open(self.tmp_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         try:

@@ -58,8 +58,3 @@ def quantize(weight: torch.Tensor, rule: ScaleRule = ScaleRule.EVEN) -> tuple[to
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact decode: ``E2M1 value x 2^(byte - 127)``, returned as ``[rows, in]`` in ``dtype``."""
     return mx.dequantize(packed, scales, mx.E2M1, dtype)
-
-
-def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """On-disk shapes of ``(weight, weight_scale)`` for a ``[out, in]`` weight."""
-    return mx.packed_shapes(shape, mx.E2M1)
