@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,3 +155,14 @@ def test_release_writes_reports_and_blocks_on_structure(glm_ckpt, tmp_path, caps
     code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r)
     assert code == 1 and report["verdict"] == "BLOCK"
     assert "model.decoder.mlp.shared_experts.gate_proj" in (c / "report.md").read_text()
+
+
+def test_unpaired_comparison_against_the_seed_table_is_labelled_weaker(tmp_path, capsys):
+    ref, cand = binary_pair(200, 4, 2)
+    table = Path(__file__).resolve().parents[2] / "manifests" / "references" / "glm-5.2-fp8-seed.yaml"
+    code, result = run_gate(capsys, "accuracy", "--candidate", bundle(tmp_path / "c", "gsm8k", cand),
+                            "--reference", bundle(tmp_path / "r", "gsm8k", ref), "--reference-table", table)
+    (row,) = result["unpaired"]
+    assert row["benchmark"] == "gsm8k" and row["kind"].startswith("UNPAIRED (weaker")
+    assert row["reference"] == 0.965 and row["delta"] == pytest.approx(row["candidate"] - 0.965)
+    assert row["ci95"][0] < row["delta"] < row["ci95"][1]
