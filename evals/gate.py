@@ -120,8 +120,9 @@ def noise_floor(ref_rows: list[dict], rerun_rows: list[dict], cand_rows: list[di
     """Reference-vs-reference discordance (a server's "greedy" is not bit-exact under batching)
     against candidate-vs-reference discordance: with d_noise and d_cand discordant items, the
     candidate is "within noise" when d_cand is not more than Binomial(d_noise + d_cand, 1/2) allows."""
-    _, ref, _ = _item_scores([a for a, _ in pair(ref_rows, rerun_rows)])
-    _, rerun, _ = _item_scores([b for _, b in pair(ref_rows, rerun_rows)])
+    rerun_pairs = pair(ref_rows, rerun_rows)
+    _, ref, _ = _item_scores([a for a, _ in rerun_pairs])
+    _, rerun, _ = _item_scores([b for _, b in rerun_pairs])
     _, cand, _ = _item_scores([b for _, b in pair(ref_rows, cand_rows)])
     d_noise, d_cand = int((ref != rerun).sum()), int((ref != cand).sum())
     from scipy.stats import binom

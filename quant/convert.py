@@ -22,14 +22,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 import quant
-from quant.plan import INDEX_NAME, Plan
+from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, check_destination, check_overlap,
+                           copy_atomic, write_atomic)
+from quant.plan import Plan
 from quant.hashing import sha256_file
 from quant.safetensors_io import PARTIAL_SUFFIX
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
 from quant.shard import ShardJob, convert_shard
 
-MANIFEST_NAME = "conversion_manifest.json"
-PROGRESS_NAME = ".quantgate-progress.json"
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 MIN_BYTES_PER_WORKER = 4 << 30  # measured: below this a second process's start-up costs more than it gains
 
@@ -42,46 +42,6 @@ def plan_fingerprint(plan: Plan) -> str:
     key = {"version": quant.__version__, "recipe": plan.recipe.to_dict(), "exclude": list(plan.exclude),
            "shards": [(s.file, s.source_size, s.output_size) for s in plan.shards]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _check_overlap(src: Path, dst: Path) -> None:
-    src, dst = src.resolve(), dst.resolve()
-    if dst == src or src in dst.parents or dst in src.parents:
-        raise ConvertError(f"output folder {dst} overlaps the input {src}; choose a separate, empty folder")
-    if dst.exists() and not dst.is_dir():
-        raise ConvertError(f"output {dst} exists and is not a folder")
-
-
-def _prepare_fresh(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
-            raise ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
-                               f"to replace a previous conversion there{hint}")
-        if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
-                and not (dst / PROGRESS_NAME).exists():
-            raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
-                               "(no config.json or shards); remove it yourself if you mean it")
-        shutil.rmtree(dst)
-
-
-def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """A fresh output folder that neither overlaps the source nor holds anything else."""
-    _check_overlap(src, dst)
-    _prepare_fresh(dst, overwrite)
 
 
 def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> dict[str, dict]:
@@ -176,7 +136,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
     """Run the whole plan into ``dst``; returns the conversion manifest (also written there)."""
     dst = Path(dst)
     if resume and dst.exists():
-        _check_overlap(plan.source_dir, dst)
+        check_overlap(plan.source_dir, dst)
         done = _load_resumable(plan, dst, show_progress)
     else:
         check_destination(plan.source_dir, dst, overwrite)
@@ -196,9 +156,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
 
     save_progress()
     for name in plan.aux_files:
-        tmp = dst / (name + PARTIAL_SUFFIX)
-        shutil.copyfile(plan.source_dir / name, tmp)
-        os.replace(tmp, dst / name)
+        copy_atomic(plan.source_dir / name, dst / name)
 
     jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format) for s in todo]
     todo_bytes = sum(s.source_size for s in todo)

@@ -1,27 +1,25 @@
 """``quantize --to bf16``: an MXFP4/MXFP6 (Quark) or block-FP8 checkpoint back to plain bf16.
 
 transformers cannot load Quark MXFP4 MoE checkpoints; decoding them exactly (element value x
-2^(byte - 127), or e4m3 x the tile's scale_inv) lets quantized numerics be evaluated anywhere. Shards stream row chunk by
-row chunk into atomic files, like the converter's.
+2^(byte - 127), or e4m3 x the tile's scale_inv) lets quantized numerics be evaluated anywhere.
+Shards stream row chunk by row chunk into atomic files, like the converter's.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from quant.convert import check_destination, write_atomic
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.hashing import StreamHasher
-from quant.plan import INDEX_NAME, PlanError, read_config, source_shards
+from quant.outputs import INDEX_NAME, aux_files, check_destination, copy_atomic, write_atomic
+from quant.plan import PlanError, read_config, source_shards
 from quant.quark_config import strip_quantization_config
-from quant.safetensors_io import PARTIAL_SUFFIX, ShardError, ShardWriter, read_header
+from quant.safetensors_io import ShardError, ShardWriter, read_header
 
 CHUNK_ROWS_BYTES = 16 << 20
 
@@ -92,11 +90,8 @@ def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show
             finally:
                 hasher.close()
             weight_map.update({name: file for name, _, _ in entries})
-    for path in src.iterdir():
-        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
-                INDEX_NAME, "config.json", "conversion_manifest.json"):
-            shutil.copyfile(path, dst / (path.name + PARTIAL_SUFFIX))
-            os.replace(dst / (path.name + PARTIAL_SUFFIX), dst / path.name)
+    for name in aux_files(src):
+        copy_atomic(src / name, dst / name)
     write_atomic(dst / INDEX_NAME, json.dumps({"metadata": {"total_size": sum(
         (dst / f).stat().st_size for f in headers)}, "weight_map": weight_map}, indent=2).encode())
     write_atomic(dst / "config.json", json.dumps(strip_quantization_config(config), indent=2).encode())

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from quant.formats import weight_format
 from quant.layout import Family, family_for
+from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import fp8_config, quantization_config, strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, encoded_size, read_header
 from quant.serving import build_exclude, sglang_mtp_alias
 
-INDEX_NAME = "model.safetensors.index.json"
 QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
 Entry = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of an output tensor
 
@@ -218,10 +218,7 @@ def make_plan(source_dir: Path, recipe: Recipe, family: Family | None = None) ->
         warnings.append("shared experts stay bf16: sglang disables its shared-expert fusion (a speed cost, not an error)")
     exclude = build_exclude(kept, quantized, family, num_hidden_layers)
 
-    aux = tuple(sorted(p.name for p in source_dir.iterdir()
-                       if p.is_file() and not p.name.endswith(".safetensors")
-                       and p.name not in (INDEX_NAME, "config.json")))
-    return Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude), aux,
+    return Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude), aux_files(source_dir),
                 tuple(warnings))
 
 

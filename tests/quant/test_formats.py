@@ -20,7 +20,6 @@ from tests.quant.test_mxfp4 import edge_case_weight, quark_single_tensor
 
 @pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "mxfp6_e3m2"])
 def test_mxfp6_edge_cases_match_quark(tmp_path, fmt):
-    from quark.torch import LLMTemplate  # noqa: F401  (Quark's mxfp6 schemes)
 
     weight = edge_case_weight()
     q_packed, q_scales = quark_single_tensor(tmp_path, weight, "even", scheme=fmt)

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from quant.convert import MANIFEST_NAME, sha256_file
-from quant.example import tiny_config, write_checkpoint
+from quant.example import tiny_config
 from quant.plan import make_plan
 from quant.recipe import load_recipe
-from quant.safetensors_io import PARTIAL_SUFFIX, read_header
+from quant.safetensors_io import read_header
 from tests.conftest import interrupt_midway, write_sparse_checkpoint
 
 def test_dry_run_plans_from_headers_only(tmp_path):
