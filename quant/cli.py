@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from quant.errors import ConvertError, DiskFullError, NonFiniteError
+from quant.errors import CheckpointError, ConvertError, DiskFullError, NonFiniteError
 from quant.example import FAMILIES, write_example
 from quant.formats.mx import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DiskFullError, OSError) as exc:  # finished shards stay, no partial file is left: --resume
         print(f"quantize: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (PlanError, RecipeError, NamingError, UnknownFamilyError, ConvertError, NonFiniteError,
+    except (PlanError, CheckpointError, RecipeError, NamingError, UnknownFamilyError, ConvertError, NonFiniteError,
             ShardError) as exc:
         print(f"quantize: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -17,9 +17,10 @@ from tqdm import tqdm
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.hashing import StreamHasher
 from quant.outputs import INDEX_NAME, aux_files, check_destination, copy_atomic, write_atomic
-from quant.plan import PlanError, read_config, source_shards
+from quant.checkpoint import Checkpoint
+from quant.errors import CheckpointError
 from quant.quark_config import strip_quantization_config
-from quant.safetensors_io import ShardError, ShardWriter, read_header
+from quant.safetensors_io import ShardWriter
 
 CHUNK_ROWS_BYTES = 16 << 20
 
@@ -37,7 +38,7 @@ def _shard_entries(header, fmt: WeightFormat) -> tuple[list[tuple[str, str, tupl
             shape = logical_shape(fmt, info.shape)
             expected = fmt.outputs(info.name, shape)[1][2]
             if tensors[info.name + fmt.scale_suffix].shape != tuple(expected):
-                raise PlanError(f"{header.path.name}: {info.name} is {info.dtype}{list(info.shape)} but its scale does "
+                raise CheckpointError(f"{header.path}: {info.name} is {info.dtype}{list(info.shape)} but its scale does "
                                 f"not fit {fmt.name} (expected {list(expected)}); cannot decode it")
             entries.append((info.name, "BF16", shape))
         else:
@@ -47,16 +48,17 @@ def _shard_entries(header, fmt: WeightFormat) -> tuple[list[tuple[str, str, tupl
 
 def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show_progress: bool = True) -> dict:
     src, dst = Path(src), Path(dst)
-    config = read_config(src)
+    checkpoint = Checkpoint.open(src)
+    config, headers = checkpoint.config, checkpoint.headers
     try:
         fmt = checkpoint_format(config)
     except ValueError as exc:
-        raise PlanError(f"{src / 'config.json'}: {exc}") from None
-    _, files = source_shards(src)
-    try:
-        headers = {f: read_header(src / f) for f in files}
-    except ShardError as exc:
-        raise PlanError(str(exc)) from None
+        raise CheckpointError(f"{checkpoint.config_path}: {exc}") from None
+    missing, _ = checkpoint.index_problems()
+    if missing or checkpoint.unlisted_files:
+        what = missing[0].name if missing else checkpoint.unlisted_files[0]
+        raise CheckpointError(f"{src / INDEX_NAME}: {what}: the index and the shards disagree; "
+                              "regenerate the index (gate checkpoint lists every mismatch)")
     check_destination(src, dst, overwrite)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map, decoded = {}, 0
@@ -67,7 +69,7 @@ def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show
             hasher = StreamHasher()
             writer = ShardWriter(dst / file, entries, hasher)
             try:
-                with safe_open(str(src / file), "pt") as f:
+                with safe_open(str(checkpoint.path(file)), "pt") as f:
                     for name, _, shape in entries:
                         if name in packed:
                             weight, scale = f.get_slice(name), f.get_slice(name + fmt.scale_suffix)

@@ -11,3 +11,7 @@ class DiskFullError(ConvertError):
 
 class NonFiniteError(ValueError):
     """A weight to quantize holds NaN or Inf; the message names the tensor, row and column."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read safely (exit code 2); the message names the file and the fix."""

@@ -6,17 +6,17 @@ alone, and the executor only moves bytes the plan already sized.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from quant.checkpoint import Checkpoint
 from quant.formats import weight_format
 from quant.layout import Family, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import fp8_config, quantization_config, strip_quantization_config
 from quant.recipe import Recipe, RecipeError
-from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, encoded_size, read_header
+from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import build_exclude, sglang_mtp_alias
 
 QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
@@ -112,54 +112,21 @@ class Plan:
         }
 
 
-def read_config(source_dir: Path) -> dict:
-    path = source_dir / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"{path}: missing; {source_dir} is not a Hugging Face checkpoint folder") from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{path}: not valid JSON ({exc})") from None
-
-
-def source_shards(source_dir: Path) -> tuple[dict[str, str] | None, list[str]]:
-    """The index's weight map (None without an index) and the shard files to read."""
-    index_path = source_dir / INDEX_NAME
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise PlanError(f"{index_path}: unreadable index ({exc})") from None
-        return weight_map, sorted(set(weight_map.values()))
-    files = sorted(p.name for p in source_dir.glob("*.safetensors"))
-    if not files:
-        raise PlanError(f"{source_dir}: no {INDEX_NAME} and no *.safetensors files")
-    return None, files
-
-
-def _read_headers(source_dir: Path, files: list[str]) -> dict[str, ShardHeader]:
-    headers = {}
-    for name in files:
-        try:
-            headers[name] = read_header(source_dir / name)
-        except ShardError as exc:
-            raise PlanError(str(exc)) from None
-    return headers
-
-
-def _check_index(weight_map: dict[str, str] | None, headers: dict[str, ShardHeader]) -> list[str]:
-    warnings = []
-    if weight_map is None:
-        return warnings
-    for tensor, file in sorted(weight_map.items()):
-        if tensor not in headers[file].tensors:
-            raise PlanError(f"{INDEX_NAME} maps {tensor} to {file}, which has no such tensor; "
-                            "the index and shards disagree (re-download the shard or regenerate the index)")
-    for file, header in headers.items():
-        orphans = sorted(set(header.tensors) - {t for t, f in weight_map.items() if f == file})
-        if orphans:
-            warnings.append(f"{file}: {len(orphans)} tensors not in the index (e.g. {orphans[0]}); copied as they are")
-    return warnings
+def _index_warnings(checkpoint: Checkpoint) -> list[str]:
+    """Refuse what would silently lose data; say what is done with tensors the index forgot."""
+    missing, unlisted = checkpoint.index_problems()
+    if missing:
+        first = missing[0]
+        raise PlanError(f"{checkpoint.folder / INDEX_NAME}: {first.name}: {first.why} ({len(missing)} such "
+                        f"tensors); the index and shards disagree: {first.fix}")
+    if checkpoint.unlisted_files:
+        raise PlanError(f"{checkpoint.folder}: {', '.join(checkpoint.unlisted_files)}: not listed in {INDEX_NAME}, "
+                        "so would not be converted; add their tensors to the index, or move them out of the folder")
+    by_file: dict[str, list[str]] = {}
+    for problem in unlisted:
+        by_file.setdefault(problem.file, []).append(problem.name)
+    return [f"{file}: {len(names)} tensors not in the source index (e.g. {names[0]}); converted by the recipe like "
+            "the others and listed in the output index" for file, names in sorted(by_file.items())]
 
 
 def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_layers: int, file: str) -> TensorPlan:
@@ -176,6 +143,9 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
                         "(dequantize FP8 sources first)")
     if len(info.shape) != 2:
         raise PlanError(f"{where} is not a 2-D Linear weight; check the family manifest's role patterns")
+    if 0 in info.shape:
+        raise PlanError(f"{where} has no elements: an empty Linear weight cannot be quantized; fix the source "
+                        "checkpoint or keep this role bf16 in the recipe")
     fmt = weight_format(recipe.format)
     problem = fmt.shape_problem(info.shape)
     if problem:
@@ -184,22 +154,18 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
     return TensorPlan(info, role.role, role.linear, role.mtp, True, outputs)
 
 
-def make_plan(source_dir: Path, recipe: Recipe, family: Family | None = None) -> Plan:
-    source_dir = Path(source_dir)
-    config = read_config(source_dir)
+def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None) -> Plan:
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
+    source_dir, config = checkpoint.folder, checkpoint.config
     family = family or family_for(config)
-    if family.num_layers_key not in config:
-        raise PlanError(f"{source_dir / 'config.json'}: no {family.num_layers_key!r}; cannot tell the MTP layer apart")
-    num_hidden_layers = int(config[family.num_layers_key])
-    weight_map, files = source_shards(source_dir)
-    headers = _read_headers(source_dir, files)
-    warnings = _check_index(weight_map, headers)
+    num_hidden_layers = checkpoint.config_int(family.num_layers_key)
+    warnings = _index_warnings(checkpoint)
 
     shards = []
-    for file in files:
-        infos = sorted(headers[file].tensors.values(), key=lambda t: t.begin)
+    for file, header in checkpoint.headers.items():
+        infos = sorted(header.tensors.values(), key=lambda t: t.begin)
         tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file) for info in infos)
-        shards.append(ShardPlan(file, headers[file].file_size, tensors))
+        shards.append(ShardPlan(file, header.file_size, tensors))
 
     kept, quantized = set(), set()
     for shard in shards:

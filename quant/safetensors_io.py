@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +65,51 @@ def numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+def open_regular(path: Path):
+    """``path`` opened for binary reading, refused unless it is a regular file: a FIFO or a device
+    named like a shard would block the reader forever (opened non-blocking, checked on the open fd)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ShardError(f"{path}: not a regular file (a FIFO, device or folder); put the real shard file there")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int) -> TensorInfo:
+    where = f"{path}: tensor {name}"
+    if not isinstance(entry, dict):
+        raise ShardError(f"{where}: header entry is not an object; the header is corrupt, re-download this shard")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise ShardError(f"{where}: unsupported or missing dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ShardError(f"{where}: shape {shape!r} is not a list of non-negative integers; the header is corrupt")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise ShardError(f"{where}: data_offsets {offsets!r} are not two ordered non-negative integers; "
+                         "the header is corrupt, re-download this shard")
+    begin, end = offsets
+    if end - begin != numel(shape) * DTYPE_BYTES[dtype]:
+        raise ShardError(f"{where} {dtype}{shape} has {end - begin} bytes; the header is corrupt")
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
 def read_header(path: Path) -> ShardHeader:
-    """Parse and validate a shard's header; never reads tensor data."""
+    """Parse and validate a shard's header; never reads tensor data.
+
+    Accepts exactly what the safetensors library (0.8, ``Metadata::validate`` in
+    safetensors/src/tensor.rs) loads: tensors tile the data area in offset order, without gap or
+    overlap, and the data ends where the file ends. Anything else is refused with the shard and
+    tensor named, before a byte of it is read as tensor data.
+    """
     try:
-        file_size = path.stat().st_size
-        with path.open("rb") as f:
+        with open_regular(path) as f:
+            file_size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise ShardError(f"{path}: only {file_size} bytes, not a safetensors file (truncated?); "
@@ -82,21 +123,28 @@ def read_header(path: Path) -> ShardHeader:
         raise ShardError(f"{path}: missing; the index names it but it is not on disk") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ShardError(f"{path}: header is not valid JSON ({exc}); re-download this shard") from None
+    except OSError as exc:
+        raise ShardError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
+    if not isinstance(raw, dict):
+        raise ShardError(f"{path}: header is a JSON {type(raw).__name__}, not an object; re-download this shard")
     data_start = 8 + header_len
     metadata = raw.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in raw.items():
-        dtype, shape = entry["dtype"], tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        if dtype not in DTYPE_BYTES:
-            raise ShardError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        if end - begin != numel(shape) * DTYPE_BYTES[dtype]:
-            raise ShardError(f"{path}: tensor {name} {dtype}{list(shape)} has {end - begin} bytes; header is corrupt")
-        tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
-    data_end = max((t.end for t in tensors.values()), default=data_start)
-    if data_end > file_size:
-        raise ShardError(f"{path}: truncated, header needs {data_end} bytes but the file has {file_size}; "
+    if not isinstance(metadata, dict):
+        raise ShardError(f"{path}: __metadata__ is not an object; the header is corrupt, re-download this shard")
+    tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in raw.items()}
+    cursor = data_start
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin != cursor:
+            what = "overlaps the tensor before it" if info.begin < cursor else f"leaves a gap at byte {cursor}"
+            raise ShardError(f"{path}: tensor {info.name} at bytes [{info.begin}, {info.end}) {what}; the header is "
+                             "corrupt (safetensors refuses it), re-download or re-export this shard")
+        cursor = info.end
+    if cursor > file_size:
+        raise ShardError(f"{path}: truncated, header needs {cursor} bytes but the file has {file_size}; "
                          "re-download or re-copy this shard")
+    if cursor < file_size:
+        raise ShardError(f"{path}: {file_size - cursor} bytes after the last tensor (safetensors refuses it); "
+                         "re-download or re-export this shard")
     return ShardHeader(path, tensors, metadata, file_size)
 
 

@@ -6,7 +6,7 @@ names the module or tensor, why it fails and what to do.
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,8 +16,8 @@ from safetensors import safe_open
 from quant.engines import GLOB_CHARS, Finding, Module, config_findings, engine_rules, replay
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.layout import UnknownFamilyError, family_for
-from quant.plan import INDEX_NAME, PlanError, read_config, source_shards
-from quant.safetensors_io import ShardError, ShardHeader, read_header
+from quant.checkpoint import INDEX_NAME, Checkpoint
+from quant.errors import CheckpointError
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
@@ -47,20 +47,9 @@ class Report:
                             for e in self.engines}}
 
 
-def _load(checkpoint: Path) -> tuple[dict, dict[str, str] | None, dict[str, ShardHeader]]:
-    try:
-        config = read_config(checkpoint)
-        weight_map, files = source_shards(checkpoint)
-        headers = {f: read_header(checkpoint / f) for f in files}
-    except (PlanError, ShardError) as exc:
-        raise UnreadableCheckpoint(str(exc)) from None
-    return config, weight_map, headers
-
-
-def _layout_findings(checkpoint: Path, weight_map: dict[str, str] | None, headers: dict[str, ShardHeader],
-                     fmt: WeightFormat | None) -> list[Finding]:
+def _layout_findings(checkpoint: Checkpoint, fmt: WeightFormat | None) -> list[Finding]:
     findings = []
-    tensors = {name: info for h in headers.values() for name, info in h.tensors.items()}
+    tensors = checkpoint.tensors()
     suffix = fmt.scale_suffix if fmt else "_scale"
     for name, info in sorted(tensors.items()):
         if not name.endswith(".weight"):
@@ -79,26 +68,59 @@ def _layout_findings(checkpoint: Path, weight_map: dict[str, str] | None, header
         elif info.dtype in FLOAT_DTYPES and scale is not None:
             findings.append(Finding("layout", None, name, f"{info.dtype} weight has a weight_scale",
                                     "drop the stray scale or re-export"))
-    if weight_map is not None:
-        for name, file in sorted(weight_map.items()):
-            if name not in headers[file].tensors:
-                findings.append(Finding("layout", None, name, f"{INDEX_NAME} maps it to {file}, which lacks it",
-                                        "regenerate the index or re-copy the shard"))
-        listed = set(weight_map)
-        for name in sorted(set(tensors) - listed):
-            findings.append(Finding("layout", None, name, f"in a shard but not in {INDEX_NAME}",
-                                    "regenerate the index"))
-        index = json.loads((checkpoint / INDEX_NAME).read_text())
-        total = (index.get("metadata") or {}).get("total_size")
-        file_bytes = sum(h.file_size for h in headers.values())
+    missing, unlisted = checkpoint.index_problems()
+    findings += [Finding("layout", None, p.name, p.why, p.fix) for p in missing + unlisted]
+    if checkpoint.index is not None:
+        metadata = checkpoint.index.get("metadata")
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
+        file_bytes = sum(h.file_size for h in checkpoint.headers.values())
         data_bytes = sum(t.nbytes for t in tensors.values())
         if total is not None and total not in (file_bytes, data_bytes):
             findings.append(Finding("layout", None, INDEX_NAME, f"total_size {total} matches neither the tensor bytes "
                                     f"({data_bytes}) nor the shard sizes ({file_bytes})", "regenerate the index"))
-    if not any((checkpoint / f).exists() for f in TOKENIZER_FILES):
+    if not any((checkpoint.folder / f).exists() for f in TOKENIZER_FILES):
         findings.append(Finding("layout", None, "tokenizer", "no tokenizer file; the engines cannot start without one",
                                 "copy the source checkpoint's tokenizer files"))
     return findings
+
+
+def _missing_layers(tensors, num_hidden_layers: int) -> list[Finding]:
+    """Decoder layers the config declares that hold no tensor at all (a dropped shard, a cut index)."""
+    present = {int(m.group(1)) for name in tensors if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    absent = [i for i in range(num_hidden_layers) if i not in present]
+    if not absent:
+        return []
+    shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+    return [Finding("layout", None, f"model.layers.{absent[0]}",
+                    f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor in the "
+                    "checkpoint", "re-copy the missing shards (or fix the index that omits them)")]
+
+
+def _exclude_list(qconfig: dict) -> tuple[list[str] | None, list[Finding]]:
+    """The exclude entries the engines can use, and findings for the ones they would choke on.
+
+    ``None`` when the list itself is malformed: replaying it would only add misleading findings."""
+    exclude = qconfig.get("exclude")
+    if exclude is None:
+        return [], []
+    if not isinstance(exclude, list):
+        return None, [Finding("config", None, "quantization_config.exclude",
+                              f"must be a list of module names, not a {type(exclude).__name__} ({exclude!r:.60})",
+                              'write "exclude": ["model.layers.0.self_attn.q_proj", ...] (quantize writes it)')]
+    usable, findings = [], []
+    for entry in exclude:
+        if not isinstance(entry, str):
+            findings.append(Finding("config", None, repr(entry), "exclude entries must be strings", "fix the entry"))
+            continue
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                findings.append(Finding("config", None, entry, f"not a valid regular expression ({exc}): the engines "
+                                        "raise re.error while loading", "fix the pattern after 're:'"))
+                continue
+        usable.append(entry)
+    return usable, findings
 
 
 def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
@@ -115,20 +137,18 @@ def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
         if not isinstance(qconfig.get(key), dict):
             findings.append(Finding("config", None, f"quantization_config.{key}",
                                     "must be a dict: vLLM iterates it unguarded", f'write "{key}": {{}}'))
-    for entry in qconfig.get("exclude") or []:
-        if not isinstance(entry, str):
-            findings.append(Finding("config", None, repr(entry), "exclude entries must be strings", "fix the entry"))
-        elif not entry.startswith("re:") and GLOB_CHARS & set(entry):
+    for entry in qconfig.get("exclude") if isinstance(qconfig.get("exclude"), list) else []:
+        if isinstance(entry, str) and not entry.startswith("re:") and GLOB_CHARS & set(entry):
             findings.append(Finding("config", None, entry, "glob entry: the engines match exclude entries exactly "
                                     "(or by re: regex), so it matches nothing",
                                     "replace it with the exact module names (quantize writes them)"))
     return findings
 
 
-def _deep_findings(checkpoint: Path, headers: dict[str, ShardHeader]) -> list[Finding]:
+def _deep_findings(checkpoint: Checkpoint) -> list[Finding]:
     findings = []
-    for file, header in headers.items():
-        with safe_open(str(checkpoint / file), "pt") as f:
+    for file, header in checkpoint.headers.items():
+        with safe_open(str(checkpoint.path(file)), "pt") as f:
             for name, info in header.tensors.items():
                 tensor = f.get_tensor(name)
                 if name.endswith(".weight_scale") and info.dtype == "U8":  # MX scales
@@ -143,43 +163,62 @@ def _deep_findings(checkpoint: Path, headers: dict[str, ShardHeader]) -> list[Fi
     return findings
 
 
-def verify(checkpoint: Path, engine: str = "all", deep: bool = False) -> Report:
-    checkpoint = Path(checkpoint)
-    config, weight_map, headers = _load(checkpoint)
+def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     try:
-        family = family_for(config)
-    except UnknownFamilyError as exc:
+        checkpoint = Checkpoint.open(folder)
+        family = family_for(checkpoint.config)
+        num_hidden_layers = checkpoint.config_int(family.num_layers_key)
+    except (CheckpointError, UnknownFamilyError) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
+    config = checkpoint.config
     rules = engine_rules(engine)
-    report = Report(str(checkpoint), [r.name for r in rules])
-    num_hidden_layers = int(config[family.num_layers_key])
-    try:
-        fmt = checkpoint_format(config) if config.get("quantization_config") else None
-    except ValueError as exc:
-        raise UnreadableCheckpoint(str(exc)) from None
-    modules: dict[str, Module] = {}
-    for header in headers.values():
-        for name, info in header.tensors.items():
-            role = family.classify(name, num_hidden_layers)
-            if role.linear and name.endswith(".weight") and len(info.shape) == 2:
-                quantized = fmt is not None and info.dtype == fmt.weight_dtype
-                shape = logical_shape(fmt, info.shape) if quantized else tuple(info.shape)
-                modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
-    report.modules_checked = len(modules)
+    report = Report(str(folder), [r.name for r in rules])
     qconfig = config.get("quantization_config")
-    report.findings += _layout_findings(checkpoint, weight_map, headers, fmt)
-    has_quantized = any(i.dtype in ("U8", "F8_E4M3") for h in headers.values() for i in h.tensors.values())
-    report.findings += _config_findings(qconfig, has_quantized)
-    exclude = (qconfig or {}).get("exclude") or []
+    if qconfig is not None and not isinstance(qconfig, dict):
+        report.findings.append(Finding("config", None, "quantization_config",
+                                       f"must be an object, not a {type(qconfig).__name__}: the engines cannot read it",
+                                       "re-export the checkpoint (quantize writes Quark's quantization_config)"))
+        qconfig = {}
+    weight = (qconfig or {}).get("global_quant_config", {})
+    for key in ("global_quant_config", "weight"):
+        if not isinstance(weight, dict):
+            report.findings.append(Finding("config", None, f"quantization_config.{key}", f"must be an object, not a "
+                                           f"{type(weight).__name__}", "re-export the checkpoint"))
+            qconfig = {}
+            break
+        weight = weight.get("weight", {})
+    try:
+        fmt = checkpoint_format(config) if qconfig else None
+    except ValueError as exc:
+        raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
+    tensors = checkpoint.tensors()
+    modules: dict[str, Module] = {}
+    for name, info in tensors.items():
+        role = family.classify(name, num_hidden_layers)
+        if role.linear and name.endswith(".weight") and len(info.shape) == 2:
+            quantized = fmt is not None and info.dtype == fmt.weight_dtype
+            shape = logical_shape(fmt, info.shape) if quantized else tuple(info.shape)
+            modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
+    report.modules_checked = len(modules)
+    if not modules:
+        report.findings.append(Finding("layout", None, "checkpoint", f"no Linear module of family {family.name} "
+                                       "found: nothing the engines would load was checked",
+                                       "check that the shards and index are the model's"))
+    report.findings += _missing_layers(tensors, num_hidden_layers)
+    report.findings += _layout_findings(checkpoint, fmt)
+    has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
+    report.findings += _config_findings(qconfig or None, has_quantized)
+    exclude, exclude_findings = _exclude_list(qconfig or {})
+    report.findings += exclude_findings
     is_quark = (qconfig or {}).get("quant_method") == "quark"
     for rule in rules:
         if is_quark:
             report.findings += config_findings(rule, qconfig)
-            report.findings += replay(rule, modules, [e for e in exclude if isinstance(e, str)], family,
-                                      num_hidden_layers)
+            if exclude is not None:
+                report.findings += replay(rule, modules, exclude, family, num_hidden_layers)
         elif any(m.quantized for m in modules.values()) and (qconfig or {}).get("quant_method") != "fp8":
             report.findings.append(Finding("config", rule.name, "quantization_config",
                                            "U8 weights without a Quark quantization_config", "re-export"))
     if deep:
-        report.findings += _deep_findings(checkpoint, headers)
+        report.findings += _deep_findings(checkpoint)
     return report

@@ -1,0 +1,163 @@
+"""A checkpoint folder, read safely once: ``config.json``, the index and every shard's header.
+
+The planner (``quantize``), the checker (``gate checkpoint``) and the decoder (``--to bf16``)
+all see a checkpoint through this class, so the rules below hold for each of them alike:
+
+- shard names come from the index (or, without one, the folder listing) and must be plain file
+  names ending in ``.safetensors``: no ``/``, no ``..``, no absolute path. Every file this tool
+  reads or writes for a shard is ``folder / name``, so a hostile index cannot make it read or
+  write outside the folder;
+- a shard must be a regular file (a FIFO would block the reader) whose header the safetensors
+  library would load (``read_header``: offsets tile the data, nothing before or after);
+- ``config.json`` and the index must be JSON objects of the expected types, and a tensor may
+  live in only one shard.
+
+Disagreements between the index and the shards are reported by ``index_problems``, once, and
+each caller decides: the planner refuses the ones that would lose data, the gate lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quant.errors import CheckpointError
+from quant.outputs import INDEX_NAME
+from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, read_header
+
+SHARD_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class IndexProblem:
+    name: str  # the tensor, or the shard file for a file the index does not list
+    file: str
+    why: str
+    fix: str
+
+
+def read_json_object(path: Path, what: str):
+    """A JSON object from ``path`` (``what`` says what the file is for, in the error)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {path.parent} is not a Hugging Face checkpoint folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); restore the {what} from the original checkpoint") \
+            from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object; restore the {what} from the "
+                              "original checkpoint")
+    return data
+
+
+def check_shard_name(name, source: str) -> str:
+    """``name`` if it is a plain shard file name; ``source`` says where it came from, for the error."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
+    if not plain or not name.endswith(SHARD_SUFFIX):
+        raise CheckpointError(f"{source}: shard name {name!r} is not a plain *{SHARD_SUFFIX} file name in the "
+                              "checkpoint folder (no folders, '..' or absolute paths); fix the index entry")
+    return name
+
+
+def config_int(config: dict, key: str, config_path: Path) -> int:
+    """A non-negative integer field of ``config.json``."""
+    value = config.get(key)
+    if value is None:
+        raise CheckpointError(f"{config_path}: no {key!r}; add it (the model's config.json always has it)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{config_path}: {key} is {value!r}, not a non-negative integer; fix config.json")
+    return value
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    folder: Path
+    config: dict
+    index: dict | None  # the parsed index (its metadata and weight_map), None for an index-less folder
+    headers: dict[str, ShardHeader]  # shard file name -> header, in name order
+    unlisted_files: tuple[str, ...]  # *.safetensors in the folder that the index does not name
+
+    @classmethod
+    def open(cls, folder: Path) -> "Checkpoint":
+        folder = Path(folder)
+        if not folder.exists():
+            raise CheckpointError(f"{folder}: no such folder; give a Hugging Face checkpoint folder")
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: a file, not a folder; give the checkpoint folder that holds it")
+        config = read_json_object(folder / "config.json", "config.json")
+        index, weight_map = None, None
+        on_disk = sorted(p.name for p in folder.glob("*" + SHARD_SUFFIX))
+        if (folder / INDEX_NAME).exists():
+            index = read_json_object(folder / INDEX_NAME, "index")
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{folder / INDEX_NAME}: weight_map is {type(weight_map).__name__}, not an "
+                                      "object mapping tensor names to shard files; regenerate the index")
+            if not weight_map:
+                raise CheckpointError(f"{folder / INDEX_NAME}: weight_map lists no tensor; regenerate the index")
+            for tensor, file in weight_map.items():
+                check_shard_name(file, f"{folder / INDEX_NAME} entry {tensor}")
+            files = sorted(set(weight_map.values()))
+        else:
+            if not on_disk:
+                raise CheckpointError(f"{folder}: no {INDEX_NAME} and no *{SHARD_SUFFIX} files; "
+                                      "give a Hugging Face checkpoint folder")
+            files = on_disk
+        try:
+            headers = {file: read_header(folder / file) for file in files}
+        except ShardError as exc:
+            raise CheckpointError(str(exc)) from None
+        seen: dict[str, str] = {}
+        for file, header in headers.items():
+            for tensor in header.tensors:
+                if tensor in seen:
+                    raise CheckpointError(f"{folder}: tensor {tensor} is in both {seen[tensor]} and {file}; "
+                                          "remove the stale copy (or regenerate the shards)")
+                seen[tensor] = file
+        unlisted = tuple(f for f in on_disk if f not in headers)
+        return cls(folder, config, index, headers, unlisted)
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / "config.json"
+
+    @property
+    def weight_map(self) -> dict[str, str] | None:
+        return None if self.index is None else self.index["weight_map"]
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.headers)
+
+    def path(self, file: str) -> Path:
+        """The path of one of this checkpoint's shards (only those: names were checked on open)."""
+        if file not in self.headers:
+            raise KeyError(f"{file} is not a shard of {self.folder}")
+        return self.folder / file
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {name: info for header in self.headers.values() for name, info in header.tensors.items()}
+
+    def config_int(self, key: str) -> int:
+        return config_int(self.config, key, self.config_path)
+
+    def index_problems(self) -> tuple[list[IndexProblem], list[IndexProblem]]:
+        """``(missing, unlisted)``: tensors the index names but no shard holds (data would be lost),
+        and shard files or tensors on disk that the index does not name."""
+        if self.weight_map is None:
+            return [], []
+        missing = [IndexProblem(tensor, file, f"{INDEX_NAME} maps it to {file}, which has no such tensor",
+                                "re-download the shard or regenerate the index")
+                   for tensor, file in sorted(self.weight_map.items()) if tensor not in self.headers[file].tensors]
+        unlisted = [IndexProblem(file, file, f"a shard in the folder of which {INDEX_NAME} lists no tensor",
+                                 "add its tensors to the index, or move the file out of the folder")
+                    for file in self.unlisted_files]
+        for file, header in self.headers.items():
+            unlisted += [IndexProblem(tensor, file, f"in {file} but not in {INDEX_NAME}", "regenerate the index")
+                         for tensor in sorted(set(header.tensors) - set(self.weight_map))]
+        return missing, unlisted
