@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from quant import kernels
 from quant.verify import Report, UnreadableCheckpoint, verify
 
 EXIT_OK, EXIT_BLOCK, EXIT_BAD_INPUT = 0, 1, 2
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
     rel.add_argument("--plots", type=Path, metavar="DIR",
                      help="also write the dashboard's figures (PNG) and an HTML page with tables and figures to DIR")
+    kernels.add_arguments(rel, release=True)
+    kern = sub.add_parser("kernels", help="will the engine run this checkpoint's MoE on a tuned kernel (aiter, Triton)",
+                          description=kernels.HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernels.add_arguments(kern)
     return parser
 
 
@@ -132,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             report = verify(args.dir, args.engine, args.deep)
             print(json.dumps(report.to_dict(), indent=2) if args.json else human_report(report))
             return EXIT_OK if report.ok else EXIT_BLOCK
+        if args.command == "kernels":
+            return kernels.run_cli(args)
         result = accuracy_gate(args.candidate, args.reference, load_policy(args.policy), _margins(args.margin),
                                args.reference_rerun)
         if args.command == "accuracy":
@@ -140,16 +147,20 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result, indent=2, default=float) if args.json else human_accuracy(result))
             return EXIT_OK if result["verdict"] == PASS else EXIT_BLOCK
         structure = verify(args.checkpoint, "all")
-        verdict = "RELEASE" if structure.ok and result["verdict"] == PASS else "BLOCK"
+        kern = kernels.release_check(args, result["policy"])
+        kernels_block = bool(kern and kern["blocking"] and not kern["ok"])
+        verdict = "RELEASE" if structure.ok and result["verdict"] == PASS and not kernels_block else "BLOCK"
         report = {"verdict": verdict, "checkpoint": str(args.checkpoint), "structure": structure.to_dict(),
-                  "accuracy": result}
+                  "accuracy": result, "kernels": kern}
         md, js = write(report, args.report_dir or args.candidate)
         if args.plots:
             from evals import dashboard
 
             dashboard.write_plots(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
         print(json.dumps(report, indent=2, default=float) if args.json else
-              f"{human_report(structure)}\n\n{human_accuracy(result)}\n\nrelease verdict: {verdict}\n"
+              f"{human_report(structure)}\n\n{human_accuracy(result)}\n\n"
+              + (f"{kern['summary']} ({'BLOCKING' if kern['blocking'] else 'warning'})\n\n" if kern else "")
+              + f"release verdict: {verdict}\n"
               f"report: {md} and {js}")
         return EXIT_OK if verdict == "RELEASE" else EXIT_BLOCK
     except (UnreadableCheckpoint, BundleError) as exc:

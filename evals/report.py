@@ -44,6 +44,9 @@ def markdown(report: dict) -> str:
         lines += [f"**{b['benchmark']}**: " + "; ".join(extra), ""]
     if acc["blocking"]:
         lines += ["## Blocking", *[f"- {x}" for x in acc["blocking"]], ""]
+    if report.get("kernels"):
+        kern = report["kernels"]
+        lines += [f"## MoE kernels ({'blocking' if kern['blocking'] else 'warning'})", "", f"- {kern['summary']}", ""]
     problems = [f for e in report["structure"]["engines"].values() for f in e["findings"]]
     if problems:
         lines += ["## Structure problems", *[f"- [{f['check']}] `{f['module']}`: {f['why']} (fix: {f['fix']})"
