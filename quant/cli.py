@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="finish an interrupted conversion in DST: shards recorded as done are re-checked "
                         "(size, sha256) and kept, the rest redone; same options as the first run")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse (exit 2) a NaN/Inf in a tensor kept as it is (norms, attention, ... by the recipe); "
+                        "without it that tensor is copied unchanged with a warning naming it. NaN/Inf in a weight to "
+                        "quantize is always refused")
     p.add_argument("--workers", type=int, metavar="N",
                    help="worker processes, one shard each (default: number of cores, at most the shard count)")
     p.add_argument("--device", default="cpu",
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError(f"--device {args.device}: no such device here (torch sees "
                             f"{torch.cuda.device_count()} CUDA devices); use --device cpu")
     manifest = convert(plan, args.dst, overwrite=args.overwrite, resume=args.resume, workers=args.workers,
-                       device=args.device, show_progress=not (args.quiet or args.json), command=["quantize", *argv])
+                       device=args.device, show_progress=not (args.quiet or args.json), command=["quantize", *argv],
+                       strict=args.strict)
     print(json.dumps({"plan": plan.summary(), "manifest": manifest}, indent=2) if args.json
           else _human_done(manifest, args.dst))
     return EXIT_OK

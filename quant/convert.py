@@ -10,27 +10,32 @@ re-checking every shard it keeps against the recorded size and hash.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import errno
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 import quant
-from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, check_destination, check_overlap,
-                           copy_atomic, write_atomic)
+from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, DestinationLock, check_overlap, copy_atomic,
+                           prepare_destination, write_atomic)
 from quant.plan import Plan
 from quant.hashing import sha256_file
 from quant.safetensors_io import PARTIAL_SUFFIX
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
-from quant.shard import ShardJob, convert_shard
+from quant.shard import ShardJob, convert_shard, file_identity
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+log = logging.getLogger(__name__)
 MIN_BYTES_PER_WORKER = 4 << 30  # measured: below this a second process's start-up costs more than it gains
 
 __all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "PROGRESS_NAME", "convert",
@@ -44,27 +49,63 @@ def plan_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> dict[str, dict]:
-    """Finished shards that are still intact; anything else there is removed to be redone."""
+def _read_progress(dst: Path) -> dict:
+    path = dst / PROGRESS_NAME
+    try:
+        state = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        state = None
+    records = state.get("shards") if isinstance(state, dict) else None
+    sources = state.get("sources") if isinstance(state, dict) else None
+    valid = isinstance(records, dict) and isinstance(sources, dict) and all(
+        isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("sha256"), str)
+        and isinstance(r.get("source_sha256"), str) and isinstance(sources.get(name), dict)
+        for name, r in records.items())
+    if not valid:
+        raise ConvertError(f"--resume: {path} is missing, unreadable or incomplete (written by another version?); "
+                           "start over with --overwrite")
+    return state
+
+
+RACY_NS = 2_000_000_000  # a file modified this close to its reading may change again within one mtime tick
+
+
+def _source_unchanged(source: Path, record: dict, identity: dict) -> bool:
+    """The source shard is the one converted: the same size, mtime, inode and device, or, on any
+    doubt (one differs, or the file was modified just before it was read), the same sha256."""
+    try:
+        current = file_identity(source.stat())
+        if all(identity.get(k) == v for k, v in current.items()) \
+                and current["mtime_ns"] < identity.get("opened_ns", 0) - RACY_NS:
+            return True
+        return sha256_file(source) == record["source_sha256"]
+    except OSError:
+        return False
+
+
+def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Finished shards whose output is intact and whose source is unchanged, with their source
+    identities; anything else there is removed to be redone."""
     if (dst / MANIFEST_NAME).exists():
         raise ConvertError(f"--resume: {dst} is already a finished conversion ({MANIFEST_NAME} is there)")
-    try:
-        state = json.loads((dst / PROGRESS_NAME).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        raise ConvertError(f"--resume: {dst} holds no readable {PROGRESS_NAME}; start over with --overwrite") from None
+    state = _read_progress(dst)
     if state.get("fingerprint") != plan_fingerprint(plan):
         raise ConvertError(f"--resume: {dst} was started with other sources, recipe or quantgate version; "
                            "start over with --overwrite (or resume with the original options)")
     kept: dict[str, dict] = {}
-    records = state.get("shards", {})
+    records, sources = state["shards"], state["sources"]
     for name in tqdm(sorted(records), desc="verify", unit="shard", disable=not show_progress):
         record, path = records[name], dst / name
-        if path.exists() and path.stat().st_size == record["size"] and sha256_file(path) == record["sha256"]:
-            kept[name] = record
+        if not (path.exists() and path.stat().st_size == record["size"] and sha256_file(path) == record["sha256"]):
+            continue
+        if not _source_unchanged(plan.source_dir / name, record, sources[name]):
+            log.warning("%s: the source changed since it was converted; converting it again", plan.source_dir / name)
+            continue
+        kept[name] = record
     for path in dst.iterdir():  # stale partials and shards that failed verification
         if path.name.endswith(PARTIAL_SUFFIX) or (path.suffix == ".safetensors" and path.name not in kept):
             path.unlink()
-    return kept
+    return kept, {name: sources[name] for name in kept}
 
 
 def _check_space(dst: Path, needed: int) -> None:
@@ -77,8 +118,20 @@ def _check_space(dst: Path, needed: int) -> None:
 _progress_counter = None
 
 
-def _init_worker(threads: int, counter) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive a parent killed by kill -9: the kernel sends it SIGKILL then
+    (Linux ``PR_SET_PDEATHSIG``; the pool starts workers from the main thread, which lives as long
+    as the parent process)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _init_worker(threads: int, counter, parent_pid: int) -> None:
     global _progress_counter
+    _die_with_parent(parent_pid)
     _progress_counter = counter
     import numba
 
@@ -104,7 +157,8 @@ def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> No
     context = multiprocessing.get_context("spawn")  # no fork after numba's or torch's threads started
     counter = context.Value("q", 0)
     threads = max(1, (os.cpu_count() or 1) // workers)
-    pool = cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(threads, counter))
+    pool = cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                initargs=(threads, counter, os.getpid()))
     pending = {pool.submit(_run_in_worker, job) for job in jobs}
     failure: BaseException | None = None
     try:
@@ -132,77 +186,93 @@ def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> No
 
 
 def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = False, workers: int | None = None,
-            device: str = "cpu", show_progress: bool = True, command: list[str] | None = None) -> dict:
-    """Run the whole plan into ``dst``; returns the conversion manifest (also written there)."""
+            device: str = "cpu", show_progress: bool = True, command: list[str] | None = None,
+            strict: bool = False) -> dict:
+    """Run the whole plan into ``dst``; returns the conversion manifest (also written there).
+
+    ``dst`` is locked for the whole run: a second writer is refused, naming this one's pid."""
     dst = Path(dst)
-    if resume and dst.exists():
-        check_overlap(plan.source_dir, dst)
-        done = _load_resumable(plan, dst, show_progress)
-    else:
-        check_destination(plan.source_dir, dst, overwrite)
-        done = {}
+    check_overlap(plan.source_dir, dst)
+    resuming = resume and dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
+    with DestinationLock(dst):
+        if resuming:
+            done, sources = _load_resumable(plan, dst, show_progress)
+        else:
+            prepare_destination(dst, overwrite)
+            done, sources = {}, {}
+        return _run(plan, dst, done, sources, workers, device, show_progress, command, strict)
+
+
+def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict], workers: int | None, device: str,
+         show_progress: bool, command: list[str] | None, strict: bool) -> dict:
     todo = [s for s in plan.shards if s.file not in done]
     _check_space(dst, sum(s.output_size for s in todo))
     started = time.time()
     fingerprint = plan_fingerprint(plan)
 
     def save_progress() -> None:
-        write_atomic(dst / PROGRESS_NAME, json.dumps({"fingerprint": fingerprint, "shards": done}).encode())
+        state = {"fingerprint": fingerprint, "shards": done, "sources": sources}
+        write_atomic(dst / PROGRESS_NAME, json.dumps(state).encode())
 
     def record(result: dict) -> None:
+        sources[result["file"]] = result.pop("source_identity")
+        for tensor, where in result["kept_non_finite"].items():
+            log.warning("%s: NaN/Inf at %s in a tensor kept as it is (copied unchanged; --strict refuses it)",
+                        tensor, where)
         done[result["file"]] = result
         save_progress()
 
-    save_progress()
-    for name in plan.aux_files:
-        copy_atomic(plan.source_dir / name, dst / name)
-
-    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format) for s in todo]
+    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format, strict)
+            for s in todo]
     todo_bytes = sum(s.source_size for s in todo)
     # A worker process costs ~2 s to start (torch, numba): only worth it for real work.
     default_workers = min(os.cpu_count() or 1, -(-todo_bytes // MIN_BYTES_PER_WORKER))
     workers = 1 if device != "cpu" else max(1, min(workers or default_workers, len(jobs)))
     try:
+        save_progress()
+        for name in plan.aux_files:
+            copy_atomic(plan.source_dir / name, dst / name)
         with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="quantize", disable=not show_progress) as bar:
             _run_jobs(jobs, workers, bar, record)
+        elapsed = time.time() - started
+        records = [done[s.file] for s in plan.shards]
+        index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}
+        write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
+        write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
+        manifest = {
+            "tool": "quantgate",
+            "version": quant.__version__,
+            "command": command,
+            "created_unix": int(started),
+            "seconds": round(elapsed, 3),
+            "resumed_shards": len(plan.shards) - len(todo),
+            "source": str(plan.source_dir.resolve()),
+            "family": plan.family.name,
+            "recipe": plan.recipe.to_dict(),
+            "format": plan.recipe.format,
+            "exclude_count": len(plan.exclude),
+            "shards": records,
+            "summary": {
+                "tensors_quantized": sum(len(r["quantized"]) for r in records),
+                "bytes_in": sum(r["source_size"] for r in records),
+                "bytes_out": sum(r["size"] for r in records),
+                "gb_per_s": round(todo_bytes / 1e9 / elapsed, 4) if elapsed else None,
+                "workers": workers,
+                "device": device,
+            },
+            "warnings": list(plan.warnings) + [f"{tensor}: NaN/Inf at {where}, kept as it is" for r in records
+                                               for tensor, where in r["kept_non_finite"].items()],
+        }
+        write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
     except BaseException as exc:
-        for partial in dst.glob("*.safetensors" + PARTIAL_SUFFIX):  # every worker has stopped by now
+        for partial in dst.glob("*" + PARTIAL_SUFFIX):  # every worker has stopped by now
             partial.unlink()
         if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-            raise DiskFullError(f"disk full writing into {dst} ({exc.strerror}); {len(done)} of "
+            where = f" ({Path(exc.filename).name.removesuffix(PARTIAL_SUFFIX)})" if exc.filename else ""
+            raise DiskFullError(f"disk full writing into {dst}{where}: {exc.strerror}; {len(done)} of "
                                 f"{len(plan.shards)} shards are finished and kept; free space and rerun with "
                                 "--resume") from exc
         raise
-    elapsed = time.time() - started
-
-    records = [done[s.file] for s in plan.shards]
-    index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}
-    write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
-    write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
-    manifest = {
-        "tool": "quantgate",
-        "version": quant.__version__,
-        "command": command,
-        "created_unix": int(started),
-        "seconds": round(elapsed, 3),
-        "resumed_shards": len(plan.shards) - len(todo),
-        "source": str(plan.source_dir.resolve()),
-        "family": plan.family.name,
-        "recipe": plan.recipe.to_dict(),
-        "format": plan.recipe.format,
-        "exclude_count": len(plan.exclude),
-        "shards": records,
-        "summary": {
-            "tensors_quantized": sum(len(r["quantized"]) for r in records),
-            "bytes_in": sum(r["source_size"] for r in records),
-            "bytes_out": sum(r["size"] for r in records),
-            "gb_per_s": round(todo_bytes / 1e9 / elapsed, 4) if elapsed else None,
-            "workers": workers,
-            "device": device,
-        },
-        "warnings": list(plan.warnings),
-    }
-    write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
     (dst / PROGRESS_NAME).unlink()
     return manifest

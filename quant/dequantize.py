@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.hashing import StreamHasher
-from quant.outputs import INDEX_NAME, aux_files, check_destination, copy_atomic, write_atomic
+from quant.outputs import (INDEX_NAME, DestinationLock, aux_files, check_overlap, copy_atomic, prepare_destination,
+                           write_atomic)
 from quant.checkpoint import Checkpoint
 from quant.errors import CheckpointError
 from quant.quark_config import strip_quantization_config
@@ -59,8 +60,15 @@ def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show
         what = missing[0].name if missing else checkpoint.unlisted_files[0]
         raise CheckpointError(f"{src / INDEX_NAME}: {what}: the index and the shards disagree; "
                               "regenerate the index (gate checkpoint lists every mismatch)")
-    check_destination(src, dst, overwrite)
+    check_overlap(src, dst)
     dst.mkdir(parents=True, exist_ok=True)
+    with DestinationLock(dst):
+        prepare_destination(dst, overwrite)
+        return _decode(checkpoint, fmt, dst, show_progress)
+
+
+def _decode(checkpoint: Checkpoint, fmt: WeightFormat, dst: Path, show_progress: bool) -> dict:
+    src, config, headers = checkpoint.folder, checkpoint.config, checkpoint.headers
     weight_map, decoded = {}, 0
     total = sum(h.file_size for h in headers.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="dequantize", disable=not show_progress) as bar:

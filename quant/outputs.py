@@ -1,8 +1,10 @@
 """Output-folder hygiene shared by every writer (``--to`` any format, ``--to bf16``): never touch
-the source, never mix with other files, and never leave a complete-looking partial file."""
+the source, never mix with other files, one writer at a time, and never leave a complete-looking
+partial file."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -13,8 +15,9 @@ from quant.safetensors_io import PARTIAL_SUFFIX
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "conversion_manifest.json"
 PROGRESS_NAME = ".quantgate-progress.json"
+LOCK_NAME = ".quantgate.lock"
 # Files a writer creates itself; everything else in a source folder is carried over unchanged.
-WRITTEN = (INDEX_NAME, "config.json", MANIFEST_NAME, PROGRESS_NAME)
+WRITTEN = (INDEX_NAME, "config.json", MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME)
 
 
 def aux_files(folder: Path) -> tuple[str, ...]:
@@ -54,16 +57,63 @@ def check_overlap(src: Path, dst: Path) -> None:
         raise ConvertError(f"output {dst} exists and is not a folder")
 
 
-def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """A fresh output folder that neither overlaps the source nor holds anything else."""
-    check_overlap(src, dst)
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
-            raise ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
-                               f"to replace a previous conversion there{hint}")
-        if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
-                and not (dst / PROGRESS_NAME).exists():
-            raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
-                               "(no config.json or shards); remove it yourself if you mean it")
-        shutil.rmtree(dst)
+class DestinationLock:
+    """Exclusive hold on an output folder for a writer's whole run (``with DestinationLock(dst):``).
+
+    An advisory ``flock`` on ``DST/.quantgate.lock``, which holds the writer's pid so a second
+    writer can say whom it waits for. The kernel drops the lock when its holder dies (even by
+    kill -9), so a stale file never blocks anyone; a finished run removes it.
+    """
+
+    def __init__(self, dst: Path):
+        self.path = Path(dst) / LOCK_NAME
+        self.fd = -1
+
+    def __enter__(self) -> "DestinationLock":
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ConvertError(f"{self.path.parent} is being written by another quantize run (pid {holder}); "
+                                   "wait for it to finish or stop it (then --resume), or choose another folder") \
+                    from None
+            try:  # the holder before us may have removed the file between our open and our lock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self.fd = fd
+                return self
+            os.close(fd)
+        raise ConvertError(f"{self.path}: could not take the lock (the file keeps being replaced); retry")
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)  # while still held: nobody can have locked this file meanwhile
+        os.close(self.fd)
+        self.fd = -1
+
+
+def prepare_destination(dst: Path, overwrite: bool) -> None:
+    """An empty output folder (the lock aside): a previous conversion there is removed with
+    ``overwrite``, anything else is refused. Call while holding the ``DestinationLock``."""
+    entries = [p for p in dst.iterdir() if p.name != LOCK_NAME]
+    if not entries:
+        return
+    if not overwrite:
+        hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
+        raise ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
+                           f"to replace a previous conversion there{hint}")
+    if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
+            and not (dst / PROGRESS_NAME).exists():
+        raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
+                           "(no config.json or shards); remove it yourself if you mean it")
+    for path in entries:  # the folder itself stays: the lock lives in it
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

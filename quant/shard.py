@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ from quant.formats import mxfp4, mxfp4_fast, weight_format
 from quant.formats.mx import ScaleRule
 from quant.hashing import StreamHasher
 from quant.plan import ShardPlan, TensorPlan
-from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter
+from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
@@ -37,6 +38,25 @@ class ShardJob:
     scale_rule: ScaleRule
     device: str = "cpu"
     format: str = "mxfp4"
+    strict: bool = False  # NaN/Inf in a tensor kept as it is: an error, not a warning
+
+
+def file_identity(st: os.stat_result) -> dict:
+    """What says a file is the one read before without reading it: a rewrite changes one of these."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "device": st.st_dev}
+
+
+# Exponent-field masks: a float is NaN or Inf exactly when all its exponent bits are set.
+_EXPONENT_MASKS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+
+
+def first_non_finite(data, dtype: str) -> int | None:
+    """Index of the first NaN/Inf element in raw little-endian float bytes, None if all are finite."""
+    if dtype not in _EXPONENT_MASKS:
+        return None
+    word, mask = _EXPONENT_MASKS[dtype]
+    bad = np.flatnonzero((np.frombuffer(data, word) & word(mask)) == mask)
+    return int(bad[0]) if bad.size else None
 
 
 class SourceReader:
@@ -51,8 +71,10 @@ class SourceReader:
         self.path = path
         self.hasher, self.digest = hasher, hasher.new()
         self.pos = self.released = 0
-        with path.open("rb") as f:
-            self.size = os.fstat(f.fileno()).st_size
+        with open_regular(path) as f:
+            self.opened = os.fstat(f.fileno())  # the identity --resume checks before trusting this shard
+            self.opened_ns = time.time_ns()
+            self.size = self.opened.st_size
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
         if self.map:
             self.map.madvise(mmap.MADV_SEQUENTIAL)
@@ -85,6 +107,9 @@ class SourceReader:
         if self.pos < self.size:
             self.read(self.pos, self.size - self.pos)
         self.hasher.drain()
+        if file_identity(self.path.stat()) != file_identity(self.opened):
+            raise ShardError(f"{self.path}: changed while it was being converted; leave the source alone and "
+                             "rerun (--resume keeps the finished shards)")
         return self.digest.hexdigest()
 
     def close(self) -> None:
@@ -147,13 +172,26 @@ def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWrit
     return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
 
 
-def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter,
-                 advance: Callable[[int], None]) -> None:
+def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                 advance: Callable[[int], None]) -> str | None:
+    """Copy a kept tensor unchanged; returns where its first NaN/Inf is (None if it has none)."""
     info = tensor.source
+    non_finite = None
+    item = numel(info.shape) and info.nbytes // numel(info.shape)
     for done in range(0, info.nbytes, CHUNK_BYTES):
         size = min(CHUNK_BYTES, info.nbytes - done)
-        writer.write(info.name, done, reader.read(info.begin + done, size))
+        data = reader.read(info.begin + done, size)
+        if non_finite is None and (bad := first_non_finite(data, info.dtype)) is not None:
+            element = done // item + bad
+            cols = info.shape[-1] if len(info.shape) > 1 else 0
+            non_finite = f"row {element // cols}, column {element % cols}" if cols else f"element {element}"
+            if job.strict:
+                raise NonFiniteError(f"{job.source_dir / job.shard.file}: tensor {info.name}: NaN/Inf at "
+                                     f"{non_finite} (kept as it is by the recipe; --strict refuses it); fix the "
+                                     "source checkpoint, or drop --strict to copy it unchanged")
+        writer.write(info.name, done, data)
         advance(size)
+    return non_finite
 
 
 def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None) -> dict:
@@ -162,14 +200,15 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     hasher = StreamHasher()
     writer = reader = None
     errors: dict[str, dict] = {}
+    kept_non_finite: dict[str, str] = {}
     try:
         writer = ShardWriter(job.dst / shard.file, shard.entries, hasher)
         reader = SourceReader(job.source_dir / shard.file, hasher)
         for tensor in shard.tensors:
             if tensor.quantize:
                 errors[tensor.source.name] = _quantize_tensor(reader, tensor, writer, job, advance)
-            else:
-                _copy_tensor(reader, tensor, writer, advance)
+            elif where := _copy_tensor(reader, tensor, writer, job, advance):
+                kept_non_finite[tensor.source.name] = where
         source_sha256 = reader.finish()
         output_sha256 = writer.commit()
     except BaseException:
@@ -181,4 +220,5 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
             reader.close()
         hasher.close()
     return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
-            "size": writer.size, "sha256": output_sha256, "quantized": errors}
+            "size": writer.size, "sha256": output_sha256, "quantized": errors, "kept_non_finite": kept_non_finite,
+            "source_identity": {**file_identity(reader.opened), "opened_ns": reader.opened_ns}}
