@@ -39,3 +39,19 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = to
 
 def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
     return tuple(shape), _tiles(*shape)
+
+
+def quantize_dequantize(x: torch.Tensor, group: int = TILE, eps: float = 1e-10) -> torch.Tensor:
+    """What a dynamic block-FP8 activation becomes: per token, each group of ``group`` values along the
+    last dim gets ``scale = max(amax, eps) * (1 / 448)`` in float32 and ``clamp(x / scale, +-448)`` cast to
+    e4m3, then multiplied back, returned in ``x``'s dtype. This is vLLM 0.33.0's
+    ``per_token_group_quant_fp8`` (``model_executor/layers/quantization/utils/fp8_utils.py``, the Triton
+    ``_per_token_group_quant_fp8``, without ``use_ue8m0``). A last group shorter than ``group`` is
+    quantized on its own (as if zero-padded: padding changes no amax).
+    """
+    cols = x.shape[-1]
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, -cols % group))
+    groups = padded.reshape(*x.shape[:-1], -1, group)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=eps) * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+    q = (groups / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).reshape(*x.shape[:-1], -1)[..., :cols].to(x.dtype)

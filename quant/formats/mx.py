@@ -9,6 +9,7 @@ MXFP6 packs 4 six-bit codes (bit 5 = sign) into 3 bytes little-endian:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,15 @@ E3M2 = ElementFormat("fp6_e3m2", 3, 2)
 FORMATS = {"mxfp4": E2M1, "mxfp6_e2m3": E2M3, "mxfp6_e3m2": E3M2}
 
 
-def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, source_dtype: torch.dtype) -> torch.Tensor:
-    """Quark's unbiased shared exponent per block (int32, clamped to [-127, 127]); see ``ScaleRule``."""
+def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, source_dtype: torch.dtype,
+                    *, stored: bool = True) -> torch.Tensor:
+    """Quark's unbiased shared exponent per block (int32); see ``ScaleRule``.
+
+    ``stored``: clamped to [-127, 127], what an E8M0 byte holds (weights). Otherwise Quark's dynamic
+    (activation) scale, ``PerBlockMXObserver.get_scale``: ``even`` clamps the same way, but
+    ``floor``/``ceil`` take ``2^e`` in the source dtype unclamped, and where it underflows to 0
+    use float32 eps (2^-23) instead.
+    """
     if rule is ScaleRule.EVEN:
         bits = amax.view(torch.int32) + (1 << (23 - fmt.mbits - 1))
         field = (bits >> 23) & 0xFF
@@ -82,7 +90,12 @@ def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, sou
         log2 = log2.floor() if rule is ScaleRule.FLOOR else log2.ceil()
         exponent = torch.where(amax == 0, ZERO_BLOCK_FALLBACK_EXP + fmt.emax, log2.clamp(-200, 200))
         exponent = exponent.to(torch.int32)
-    return (exponent - fmt.emax).clamp_(-127, 127)
+    exponent = exponent - fmt.emax
+    if stored or rule is ScaleRule.EVEN:
+        return exponent.clamp_(-127, 127)
+    finfo = torch.finfo(source_dtype)
+    smallest_subnormal = round(math.log2(finfo.smallest_normal * finfo.eps))
+    return torch.where(exponent < smallest_subnormal, ZERO_BLOCK_FALLBACK_EXP, exponent)
 
 
 def element_codes(y: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -103,14 +116,36 @@ def element_codes(y: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    # 2^e as an exact float32 (e >= -127 may be subnormal; ldexp keeps it exact).
+    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32, device=exponent.device), exponent)
+
+
+def encode(x: torch.Tensor, fmt: ElementFormat, rule: ScaleRule = ScaleRule.EVEN,
+           *, stored: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [..., n] uint8, exponents [..., n / 32] int32)`` of a tensor cut into 32-blocks along its last dim."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    exponent = block_exponents(blocks.abs().amax(dim=-1), fmt, rule, x.dtype, stored=stored)
+    codes = element_codes(blocks / _power_of_two(exponent).unsqueeze(-1), fmt)
+    return codes.reshape(x.shape), exponent
+
+
 def quantize(weight: torch.Tensor, fmt: ElementFormat, rule: ScaleRule = ScaleRule.EVEN):
     """``(packed, scales)`` for a ``[rows, in]`` weight: packed ``[rows, in * bits / 8]`` uint8."""
-    rows, cols = weight.shape
-    x = weight.to(torch.float32).reshape(rows, cols // BLOCK, BLOCK)
-    exponent = block_exponents(x.abs().amax(dim=-1), fmt, rule, weight.dtype)
-    scale = torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32), exponent)
-    codes = element_codes(x / scale.unsqueeze(-1), fmt).reshape(rows, cols)
+    codes, exponent = encode(weight, fmt, rule)
     return pack(codes, fmt), (exponent + 127).clamp_(min=1).to(torch.uint8)
+
+
+def quantize_dequantize(x: torch.Tensor, fmt: ElementFormat, rule: ScaleRule = ScaleRule.EVEN) -> torch.Tensor:
+    """What a dynamic MX activation becomes (Quark's ``input_tensors`` fake quantization): ``x`` of any shape,
+    blocks of 32 along its last dim, each element replaced by its code's value x 2^e, in ``x``'s dtype.
+
+    Same ``encode`` as the weights, with Quark's dynamic exponents (``block_exponents(stored=False)``)
+    and the exact ``2^e`` as the scale (a block at e = -127 keeps 2^-127, where a stored byte says 2^-126).
+    """
+    codes, exponent = encode(x, fmt, rule, stored=False)
+    values = code_values(fmt).to(x.device)[codes.long()].reshape(*exponent.shape, BLOCK)
+    return (values * _power_of_two(exponent).unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 def pack(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
