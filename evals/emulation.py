@@ -1,0 +1,332 @@
+"""Evaluate what will be served: a quantized checkpoint loaded into transformers with its weights
+decoded exactly and its activations quantize-dequantized the way the serving engines quantize them.
+
+Schemes covered (anything else is refused, naming the scheme, never evaluated as bf16):
+- Quark MX (``quant_method: quark``): weights MXFP4 / MXFP6 (E2M1, E2M3, E3M2; 32-blocks, E8M0
+  scales, any scale rule); activations per ``input_tensors``: the same kind of MX spec, dynamic
+  (W4A4, W6A6, ...), or none (weight-only, W4A16). Codec: ``quant.formats.mx.quantize_dequantize``,
+  bit-exact with Quark's own ``DynamicScaledFakeQuantize``.
+- Block FP8 (``quant_method: fp8``, DeepSeek-V3 style): weights e4m3 with 128x128 float32 scales;
+  activations dynamic per token in groups of 128, e4m3 (``quant.formats.fp8.quantize_dequantize``).
+
+Which modules are quantized is read from the shards themselves (a weight with its scale tensor):
+that is what an engine multiplies. transformers' extension points used (transformers 5.24):
+- ``transformers.quantizers.auto.register_quantization_config`` / ``register_quantizer``: the
+  ``quantgate-emulation`` quantizer below. The checkpoint's config is loaded, its
+  ``quantization_config`` replaced by ours, and passed to ``from_pretrained(config=...)``.
+- ``HfQuantizer.get_load_operations()["dequantize"]`` (``quantizers/base.py``): our op decodes every
+  (weight, scale) pair; ``HfQuantizer.update_weight_conversions`` runs it before the model's own
+  converters merge per-expert tensors into the fused ``experts.gate_up_proj`` / ``down_proj``.
+- ``HfQuantizer._process_model_before_weight_loading``: a forward pre-hook
+  (``torch.nn.Module.register_forward_pre_hook``) on each quantized Linear quantize-dequantizes its input.
+- ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (``ExpertsInterface.register``) +
+  ``from_pretrained(experts_implementation=...)``: ``experts_forward`` is transformers' eager experts
+  loop (``DeepseekV3Experts.forward``) with the inputs of both expert matmuls quantize-dequantized.
+No transformers code is patched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from quant.checkpoint import Checkpoint
+from quant.formats import WeightFormat, fp8, mx, weight_format
+from quant.formats.mx import ScaleRule
+
+METHOD = "quantgate-emulation"
+EXPERTS_IMPLEMENTATION = "quantgate-emulation"
+# Quark algorithms whose effect is baked into the stored weights (nothing left to emulate at run time).
+BAKED_ALGORITHMS = {"smooth", "autosmoothquant", "awq", "gptq", "gptaq", "autoround", "qronos"}
+EXPERT_PROJ = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?:gate_proj|up_proj|down_proj)$")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class EmulationRefused(ValueError):
+    """The checkpoint's quantization scheme is not one this emulation reproduces; says which."""
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """What a quantized checkpoint computes: its weight format and how activations are quantized."""
+
+    source: str  # "quark" or "fp8": the quantization_config it was read from
+    weights: str  # quant.formats name: mxfp4, mxfp6_e2m3, mxfp6_e3m2, fp8
+    weight_scale_rule: str | None  # MX only
+    activations: str | None  # None: weight-only (W4A16 / W8A16)
+    activation_scale_rule: str | None = None  # MX only
+    activation_group: int | None = None  # values sharing a scale, along the last dim, per token
+    modules: list[str] = field(default_factory=list)  # checkpoint modules with quantized weights
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return weight_format(self.weights)
+
+    @property
+    def scheme(self) -> str:
+        bits = {"mxfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6, "fp8": 8}
+        act = f"A{bits[self.activations]}" if self.activations else "A16"
+        return f"W{bits[self.weights]}{act}"
+
+    def activation_qdq(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "fp8":
+            return fp8.quantize_dequantize(x, self.activation_group)
+        return mx.quantize_dequantize(x, mx.FORMATS[self.activations], ScaleRule(self.activation_scale_rule))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _quark_mx_format(spec: dict, role: str, dynamic: bool) -> tuple[str, str]:
+    """(format name, scale rule) of a Quark MX tensor spec, or EmulationRefused naming what differs."""
+    names = {element.name: name for name, element in mx.FORMATS.items()}
+    dtype = spec.get("dtype")
+    if dtype not in names:
+        raise EmulationRefused(f"Quark {role} dtype {dtype!r} (qscheme {spec.get('qscheme')!r}) is not emulated; "
+                               f"covered: {sorted(names)} per_group 32 with e8m0 scales")
+    expected = {"qscheme": "per_group", "group_size": mx.BLOCK, "ch_axis": -1, "scale_format": "e8m0",
+                "is_dynamic": dynamic, "mx_element_dtype": None}
+    wrong = {k: spec.get(k) for k, v in expected.items() if spec.get(k) != v}
+    if spec.get("round_method") not in (None, "half_even"):
+        wrong["round_method"] = spec["round_method"]
+    rule = spec.get("scale_calculation_mode") or "even"
+    if rule not in {r.value for r in ScaleRule}:
+        wrong["scale_calculation_mode"] = rule
+    if wrong:
+        raise EmulationRefused(f"Quark {role} spec {dtype} with {wrong} is not emulated; covered: OCP MX "
+                               f"{expected} with round_method half_even and scale_calculation_mode even/floor/ceil")
+    return names[dtype], rule
+
+
+def _from_quark(qc: dict) -> Emulation:
+    glob = qc.get("global_quant_config") or {}
+    if not glob.get("weight"):
+        raise EmulationRefused("Quark config without a global weight spec is not emulated")
+    weights, weight_rule = _quark_mx_format(glob["weight"], "weight", dynamic=False)
+    activations = act_rule = None
+    if glob.get("input_tensors"):
+        activations, act_rule = _quark_mx_format(glob["input_tensors"], "input_tensors", dynamic=True)
+    unsupported = {k: qc.get(k) for k in ("layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config")
+                   if qc.get(k)}
+    unsupported.update({k: glob[k] for k in ("output_tensors", "bias") if glob.get(k)})
+    if qc.get("softmax_quant_spec"):
+        unsupported["softmax_quant_spec"] = qc["softmax_quant_spec"]
+    algorithms = [a.get("name") if isinstance(a, dict) else a for a in (qc.get("algo_config") or [])]
+    if set(algorithms) - BAKED_ALGORITHMS:
+        unsupported["algo_config"] = algorithms
+    export = qc.get("export") or {}
+    if export.get("weight_format", "real_quantized") != "real_quantized" or export.get("pack_method", "reorder") != "reorder":
+        unsupported["export"] = {k: export.get(k) for k in ("weight_format", "pack_method")}
+    if unsupported:
+        raise EmulationRefused(f"Quark {weights} checkpoint with {sorted(unsupported)} = {unsupported} is not emulated "
+                               "(only a global weight / input_tensors MX spec is)")
+    return Emulation("quark", weights, weight_rule, activations, act_rule, mx.BLOCK if activations else None)
+
+
+def _from_fp8(qc: dict) -> Emulation:
+    scheme = {k: qc.get(k) for k in ("fmt", "activation_scheme", "weight_block_size", "scale_fmt")}
+    if (qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme") != "dynamic"
+            or list(qc.get("weight_block_size") or []) != [fp8.TILE, fp8.TILE] or qc.get("scale_fmt") not in (None, "float32")):
+        raise EmulationRefused(f"FP8 scheme {scheme} is not emulated; covered: fmt e4m3, activation_scheme dynamic, "
+                               f"weight_block_size [128, 128], float32 scales")
+    return Emulation("fp8", "fp8", None, "fp8", None, fp8.TILE)
+
+
+def emulation_of(config: dict) -> Emulation | None:
+    """The emulation a model config asks for; None for an unquantized model."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "quark":
+        return _from_quark(qc)
+    if method == "fp8":
+        return _from_fp8(qc)
+    raise EmulationRefused(f"quantization_config quant_method {method!r} is not emulated; covered: quark (MXFP4/MXFP6) "
+                           "and fp8 (128x128 block, dynamic activations)")
+
+
+def quantized_modules(tensors: dict, fmt: WeightFormat) -> list[str]:
+    """Checkpoint modules whose weight is stored quantized (weight in the format's dtype + its scale)."""
+    return sorted(name.removesuffix(".weight") for name, info in tensors.items()
+                  if name.endswith(".weight") and info.dtype == fmt.weight_dtype and name + fmt.scale_suffix in tensors)
+
+
+# --- activations ------------------------------------------------------------------------------------------------
+
+class ActivationQDQ:
+    """Forward pre-hook: the input of a quantized Linear, quantize-dequantized."""
+
+    def __init__(self, emulation: Emulation):
+        self.emulation = emulation
+
+    def __call__(self, module, args):
+        return (self.emulation.activation_qdq(args[0]), *args[1:])
+
+    def __repr__(self):
+        return f"ActivationQDQ({self.emulation.activations})"
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers 5.24's eager experts loop (``DeepseekV3Experts.forward``, ``GlmMoeDsaExperts.forward``),
+    with the input of ``gate_up_proj`` and of ``down_proj`` quantize-dequantized where this layer's
+    experts are quantized (``self.quantgate_qdq``). Activation blocks run along each token's features,
+    so quantizing the hidden states once equals quantizing every routed copy."""
+    qdq = getattr(self, "quantgate_qdq", None) or (lambda t: t)
+    final_hidden_states = torch.zeros_like(hidden_states)
+    hidden_states = qdq(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+        current = torch.nn.functional.linear(qdq(self._apply_gate(gate_up)), self.down_proj[expert_idx])
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, num_hidden_layers: int) -> dict:
+    """Hook every module the checkpoint quantizes; returns which modules were hooked and which were not loaded."""
+    named = dict(model.named_modules())
+    linears, experts, not_loaded = [], {}, set()
+    for name in emulation.modules:
+        match = EXPERT_PROJ.match(name)
+        if match and match["experts"] in named and hasattr(named[match["experts"]], "gate_up_proj"):
+            experts.setdefault(match["experts"], set()).add(name)
+        elif isinstance(named.get(name), torch.nn.Linear):
+            linears.append(name)
+        elif (layer := LAYER.match(name)) and int(layer[1]) >= num_hidden_layers:
+            not_loaded.add(match["experts"] if match else name)  # the MTP (next-n) layer: transformers skips it
+        else:
+            raise EmulationRefused(f"the checkpoint quantizes {name}, which {type(model).__name__} has no Linear or "
+                                   "experts module for: cannot emulate it")
+    for name, projections in experts.items():
+        module = named[name]
+        if len(projections) != 3 * module.num_experts:
+            raise EmulationRefused(f"{name}: {len(projections)} of {3 * module.num_experts} expert projections are "
+                                   "quantized; the engines quantize a layer's experts all or none")
+        if module.has_bias or module.is_transposed or not module.has_gate or module.has_post_expert_norm:
+            raise EmulationRefused(f"{name}: {type(module).__name__} has a layout the emulated experts loop does not "
+                                   "cover (bias, transposed, ungated or post-norm experts)")
+    if activation := (ActivationQDQ(emulation) if emulation.activations else None):
+        for name in linears:
+            named[name].register_forward_pre_hook(activation)
+        for name in experts:
+            named[name].quantgate_qdq = activation.emulation.activation_qdq
+    return {"linear": linears, "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded)}
+
+
+# --- the transformers quantizer ----------------------------------------------------------------------------------
+
+def _register() -> None:
+    """Register the quantizer, its config and the experts implementation with transformers (once)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if METHOD in AUTO_QUANTIZER_MAPPING:
+        return
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import get_module_from_name
+
+    class EmulationConfig(QuantizationConfigMixin):
+        def __init__(self, emulation: dict, num_hidden_layers: int = 0, **_):
+            self.quant_method = METHOD
+            self.emulation = emulation
+            self.num_hidden_layers = num_hidden_layers
+            self.dequantize = True  # weights are decoded on load (HfQuantizer.get_weight_conversions)
+
+        def to_dict(self) -> dict:
+            return {"quant_method": METHOD, "emulation": self.emulation, "num_hidden_layers": self.num_hidden_layers}
+
+    class DecodeWeights(ConversionOps):
+        """Every (weight, scale) pair collected by a converter, decoded exactly into the model's dtype."""
+
+        def __init__(self, hf_quantizer):
+            self.hf_quantizer = hf_quantizer  # marks a load op: transformers leaves dtypes to it
+
+        def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
+            fmt = self.hf_quantizer.emulation.weight_format
+            dtype = None
+            if model is not None and full_layer_name is not None:
+                module, tensor_name = get_module_from_name(model, full_layer_name)
+                dtype = getattr(getattr(module, tensor_name, None), "dtype", None)
+            out = {}
+            for key, value in input_dict.items():
+                if key.endswith(fmt.scale_suffix):
+                    continue
+                weights = value if isinstance(value, list) else [value]
+                scales = input_dict.get(key + fmt.scale_suffix)
+                if scales is None:
+                    decoded = [w if dtype is None else w.to(dtype) for w in weights]
+                else:
+                    scales = scales if isinstance(scales, list) else [scales]
+                    decoded = [fmt.dequantize(w, s, dtype or torch.bfloat16) for w, s in zip(weights, scales, strict=True)]
+                out[full_layer_name if key == "weight" and full_layer_name else key] = (
+                    decoded if isinstance(value, list) else decoded[0])
+            return out
+
+    class EmulationQuantizer(HfQuantizer):
+        requires_calibration = False
+
+        def __init__(self, quantization_config, **kwargs):
+            super().__init__(quantization_config, **kwargs)
+            self.emulation = Emulation(**quantization_config.emulation)
+            self.serialized_names = {"weight": ["weight", "weight" + self.emulation.weight_format.scale_suffix]}
+
+        def get_load_operations(self):
+            return {"dequantize": DecodeWeights}
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            hooked = install_activation_emulation(model, self.emulation, self.quantization_config.num_hidden_layers)
+            record = {k: v for k, v in self.emulation.to_dict().items() if k != "modules"}
+            model.quantgate_emulation = {**record, "scheme": self.emulation.scheme, "modules": hooked}
+
+        def is_serializable(self):
+            return False
+
+        @property
+        def is_trainable(self):
+            return False
+
+    register_quantization_config(METHOD)(EmulationConfig)
+    register_quantizer(METHOD)(EmulationQuantizer)
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
+
+
+def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
+
+    Raises ``CheckpointError`` (unreadable folder) or ``EmulationRefused`` (a scheme not covered)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Checkpoint.open(folder)
+    emulation = emulation_of(checkpoint.config)
+    if emulation is None:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device)
+        return model.eval(), None
+    fmt = emulation.weight_format
+    emulation = replace(emulation, modules=quantized_modules(checkpoint.tensors(), fmt))
+    if not emulation.modules:
+        raise EmulationRefused(f"{checkpoint.config_path} declares {emulation.weights} but no shard holds a "
+                               f"{fmt.weight_dtype} weight with its {fmt.scale_suffix}: nothing to emulate")
+    _register()
+    config = AutoConfig.from_pretrained(checkpoint.folder)
+    config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(),
+                                  "num_hidden_layers": checkpoint.config_int("num_hidden_layers")}
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, config=config, dtype=dtype, device_map=device,
+                                                 experts_implementation=EXPERTS_IMPLEMENTATION)
+    return model.eval(), model.quantgate_emulation
+
+
+__all__ = ["Emulation", "EmulationRefused", "emulation_of", "experts_forward", "load_model", "quantized_modules"]
