@@ -37,6 +37,7 @@ shared expert next to MXFP4 routed experts) cannot fuse (quark.py ``shared_exper
 
 from __future__ import annotations
 
+import ast
 import csv
 import importlib.util
 import json
@@ -79,17 +80,43 @@ def padded_m(m: int) -> int:
     return max(t for t in PADDED_M_TIERS if m >= t)
 
 
-def buckets(max_tokens: int) -> list[tuple[int, int, int]]:
-    """(bucket, first M, last M) for every batch size 1..max_tokens."""
+def buckets(max_tokens: int, pad=None) -> list[tuple[int, int, int]]:
+    """(bucket, first M, last M) for every batch size 1..max_tokens under the padding ``pad``."""
+    pad = pad or padded_m
     out: list[tuple[int, int, int]] = []
-    m = 1
-    while m <= max_tokens:
-        b = padded_m(m)
-        last = min(max_tokens, b if b < PADDED_M_TIERS[0] else next(
-            (t - 1 for t in PADDED_M_TIERS if t > b), max_tokens))
-        out.append((b, m, last))
-        m = last + 1
+    for m in range(1, max_tokens + 1):
+        b = pad(m)
+        if out and out[-1][0] == b:
+            out[-1] = (b, out[-1][1], m)
+        else:
+            out.append((b, m, m))
     return out
+
+
+@dataclass
+class AiterSource:
+    """The aiter release's own rules, read from its fused_moe.py when one is found beside the tables."""
+    where: str
+    pad: object  # M -> token looked up
+    ep_strips_topk: bool
+
+
+def aiter_source(configs: Path | None) -> AiterSource:
+    """get_padded_M (with nextPow2, _PADDED_M_TIERS) taken from ``configs/../fused_moe.py`` without
+    importing aiter (which needs a GPU); aiter releases pad differently (PyPI amd-aiter 0.1.7: 16,
+    powers of two, 1024 cap). Without that file: the replay above (aiter main, 2026)."""
+    path = configs.parent / "fused_moe.py" if configs else None
+    if path is None or not path.is_file():
+        return AiterSource("built-in replay of aiter main (2026) get_padded_M", padded_m, True)
+    source = path.read_text()
+    tree = ast.parse(source)
+    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in ("nextPow2", "get_padded_M"))
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_PADDED_M_TIERS" for t in n.targets))]
+    if not any(getattr(n, "name", "") == "get_padded_M" for n in keep):
+        raise KernelInputError(f"{path}: no get_padded_M: not an aiter fused_moe.py this check knows")
+    namespace: dict = {}
+    exec(compile(ast.Module(keep, []), str(path), "exec"), namespace)  # aiter's own pure functions
+    return AiterSource(f"{path} get_padded_M", namespace["get_padded_M"], "topk -= int(is_ep)" in source)
 
 
 @dataclass(frozen=True)
@@ -163,6 +190,7 @@ def shared_fusion(config: dict, fmt: str, disable: bool) -> tuple[int, str]:
         blocking = [e for e in qconfig.get("exclude") or [] if "shared_expert" in e
                     and "shared_expert_gate" not in e and not e.startswith("mtp.") and not e.startswith(draft)]
         if blocking:
+            blocking.sort(key=lambda e: not e.startswith("model.layers."))
             return 0, (f"not fused: the exclude list keeps the shared expert unquantized ({blocking[0]!r}); a bf16 "
                        "shared expert cannot join the MXFP4 routed experts")
     if disable:
@@ -270,18 +298,22 @@ def read_table(path: Path) -> list[Row]:
     return rows
 
 
+def installed_aiter_configs() -> Path | None:
+    spec = importlib.util.find_spec("aiter")
+    origin = spec and (spec.submodule_search_locations or [None])[0]
+    return Path(origin) / "configs" if origin and (Path(origin) / "configs").is_dir() else None
+
+
 def find_tables(aiter_configs: Path | None) -> tuple[list[Path], str]:
     """The files aiter merges, and where they were found (aiter/jit/core.py get_config_file)."""
     env = os.environ.get("AITER_CONFIG_FMOE")
     if aiter_configs is None and env:
         return [Path(p) for p in env.split(os.pathsep) if p], "AITER_CONFIG_FMOE"
     if aiter_configs is None:
-        spec = importlib.util.find_spec("aiter")
-        origin = spec and (spec.submodule_search_locations or [None])[0]
-        if not origin or not (Path(origin) / "configs").is_dir():
+        aiter_configs, where = installed_aiter_configs(), "installed aiter"
+        if aiter_configs is None:
             raise KernelInputError("no aiter tables: install aiter (PyPI: amd-aiter) or pass --aiter-configs DIR "
                                    "(the aiter/configs folder of an aiter checkout)")
-        aiter_configs, where = Path(origin) / "configs", "installed aiter"
     else:
         where = "--aiter-configs"
     if not aiter_configs.is_dir():
@@ -322,8 +354,8 @@ def load_tables(files: list[Path]) -> AiterTables:
     return AiterTables(primary, fallback, [str(f) for f in files])
 
 
-def aiter_key(shape: MoeShape, gpu: Gpu, token: int) -> tuple:
-    topk = shape.topk - (1 if shape.ep > 1 else 0)  # get_2stage_cfgs: topk -= int(is_ep)
+def aiter_key(shape: MoeShape, gpu: Gpu, token: int, ep_strips_topk: bool = True) -> tuple:
+    topk = shape.topk - (1 if shape.ep > 1 and ep_strips_topk else 0)  # get_2stage_cfgs: topk -= int(is_ep)
     return (gpu.gfx, gpu.cu_num, token, shape.model_dim, shape.inter_dim, shape.experts, topk, shape.act_type,
             shape.dtype, shape.q_dtype_a, shape.q_dtype_w, shape.q_type, 1, 0)
 
@@ -387,6 +419,7 @@ class KernelReport:
     gpu: dict
     shape: dict
     tables: list[str]
+    padding: str  # whose get_padded_M made the buckets
     buckets: list[dict]  # token range, bucket, tuned?, kernels, source
     triton: dict  # engine -> {status, names, found}
     backend: str
@@ -436,9 +469,10 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
     shape = derive_shape(config, gpu, tp, ep, disable_fusion, checkpoint)
     files, where = find_tables(aiter_configs)
     tables = load_tables(files)
+    rules = aiter_source(aiter_configs or (installed_aiter_configs() if where != "AITER_CONFIG_FMOE" else None))
     results, untuned = [], []
-    for bucket, first, last in buckets(max_tokens):
-        key = aiter_key(shape, gpu, bucket)
+    for bucket, first, last in buckets(max_tokens, rules.pad):
+        key = aiter_key(shape, gpu, bucket, rules.ep_strips_topk)
         row, how = lookup(tables, key)
         entry = {"tokens": [first, last], "bucket": bucket, "tuned": row is not None}
         if row is None:
@@ -461,8 +495,8 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
         found = [str(d / n) for d in dirs for n in names if (d / n).is_file()]
         triton[engine] = {"status": "tuned" if found else "default", "names": names, "found": found[:1],
                           "searched": [str(d) for d in dirs]}
-    return KernelReport(str(checkpoint), asdict(gpu), asdict(shape), [where] + tables.files, results, triton,
-                        backend, untuned)
+    return KernelReport(str(checkpoint), asdict(gpu), asdict(shape), [where] + tables.files, rules.where, results,
+                        triton, backend, untuned)
 
 
 def write_untuned(rows: list[str], path: Path) -> None:
@@ -480,7 +514,7 @@ def human(report: KernelReport) -> str:
              f"{s['act_type']})",
              f"shared expert: {s['fusion_reason']}"]
     lines += [f"note: {n}" for n in s["notes"]]
-    lines.append(f"aiter tables ({report.tables[0]}): {len(report.tables) - 1} file(s)")
+    lines.append(f"aiter tables ({report.tables[0]}): {len(report.tables) - 1} file(s); buckets: {report.padding}")
     for b in report.buckets:
         tokens = f"{b['tokens'][0]}-{b['tokens'][1]}" if b["tokens"][0] != b["tokens"][1] else str(b["tokens"][0])
         kernels_used = f"{b['kernel1']} + {b['kernel2']}" if b.get("kernel2") else f"{b.get('kernel1')} (1-stage)"

@@ -173,6 +173,45 @@ def test_lookup_fallbacks_act_type_tiers_and_flydsl_tags(glm5, tmp_path, capsys)
     assert not by_bucket[8]["tuned"]  # flydsl_fallback rows are set aside
 
 
+# get_padded_M and nextPow2 of the aiter release on PyPI (amd-aiter 0.1.7.post2.dev18, aiter/fused_moe.py)
+OLD_AITER_FUSED_MOE = """import torch  # never executed: only the pure functions are taken
+import aiter
+
+
+def nextPow2(n):
+    if n <= 0:
+        return 1
+    return 1 << (n - 1).bit_length()
+
+
+def get_padded_M(M):
+    padded_m = M
+    if M >= 1 and M <= 16:
+        padded_m = 16
+    elif M < 1024:
+        padded_m = nextPow2(padded_m)
+    else:
+        padded_m = 1024
+    return padded_m
+"""
+
+
+def test_buckets_come_from_the_aiter_release_beside_the_tables(glm5, tmp_path, capsys):
+    (tmp_path / "aiter").mkdir()
+    (tmp_path / "aiter" / "fused_moe.py").write_text(OLD_AITER_FUSED_MOE)
+    configs = tables(tmp_path / "aiter" / "configs",
+                     {"model_configs/glm_tuned_fmoe.csv": (AITER / "model_configs" /
+                                                           "a8w8_blockscale_tuned_fmoe_glm5.2.csv").read_text().split()})
+    code, report, _ = run(capsys, glm5["fp8"], "--gpu", "mi355x", "--tp", "4", "--aiter-configs", configs)
+    assert [(b["bucket"], *b["tokens"]) for b in report["buckets"]][::3] == \
+        [(16, 1, 16), (128, 65, 128), (1024, 513, 32768)]
+    assert code == 0 and report["padding"].endswith("fused_moe.py get_padded_M")
+    rules = kernels.aiter_source(configs)
+    shape = kernels.derive_shape(json.loads((glm5["fp8"] / "config.json").read_text()), kernels.load_gpus()["mi355x"],
+                                 tp=8, ep=8)
+    assert kernels.aiter_key(shape, kernels.load_gpus()["mi355x"], 16, rules.ep_strips_topk)[6] == 9  # no EP strip
+
+
 @pytest.mark.parametrize("lines, message", [
     ([HEADER, FP4_ROWS[0].replace(",1,6144,", ",one,6144,", 1)], ":2: column token is 'one', not an integer"),
     ([HEADER, FP4_ROWS[0], FP4_ROWS[1].rsplit(",", 3)[0]], ":3: 26 fields, the header has 29"),
