@@ -102,14 +102,18 @@ class AiterSource:
 
 
 def aiter_source(configs: Path | None) -> AiterSource:
-    """get_padded_M (with nextPow2, _PADDED_M_TIERS) taken from ``configs/../fused_moe.py`` without
-    importing aiter (which needs a GPU); aiter releases pad differently (PyPI amd-aiter 0.1.7: 16,
-    powers of two, 1024 cap). Without that file: the replay above (aiter main, 2026)."""
+    """get_padded_M (with nextPow2, _PADDED_M_TIERS) taken from ``configs/../fused_moe.py`` (the
+    --aiter-configs checkout's, else the installed aiter's) without importing aiter, which needs a
+    GPU; releases pad differently (PyPI amd-aiter 0.1.7: 16, powers of two, 1024 cap). Without
+    that file: the replay above (aiter main, 2026)."""
     path = configs.parent / "fused_moe.py" if configs else None
     if path is None or not path.is_file():
         return AiterSource("built-in replay of aiter main (2026) get_padded_M", padded_m, True)
     source = path.read_text()
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise KernelInputError(f"{path}:{exc.lineno}: not Python ({exc.msg})") from None
     keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in ("nextPow2", "get_padded_M"))
             or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_PADDED_M_TIERS" for t in n.targets))]
     if not any(getattr(n, "name", "") == "get_padded_M" for n in keep):
@@ -469,7 +473,7 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
     shape = derive_shape(config, gpu, tp, ep, disable_fusion, checkpoint)
     files, where = find_tables(aiter_configs)
     tables = load_tables(files)
-    rules = aiter_source(aiter_configs or (installed_aiter_configs() if where != "AITER_CONFIG_FMOE" else None))
+    rules = aiter_source(aiter_configs or installed_aiter_configs())  # the aiter that will read the tables
     results, untuned = [], []
     for bucket, first, last in buckets(max_tokens, rules.pad):
         key = aiter_key(shape, gpu, bucket, rules.ep_strips_topk)
