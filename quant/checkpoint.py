@@ -85,6 +85,14 @@ class Checkpoint:
     @classmethod
     def open(cls, folder: Path) -> "Checkpoint":
         folder = Path(folder)
+        try:
+            return cls._open(folder)
+        except OSError as exc:  # e.g. a folder we may not list or enter
+            raise CheckpointError(f"{exc.filename or folder}: cannot be read ({exc.strerror}); check the folder and "
+                                  "its permissions") from None
+
+    @classmethod
+    def _open(cls, folder: Path) -> "Checkpoint":
         if not folder.exists():
             raise CheckpointError(f"{folder}: no such folder; give a Hugging Face checkpoint folder")
         if not folder.is_dir():

@@ -76,7 +76,7 @@ def _source_unchanged(source: Path, record: dict, identity: dict) -> bool:
     try:
         current = file_identity(source.stat())
         if all(identity.get(k) == v for k, v in current.items()) \
-                and current["mtime_ns"] < identity.get("opened_ns", 0) - RACY_NS:
+                and max(current["mtime_ns"], current["ctime_ns"]) < identity.get("opened_ns", 0) - RACY_NS:
             return True
         return sha256_file(source) == record["source_sha256"]
     except OSError:
@@ -194,14 +194,20 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
     dst = Path(dst)
     check_overlap(plan.source_dir, dst)
     resuming = resume and dst.exists()
-    dst.mkdir(parents=True, exist_ok=True)
-    with DestinationLock(dst):
-        if resuming:
-            done, sources = _load_resumable(plan, dst, show_progress)
-        else:
-            prepare_destination(dst, overwrite)
-            done, sources = {}, {}
-        return _run(plan, dst, done, sources, workers, device, show_progress, command, strict)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        with DestinationLock(dst):
+            if resuming:
+                done, sources = _load_resumable(plan, dst, show_progress)
+            else:
+                prepare_destination(dst, overwrite)
+                done, sources = {}, {}
+            return _run(plan, dst, done, sources, workers, device, show_progress, command, strict)
+    except OSError as exc:  # before the first shard (the run itself reports what it kept)
+        if exc.errno in _DISK_ERRNOS:
+            raise DiskFullError(f"disk full writing into {dst}: {exc.strerror}; free space and rerun "
+                                f"({'--resume' if resuming else 'nothing was converted yet'})") from exc
+        raise
 
 
 def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict], workers: int | None, device: str,
@@ -216,12 +222,16 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
         write_atomic(dst / PROGRESS_NAME, json.dumps(state).encode())
 
     def record(result: dict) -> None:
-        sources[result["file"]] = result.pop("source_identity")
+        file = result["file"]
         for tensor, where in result["kept_non_finite"].items():
             log.warning("%s: NaN/Inf at %s in a tensor kept as it is (copied unchanged; --strict refuses it)",
                         tensor, where)
-        done[result["file"]] = result
-        save_progress()
+        sources[file], done[file] = result.pop("source_identity"), result
+        try:
+            save_progress()
+        except BaseException:  # not recorded, so not kept: --resume redoes it
+            del sources[file], done[file]
+            raise
 
     jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format, strict)
             for s in todo]

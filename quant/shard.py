@@ -42,8 +42,10 @@ class ShardJob:
 
 
 def file_identity(st: os.stat_result) -> dict:
-    """What says a file is the one read before without reading it: a rewrite changes one of these."""
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "device": st.st_dev}
+    """What says a file is the one read before without reading it: any write changes one of these
+    (ctime too, which no one can set back, unlike mtime)."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
+            "device": st.st_dev}
 
 
 # Exponent-field masks: a float is NaN or Inf exactly when all its exponent bits are set.

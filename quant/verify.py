@@ -105,7 +105,7 @@ def _exclude_list(qconfig: dict) -> tuple[list[str] | None, list[Finding]]:
         return [], []
     if not isinstance(exclude, list):
         return None, [Finding("config", None, "quantization_config.exclude",
-                              f"must be a list of module names, not a {type(exclude).__name__} ({exclude!r:.60})",
+                              f"must be a list of module names; it is the {type(exclude).__name__} {exclude!r:.60}",
                               'write "exclude": ["model.layers.0.self_attn.q_proj", ...] (quantize writes it)')]
     usable, findings = [], []
     for entry in exclude:
