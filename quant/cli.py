@@ -31,7 +31,8 @@ routed experts only (W4A4) and keeps everything else bf16.
 Output appears atomically: each shard under its final name only when complete, and
 conversion_manifest.json (hashes, recipe, per-tensor error) last.
 
-exit codes: 0 done, 1 failed while converting, 2 bad input (message says what to fix), 130 interrupted"""
+exit codes: 0 done, 1 failed while converting (disk full: --resume), 2 bad input (message says what to fix)
+or refused (another run is writing DST), 130 interrupted"""
 
 EPILOG = """\
 examples:

@@ -84,16 +84,32 @@ def _layout_findings(checkpoint: Checkpoint, fmt: WeightFormat | None) -> list[F
     return findings
 
 
-def _missing_layers(tensors, num_hidden_layers: int) -> list[Finding]:
-    """Decoder layers the config declares that hold no tensor at all (a dropped shard, a cut index)."""
-    present = {int(m.group(1)) for name in tensors if (m := re.match(r"model\.layers\.(\d+)\.", name))}
-    absent = [i for i in range(num_hidden_layers) if i not in present]
-    if not absent:
-        return []
-    shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
-    return [Finding("layout", None, f"model.layers.{absent[0]}",
-                    f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor in the "
-                    "checkpoint", "re-copy the missing shards (or fix the index that omits them)")]
+def _missing_modules(tensors, config: dict, num_hidden_layers: int) -> list[Finding]:
+    """What the config declares but no shard holds: decoder layers, and routed experts of a MoE
+    layer (a dropped shard, an index cut short)."""
+    findings, layers, experts = [], {}, {}
+    for name in tensors:
+        if m := re.match(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name):
+            layer = int(m.group(1))
+            layers[layer] = True
+            if m.group(2) is not None:
+                experts.setdefault(layer, set()).add(int(m.group(2)))
+    absent = [i for i in range(num_hidden_layers) if i not in layers]
+    if absent:
+        shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+        findings.append(Finding("layout", None, f"model.layers.{absent[0]}",
+                                f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor "
+                                "in the checkpoint", "re-copy the missing shards (or fix the index that omits them)"))
+    n_experts = config.get("n_routed_experts")
+    if isinstance(n_experts, int) and not isinstance(n_experts, bool):
+        for layer, present in sorted(experts.items()):
+            lacking = sorted(set(range(n_experts)) - present)
+            if lacking:
+                findings.append(Finding("layout", None, f"model.layers.{layer}.mlp.experts",
+                                        f"config.json declares {n_experts} routed experts but experts "
+                                        f"{', '.join(map(str, lacking[:8]))}{' ...' if len(lacking) > 8 else ''} "
+                                        "have no tensor", "re-copy the missing shards (or fix the index)"))
+    return findings
 
 
 def _exclude_list(qconfig: dict) -> tuple[list[str] | None, list[Finding]]:
@@ -204,7 +220,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
         report.findings.append(Finding("layout", None, "checkpoint", f"no Linear module of family {family.name} "
                                        "found: nothing the engines would load was checked",
                                        "check that the shards and index are the model's"))
-    report.findings += _missing_layers(tensors, num_hidden_layers)
+    report.findings += _missing_modules(tensors, config, num_hidden_layers)
     report.findings += _layout_findings(checkpoint, fmt)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
     report.findings += _config_findings(qconfig or None, has_quantized)

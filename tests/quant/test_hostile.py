@@ -27,7 +27,7 @@ from safetensors import safe_open
 from evals.cli import main as gate_main
 from quant.cli import main as quantize_main
 from quant.example import tensor_shapes, tiny_config, write_checkpoint
-from quant.outputs import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME
+from quant.outputs import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, DestinationLock
 from quant.safetensors_io import PARTIAL_SUFFIX
 from tests.conftest import quantize_cmd
 from tests.quant.test_scale import same_checkpoint, small_disk  # noqa: F401  (fixture)
@@ -221,6 +221,14 @@ def test_gate_flags_layers_the_config_declares_but_the_checkpoint_lacks(mxfp4_ck
     assert code == 1 and "layers 4, 5 have no tensor" in out
 
 
+def test_gate_flags_routed_experts_the_config_declares_but_the_checkpoint_lacks(mxfp4_ckpt, tmp_path, capsys):
+    checked = Path(shutil.copytree(mxfp4_ckpt, tmp_path / "checked"))
+    edit_json(checked / "config.json", lambda c: c.update(n_routed_experts=6))  # 4 on disk
+    code, out, _ = gate(capsys, checked)
+    assert code == 1 and "declares 6 routed experts but experts 4, 5 have no tensor" in out
+    assert "model.layers.1.mlp.experts" in out
+
+
 def test_gate_never_passes_a_checkpoint_with_no_linear_module(tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -306,6 +314,17 @@ def test_stale_lock_of_a_killed_writer_does_not_block(multi_shard_ckpt, multi_sh
     assert (dst / LOCK_NAME).exists()  # left by kill -9; the kernel released the lock itself
     subprocess.run(quantize_cmd(multi_shard_ckpt, dst, "--resume"), check=True, capture_output=True)
     same_checkpoint(dst, multi_shard_reference)
+
+
+def test_decoder_takes_the_same_lock(mxfp4_ckpt, tmp_path, capsys):
+    """``--to bf16`` writes through the same lock (flock: two opens conflict even in one process)."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    with DestinationLock(dst):
+        code, err = quantize(capsys, mxfp4_ckpt, dst, to="bf16")
+    assert code == 2
+    one_line_error(err, str(dst), f"is being written by another quantize run (pid {os.getpid()})")
+    assert list(dst.iterdir()) == []
 
 
 # ---- 6. workers die with their parent -------------------------------------------------------------
