@@ -9,17 +9,23 @@ import sys
 from pathlib import Path
 
 from quant import kernels
+from quant.engines import UnknownEngine
 from quant.verify import Report, UnreadableCheckpoint, verify
 
 EXIT_OK, EXIT_BLOCK, EXIT_BAD_INPUT = 0, 1, 2
 
 CHECKPOINT_HELP = """\
-Replay sglang's and vLLM's loading rules on a quantized checkpoint, from headers and config alone:
-layout (every U8 weight has a fitting weight_scale, index and shards agree, tokenizer present),
-config (Quark schema sglang and vLLM need, exclude entries exact or re:), and per engine the
-module each tensor loads into (fused gate_up_proj / fused_qkv_a_proj*, the FusedMoE
-...mlp.experts, sglang's model.decoder.* names for the MTP layer) with that engine's exact
-exclude matching, compared with the dtypes on disk.
+Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
+FP8), from headers and config alone: layout (every quantized weight has a fitting scale, index and
+shards agree, tokenizer present), config (the Quark schema, router keys, MTP layer count), and per
+engine release the module each tensor loads into (fused gate_up_proj / fused_qkv_a_proj*, the
+FusedMoE ...mlp.experts, sglang's model.decoder.* names for the MTP draft) with that release's
+exclude matching, compared with the dtypes on disk. The rules are data read from each release's
+source (manifests/engines/*.yaml, with file and function); --list-engines shows them.
+
+  gate checkpoint DIR                         every known release of both engines
+  gate checkpoint DIR --engine sglang         every known sglang release, reported per rule set
+  gate checkpoint DIR --engine sglang==0.5.23 the one rule set covering that release
 
 exit codes: 0 loads correctly in every engine asked for; 1 it would not (or would load wrong);
 2 the input is unreadable or not a checkpoint"""
@@ -80,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("checkpoint", help="prove a checkpoint loads correctly in sglang and vLLM",
                            description=CHECKPOINT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    check.add_argument("dir", type=Path, help="checkpoint folder (config.json, shards, index)")
-    check.add_argument("--engine", choices=["sglang", "vllm", "all"], default="all", help="engines to check for")
+    check.add_argument("dir", type=Path, nargs="?", help="checkpoint folder (config.json, shards, index)")
+    check.add_argument("--engine", default="all", metavar="ENGINE[==VERSION]",
+                       help="all (default), sglang, vllm, or one release such as sglang==0.5.23")
+    check.add_argument("--list-engines", action="store_true",
+                       help="list the engine releases whose rules are known, with each rule's source, and exit")
     check.add_argument("--deep", action="store_true",
                        help="also read tensor data: scale bytes in range, no all-zero scale rows, no NaN/Inf in bf16")
     check.add_argument("--json", action="store_true", help="machine-readable report on stdout")
@@ -126,6 +135,21 @@ def human_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def list_engines(spec: str, as_json: bool) -> str:
+    from quant.engines import select
+
+    rule_sets = select(spec)
+    if as_json:
+        return json.dumps([{"id": r.id, "engine": r.engine, "first": r.first, "last": r.last,
+                            "rules": {k: {"value": r.values[k], "cite": r.cites[k]} for k in r.values}}
+                           for r in rule_sets], indent=2)
+    lines = []
+    for r in rule_sets:
+        lines.append(f"{r.id}")
+        lines += [f"  {name:<20} {json.dumps(r.values[name])}\n  {'':<20} {r.cites[name]}" for name in r.values]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from evals.bundle import BundleError
     from evals.gate import PASS, accuracy_gate, load_policy, unpaired_against_reference
@@ -133,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "checkpoint" and args.list_engines:
+            print(list_engines(args.engine, args.json))
+            return EXIT_OK
+        if args.command == "checkpoint" and args.dir is None:
+            print("gate checkpoint: give a checkpoint folder (or --list-engines)", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if args.command == "checkpoint":
             report = verify(args.dir, args.engine, args.deep)
             print(json.dumps(report.to_dict(), indent=2) if args.json else human_report(report))
@@ -163,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"release verdict: {verdict}\n"
               f"report: {md} and {js}")
         return EXIT_OK if verdict == "RELEASE" else EXIT_BLOCK
-    except (UnreadableCheckpoint, BundleError) as exc:
+    except (UnreadableCheckpoint, BundleError, UnknownEngine) as exc:
         print(f"gate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from quant.errors import CheckpointError, ConvertError, DiskFullError, NonFiniteError
-from quant.example import FAMILIES, write_example
+from quant.example import FAMILIES, MLA_SIZES, write_example
 from quant.formats.mx import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
 from quant.plan import Plan, PlanError, make_plan
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a tiny built-in checkpoint to DIR/bf16 and convert it into DIR/mxfp4")
     p.add_argument("--example-family", choices=FAMILIES, default="glm_moe_dsa",
                    help="naming family of the --example checkpoint")
+    p.add_argument("--example-mla", choices=MLA_SIZES, default="tiny",
+                   help="MLA sizes of the --example checkpoint: tiny, or real (kv_lora_rank 512 + rope 64, what MLA "
+                        "kernels accept; for loading the example in a real engine)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -106,11 +109,11 @@ def _human_plan(plan: Plan) -> str:
         lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
     lines += [
         f"bytes       in {s['bytes_in'] / 1e9:.3f} GB -> out {s['bytes_out'] / 1e9:.3f} GB",
-        f"exclude     {s['exclude_count']} exact module names, {len(s['sglang_aliases'])} of them sglang MTP aliases",
+        f"exclude     {s['exclude_count']} exact module names, {len(s['draft_aliases'])} of them MTP draft names (sglang's model.decoder.*)",
     ]
-    lines += [f"  alias {a}" for a in s["sglang_aliases"][:8]]
-    if len(s["sglang_aliases"]) > 8:
-        lines.append(f"  ... {len(s['sglang_aliases']) - 8} more (--json lists all)")
+    lines += [f"  alias {a}" for a in s["draft_aliases"][:8]]
+    if len(s["draft_aliases"]) > 8:
+        lines.append(f"  ... {len(s['draft_aliases']) - 8} more (--json lists all)")
     lines += [f"warning     {w}" for w in s["warnings"]]
     return "\n".join(lines)
 
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
-        args.src, args.dst = write_example(args.example / "bf16", args.example_family), args.example / args.to
+        args.src, args.dst = write_example(args.example / "bf16", args.example_family, mla=args.example_mla), args.example / args.to
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
     if args.to == "bf16":
@@ -152,7 +155,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.dry_run:
         print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
         return EXIT_OK
-    from quant.convert import convert  # loads the numba kernel: only when there is data to convert
+    from quant.convert import (
+        convert,  # loads the numba kernel: only when there is data to convert
+    )
 
     if not args.json:
         print(_human_plan(plan), flush=True)

@@ -16,6 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 FAMILIES = ("glm_moe_dsa", "deepseek_v3")
+MLA_SIZES = ("tiny", "real")
+# The attention sizes real MLA kernels accept (FlashMLA / aiter MLA decode need kv_lora_rank 512 and
+# a 64-wide rope part): DeepSeek-V3's and GLM-5's published values. Everything else stays tiny.
+REAL_MLA = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                            "v_head_dim": 128, "q_lora_rank": 1536, "qk_head_dim": 192, "head_dim": 64},
+            "glm_moe_dsa": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
+                            "v_head_dim": 256, "q_lora_rank": 2048, "qk_head_dim": 256, "head_dim": 64,
+                            "index_head_dim": 128}}
 _CORPUS = [
     "Janet has 3 apples and buys 5 more. How many apples does she have? The answer is 8.",
     "Question: What is 12 times 7? Answer: 84. #### 84",
@@ -26,9 +34,15 @@ _CORPUS = [
 
 def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, first_k_dense_replace: int = 1,
                 n_routed_experts: int = 4, hidden_size: int = 64, moe_intermediate_size: int = 32,
-                intermediate_size: int = 128, vocab_size: int = 384, num_nextn_predict_layers: int = 1) -> dict:
+                intermediate_size: int = 128, vocab_size: int = 384, num_nextn_predict_layers: int = 1,
+                mla: str = "tiny") -> dict:
+    """A config with every key the published GLM-5 / DeepSeek-V3 config.json carries (the engines'
+    model code reads the router keys ``topk_method``, ``scoring_func``, ``n_group``, ``topk_group``),
+    at tiny sizes; ``mla="real"`` uses the MLA sizes real kernels accept."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    if mla not in MLA_SIZES:
+        raise ValueError(f"unknown MLA sizes {mla!r}; choose one of {MLA_SIZES}")
     config = {
         "architectures": ["GlmMoeDsaForCausalLM" if family == "glm_moe_dsa" else "DeepseekV3ForCausalLM"],
         "model_type": family,
@@ -43,7 +57,7 @@ def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, firs
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "dtype": "bfloat16", "initializer_range": 0.02,
-        "use_cache": True,
+        "use_cache": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1, "moe_layer_freq": 1,
     }
     if family == "glm_moe_dsa":
         config.update({
@@ -51,12 +65,17 @@ def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, firs
             "mlp_layer_types": ["dense" if i < first_k_dense_replace else "sparse" for i in range(num_hidden_layers)],
             "layer_types": ["indexed_attention"] * num_hidden_layers,
             "indexer_types": ["full"] * num_hidden_layers,
+            "pretraining_tp": 1, "rope_interleave": True, "indexer_rope_interleave": True,
         })
+    else:
+        config.update({"aux_loss_alpha": 0.001, "seq_aux": True})
+    if mla == "real":
+        config.update({k: v for k, v in REAL_MLA[family].items() if k in config})
     return config
 
 
 def glm5_config() -> dict:
-    """GLM-5's real dimensions (SPEC section 5): for full-size planning tests on sparse files."""
+    """GLM-5's published dimensions: for full-size planning tests on sparse files."""
     config = tiny_config("glm_moe_dsa", num_hidden_layers=78, first_k_dense_replace=3, n_routed_experts=256,
                          hidden_size=6144, moe_intermediate_size=2048, intermediate_size=12288, vocab_size=154880)
     config.update({"num_attention_heads": 64, "num_key_value_heads": 64, "num_experts_per_tok": 8,
@@ -185,5 +204,6 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
 
 
 def write_example(dst: Path, family: str = "glm_moe_dsa", **config_kwargs) -> Path:
+    """``config_kwargs`` go to ``tiny_config`` (e.g. ``mla="real"``)."""
     """The built-in example: a tiny multi-shard checkpoint of ``family`` with an MTP layer."""
     return write_checkpoint(dst, tiny_config(family, **config_kwargs))

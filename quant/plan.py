@@ -11,13 +11,14 @@ from functools import cached_property
 from pathlib import Path
 
 from quant.checkpoint import Checkpoint
+from quant.engines import Module, draft_name, replay, select
 from quant.formats import weight_format
 from quant.layout import Family, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import fp8_config, quantization_config, strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.safetensors_io import TensorInfo, encoded_size
-from quant.serving import build_exclude, sglang_mtp_alias
+from quant.serving import NamingError, build_exclude
 
 QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
 Entry = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of an output tensor
@@ -88,8 +89,8 @@ class Plan:
         for tensor in self.tensors:
             counts = by_role.setdefault(tensor.role, {"quantize": 0, "keep": 0})
             counts["quantize" if tensor.quantize else "keep"] += 1
-        aliases = sorted({alias for name in self.exclude
-                          if (alias := sglang_mtp_alias(name, self.num_hidden_layers, self.family))})
+        aliases = sorted({alias for rules in select("all") for name in self.exclude
+                          if (alias := draft_name(name, rules, self.num_hidden_layers)) and alias != name})
         return {
             "source": str(self.source_dir),
             "family": self.family.name,
@@ -106,7 +107,7 @@ class Plan:
             "bytes_quantized_in": sum(t.source.nbytes for t in quantized),
             "exclude_count": len(self.exclude),
             "exclude": list(self.exclude),
-            "sglang_aliases": aliases,
+            "draft_aliases": aliases,
             "aux_files": list(self.aux_files),
             "warnings": list(self.warnings),
         }
@@ -182,10 +183,25 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
                         "vLLM loads it")
     if any(t.role == "shared_expert" and not t.quantize for s in shards for t in s.tensors):
         warnings.append("shared experts stay bf16: sglang disables its shared-expert fusion (a speed cost, not an error)")
-    exclude = build_exclude(kept, quantized, family, num_hidden_layers)
+    exclude = build_exclude(kept, quantized, num_hidden_layers)
+    plan = Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude),
+                aux_files(source_dir), tuple(warnings))
+    _check_engines_load(plan)
+    return plan
 
-    return Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude), aux_files(source_dir),
-                tuple(warnings))
+
+def _check_engines_load(plan: Plan) -> None:
+    """Replay every known engine release on the planned checkpoint; refuse what one would not load."""
+    modules = {t.source.name.removesuffix(".weight"): Module(t.quantize, tuple(t.source.shape), t.role)
+               for t in plan.tensors if t.linear and len(t.source.shape) == 2}
+    kind = "fp8" if plan.recipe.format == "fp8" else "quark"
+    qconfig = plan.quantization_config()
+    findings = [f for rules in select("all") for f in replay(rules, modules, qconfig, plan.family.name,
+                                                              plan.num_hidden_layers, kind, plan.recipe.format.upper())]
+    if findings:
+        listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
+        raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "
+                          "Change the recipe (quantize whole fused modules and whole expert layers).")
 
 
-__all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan", "sglang_mtp_alias"]
+__all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan"]

@@ -1,16 +1,12 @@
-"""Engine naming: the exclude entries sglang and vLLM really match (SPEC sections 3-4).
+"""The exclude list the converter writes: every engine module name the known sglang and vLLM
+releases look up for the modules left unquantized.
 
-Both engines call ``should_ignore_layer(prefix, exclude, packed_modules_mapping)`` with their own
-module name and compare by exact string equality (or ``re.match`` for ``re:`` entries; no
-globs). So the exclude list must hold engine module names:
-- the checkpoint module name of every Linear left in bf16 (vLLM and the main layers of sglang);
-- for the MTP layer, sglang's draft-model alias next to it (``model.decoder.*`` / ``model.*``;
-  sglang ``python/sglang/srt/models/deepseek_nextn.py`` loads ``model.layers.{N}.*`` into a
-  model whose prefix is ``model`` and whose decoder layer is ``model.decoder``);
-- fused module names (``gate_up_proj``, ``fused_qkv_a_proj_with_mqa`` ...) where every shard is
-  excluded, for code paths that look the fused name up directly;
-- ``<layer>.mlp.experts`` when a layer's routed experts stay bf16: they load into one FusedMoE
-  module of that name, which no per-expert entry matches in sglang.
+The names come from the engine rules (``quant.engines``): for each rule set, the checkpoint name,
+the draft (MTP) name the engine gives it (sglang: ``model.decoder.*`` / ``model.*``), the fused
+module it is built into where all its shards stay unquantized (``gate_up_proj``,
+``fused_qkv_a_proj*``), and ``<layer>.mlp.experts`` when a layer's routed experts stay unquantized.
+Entries that match nothing in one engine are inert there. ``quant.plan`` then replays every rule set
+on the planned checkpoint, so the writer and ``gate checkpoint`` cannot disagree.
 """
 
 from __future__ import annotations
@@ -18,7 +14,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from quant.layout import Family
+from quant.engines import draft_name, rule_sets
+from quant.engines.rules import ENGINES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ROUTED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.\d+\.[^.]+$")
@@ -28,38 +25,36 @@ class NamingError(ValueError):
     """A quantization choice the engines cannot load (the message says which modules and why)."""
 
 
-def sglang_mtp_alias(module: str, num_hidden_layers: int, family: Family) -> str | None:
-    """sglang's module name for an MTP-layer module, or None for a main-layer module."""
-    match = _LAYER.match(module)
-    if not match or int(match.group(1)) < num_hidden_layers:
-        return None
-    rest = match.group(2)
-    if any(rest == part or rest.startswith(part + ".") for part in family.mtp_top_level):
-        return "model." + rest
-    return "model.decoder." + rest
+def _all_rule_sets():
+    return [r for engine in ENGINES for r in rule_sets(engine)]
 
 
-def _fused_names(modules: set[str], family: Family) -> set[str]:
+def _built_fused() -> dict[str, tuple[str, ...]]:
+    """Fused module -> shards, as any known engine release builds them."""
+    return {fused: tuple(shards) for r in _all_rule_sets() for fused, shards in r["built_fused"].items()}
+
+
+def _fused_names(modules: set[str]) -> set[str]:
     """Fused module names whose every shard is in ``modules`` (routed experts excepted)."""
     fused: set[str] = set()
     for module in modules:
         if _ROUTED_EXPERT.match(module):
             continue
         parent, _, leaf = module.rpartition(".")
-        for fused_leaf, shards in family.fused.items():
+        for fused_leaf, shards in _built_fused().items():
             if leaf in shards and all(f"{parent}.{s}" in modules for s in shards):
                 fused.add(f"{parent}.{fused_leaf}")
     return fused
 
 
-def check_fused_agreement(kept: set[str], quantized: set[str], family: Family) -> None:
+def check_fused_agreement(kept: set[str], quantized: set[str]) -> None:
     """Refuse a split that makes an engine raise "different quantization schemes"."""
     present = kept | quantized
     for module in sorted(kept):
         if _ROUTED_EXPERT.match(module):
             continue
         parent, _, leaf = module.rpartition(".")
-        for fused_leaf, shards in family.fused.items():
+        for fused_leaf, shards in _built_fused().items():
             siblings = [f"{parent}.{s}" for s in shards if f"{parent}.{s}" in present]
             if leaf in shards and any(s in quantized for s in siblings):
                 raise NamingError(
@@ -87,13 +82,10 @@ def check_expert_agreement(kept: set[str], quantized: set[str]) -> None:
             f"FusedMoE module with one scheme. Quantize all routed experts of the layer or none.")
 
 
-def build_exclude(kept: set[str], quantized: set[str], family: Family, num_hidden_layers: int) -> list[str]:
-    """The sorted, exact exclude list for modules left bf16 (``kept``), with engine aliases."""
-    check_fused_agreement(kept, quantized, family)
+def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int) -> list[str]:
+    """The sorted, exact exclude list for modules left unquantized (``kept``), in every engine's names."""
+    check_fused_agreement(kept, quantized)
     check_expert_agreement(kept, quantized)
-    names = set(kept)
-    names |= {aggregate for aggregate in expert_groups(kept)}
-    names |= _fused_names(kept, family)
-    aliases = {sglang_mtp_alias(name, num_hidden_layers, family) for name in names}
-    names |= {alias for alias in aliases if alias}
-    return sorted(names)
+    names = set(kept) | set(expert_groups(kept)) | _fused_names(kept)
+    aliases = {draft_name(name, rules, num_hidden_layers) for rules in _all_rule_sets() for name in names}
+    return sorted(names | {alias for alias in aliases if alias})

@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quant.engines import GLOB_CHARS, Finding, Module, config_findings, engine_rules, replay
+from quant.engines import Finding, Module, UnknownEngine, replay, select
+from quant.engines.config import model_findings, quark_findings
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.layout import UnknownFamilyError, family_for
 from quant.checkpoint import INDEX_NAME, Checkpoint
 from quant.errors import CheckpointError
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+GLOB_CHARS = set("*?[")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 
 
@@ -146,9 +148,6 @@ def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
     findings = []
     if qconfig.get("quant_method") != "quark":
         return findings  # not a Quark checkpoint: nothing more to check here
-    if not isinstance(qconfig.get("export"), dict):
-        findings.append(Finding("config", None, "quantization_config.export", "missing: sglang's Quark loader requires it",
-                                "add Quark's export block (quantgate writes it)"))
     for key in ("layer_quant_config", "layer_type_quant_config"):
         if not isinstance(qconfig.get(key), dict):
             findings.append(Finding("config", None, f"quantization_config.{key}",
@@ -180,6 +179,12 @@ def _deep_findings(checkpoint: Checkpoint) -> list[Finding]:
 
 
 def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
+    """Check ``folder`` for every engine release ``engine`` selects (``all``, ``sglang``,
+    ``sglang==0.5.23``, ``vllm`` ...); findings are reported per release's rule set."""
+    try:
+        rule_sets = select(engine)
+    except UnknownEngine as exc:
+        raise UnreadableCheckpoint(str(exc)) from None
     try:
         checkpoint = Checkpoint.open(folder)
         family = family_for(checkpoint.config)
@@ -187,8 +192,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     except (CheckpointError, UnknownFamilyError) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
     config = checkpoint.config
-    rules = engine_rules(engine)
-    report = Report(str(folder), [r.name for r in rules])
+    report = Report(str(folder), [r.id for r in rule_sets])
     qconfig = config.get("quantization_config")
     if qconfig is not None and not isinstance(qconfig, dict):
         report.findings.append(Finding("config", None, "quantization_config",
@@ -209,8 +213,11 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
     modules: dict[str, Module] = {}
+    mtp_layers: set[int] = set()
     for name, info in tensors.items():
         role = family.classify(name, num_hidden_layers)
+        if role.mtp:
+            mtp_layers.add(role.layer)
         if role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
             shape = logical_shape(fmt, info.shape) if quantized else tuple(info.shape)
@@ -226,15 +233,21 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     report.findings += _config_findings(qconfig or None, has_quantized)
     exclude, exclude_findings = _exclude_list(qconfig or {})
     report.findings += exclude_findings
-    is_quark = (qconfig or {}).get("quant_method") == "quark"
-    for rule in rules:
-        if is_quark:
-            report.findings += config_findings(rule, qconfig)
-            if exclude is not None:
-                report.findings += replay(rule, modules, exclude, family, num_hidden_layers)
-        elif any(m.quantized for m in modules.values()) and (qconfig or {}).get("quant_method") != "fp8":
-            report.findings.append(Finding("config", rule.name, "quantization_config",
-                                           "U8 weights without a Quark quantization_config", "re-export"))
+    kind = {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
+    for rules in rule_sets:
+        report.findings += model_findings(rules, config, set(tensors), num_hidden_layers, mtp_layers)
+        if kind == "quark":
+            report.findings += quark_findings(rules, qconfig)
+        if kind == "fp8" or (kind == "quark" and exclude is not None):
+            usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
+            report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt))
+        elif not kind and any(m.quantized for m in modules.values()):
+            report.findings.append(Finding("config", rules.id, "quantization_config",
+                                           "quantized weights without a Quark or FP8 quantization_config", "re-export"))
     if deep:
         report.findings += _deep_findings(checkpoint)
     return report
+
+
+def _format_label(fmt) -> str:
+    return fmt.name.upper() if fmt else "quantized"

@@ -71,11 +71,11 @@ def test_dry_run_json_and_human(glm_ckpt, tmp_path, capsys):
     assert main(["--to", "mxfp4", "--dry-run", "--json", str(glm_ckpt), str(tmp_path / "o")]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["tensors_quantized"] == 36 and plan["family"] == "glm_moe_dsa"
-    assert "model.decoder.mlp.shared_experts.gate_proj" in plan["sglang_aliases"]
+    assert "model.decoder.mlp.shared_experts.gate_proj" in plan["draft_aliases"]
     assert plan["by_role"]["routed_expert"] == {"quantize": 36, "keep": 0}
     assert main(["--to", "mxfp4", "--dry-run", str(glm_ckpt), str(tmp_path / "o")]) == 0
     human = capsys.readouterr().out
-    assert "36 to MXFP4" in human and "sglang MTP aliases" in human
+    assert "36 to MXFP4" in human and "MTP draft names" in human
     assert not (tmp_path / "o").exists()
 
 

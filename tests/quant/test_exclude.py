@@ -1,14 +1,15 @@
-"""The exclude list is what sglang and vLLM match: exact names, MTP aliases, fused names, aggregates."""
+"""The exclude list is what sglang and vLLM match: exact names, MTP draft names, fused names, aggregates,
+all taken from the engine rule sets."""
 
 from __future__ import annotations
 
 import pytest
 
+from quant.engines import draft_name, rule_sets
 from quant.example import tiny_config, write_checkpoint
-from quant.layout import family_for
 from quant.plan import make_plan
 from quant.recipe import Recipe, RecipeError, Rule, load_recipe, with_overrides
-from quant.serving import NamingError, build_exclude, sglang_mtp_alias
+from quant.serving import NamingError, build_exclude
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def layer_modules(prefix: str) -> list[str]:
         "mlp.gate", "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",
         "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.up_proj",
         "self_attn.fused_qkv_a_proj", "self_attn.fused_qkv_a_proj_with_mqa",
-        "self_attn.indexer.weights_proj", "self_attn.indexer.wk", "self_attn.indexer.wk_weights_proj",
+        "self_attn.indexer.weights_proj", "self_attn.indexer.wk",
         "self_attn.indexer.wq_b", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
         "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj")]
 
@@ -53,14 +54,16 @@ def test_shared_experts_mxfp4_leaves_no_shared_entry(mtp_ckpt):
     assert not [name for name in exclude if "shared_experts" in name]
 
 
-def test_aliases_follow_num_hidden_layers_not_78():
-    family = family_for({"model_type": "deepseek_v3"})
-    assert sglang_mtp_alias("model.layers.61.mlp.shared_experts.up_proj", 61, family) == \
+def test_draft_names_follow_num_hidden_layers_not_78():
+    sglang, vllm = rule_sets("sglang")[-1], rule_sets("vllm")[-1]
+    assert draft_name("model.layers.61.mlp.shared_experts.up_proj", sglang, 61) == \
         "model.decoder.mlp.shared_experts.up_proj"
-    assert sglang_mtp_alias("model.layers.61.eh_proj", 61, family) == "model.eh_proj"
-    assert sglang_mtp_alias("model.layers.61.shared_head.norm", 61, family) == "model.shared_head.norm"
-    assert sglang_mtp_alias("model.layers.60.mlp.gate", 61, family) is None
-    assert sglang_mtp_alias("model.layers.78.mlp.gate", 78, family) == "model.decoder.mlp.gate"
+    assert draft_name("model.layers.61.eh_proj", sglang, 61) == "model.eh_proj"
+    assert draft_name("model.layers.61.shared_head.norm", sglang, 61) == "model.shared_head.norm"
+    assert draft_name("model.layers.61.shared_head.head", sglang, 61) is None  # sglang skips it at load
+    assert draft_name("model.layers.60.mlp.gate", sglang, 61) == "model.layers.60.mlp.gate"
+    assert draft_name("model.layers.78.mlp.gate", sglang, 78) == "model.decoder.mlp.gate"
+    assert draft_name("model.layers.61.eh_proj", vllm, 61) == "model.layers.61.eh_proj"
 
 
 def test_deepseek_family_mtp_at_its_own_index(dsv3_ckpt):
@@ -76,20 +79,18 @@ def test_partial_expert_quantization_is_refused(mtp_ckpt):
                     (Rule("routed_expert", "quantize"),))
     plan = make_plan(mtp_ckpt, recipe)  # whole layers: fine
     assert plan.exclude
-    family = family_for({"model_type": "glm_moe_dsa"})
     with pytest.raises(NamingError, match="model.layers.0.mlp.experts: 1 routed-expert weights stay bf16"):
         build_exclude({"model.layers.0.mlp.experts.0.gate_proj"},
-             {"model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.0.up_proj"}, family, 1)
+                      {"model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.0.up_proj"}, 1)
 
 
 def test_fused_shards_must_agree(mtp_ckpt):
     recipe = Recipe("split-qkv", "mxfp4", load_recipe().scale_rule, False, (Rule("attention", "quantize"),))
     plan = make_plan(mtp_ckpt, recipe)  # q_a and kv_a both quantized: agree
     assert "model.layers.0.self_attn.q_a_proj" not in plan.exclude
-    family = family_for({"model_type": "glm_moe_dsa"})
     with pytest.raises(NamingError, match="different quantization schemes"):
         build_exclude({"model.layers.0.mlp.shared_experts.gate_proj"},
-                      {"model.layers.0.mlp.shared_experts.up_proj"}, family, 1)
+                      {"model.layers.0.mlp.shared_experts.up_proj"}, 1)
 
 
 def test_eh_proj_can_never_be_quantized(mtp_ckpt):

@@ -26,8 +26,15 @@ def run_gate(capsys, *args) -> tuple[int, dict | str]:
     return code, (json.loads(out.out) if "--json" in args else out.out + out.err)
 
 
+SGLANG_OLD, SGLANG_NEW, VLLM = "sglang 0.5.15", "sglang 0.5.21..0.5.23", "vllm 0.33.0"
+
+
 def problems(report: dict, engine: str) -> list[str]:
     return [f"{f['module']}: {f['why']}" for f in report["engines"][engine]["findings"]]
+
+
+def failing(report: dict) -> list[str]:
+    return sorted(e for e, r in report["engines"].items() if not r["ok"])
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +55,35 @@ def edited_copy(src, dst, edit_config=None):
 
 def test_quantgate_output_loads_in_both_engines(ours, capsys):
     code, report = run_gate(capsys, ours, "--json", "--deep")
-    assert code == 0 and report["ok"]
-    assert report["engines"]["sglang"]["ok"] and report["engines"]["vllm"]["ok"]
+    assert code == 0 and report["ok"] and len(report["engines"]) == 7 and not failing(report)
     code, text = run_gate(capsys, ours)
-    assert code == 0 and "sglang: OK" in text and "vllm: OK" in text
+    assert code == 0 and "sglang 0.5.9: OK" in text and f"{SGLANG_NEW}: OK" in text and f"{VLLM}: OK" in text
 
 
-def test_quarks_own_export_of_the_seed_fails_for_sglang_on_mtp_names(glm_ckpt, tmp_path, capsys):
-    """The outage: Quark's glm_moe_dsa template plus `*shared_experts*`, as the seed ran it."""
+def test_quarks_own_export_of_the_seed_fails_for_the_sglang_releases_that_had_the_outage(glm_ckpt, tmp_path, capsys):
+    """The outage: Quark's glm_moe_dsa template plus `*shared_experts*`, as the seed ran it. sglang
+    <= 0.5.15 looks the MTP layer up as model.decoder.*; 0.5.16 rewrites GLM exclude entries itself."""
     from quark.torch import LLMTemplate
 
     excludes = LLMTemplate.get("glm_moe_dsa").exclude_layers_name + ["*shared_experts*"]
     quark_convert(glm_ckpt, tmp_path / "quark", excludes)
     code, report = run_gate(capsys, tmp_path / "quark", "--json")
     assert code == 1
-    sglang = problems(report, "sglang")
-    assert any(p.startswith("model.decoder.mlp.shared_experts.gate_proj: bf16 weight [32, 64] (a shard of "
-                            "model.decoder.mlp.shared_experts.gate_up_proj) meets an MXFP4 slot") for p in sglang)
-    assert any(p.startswith("model.decoder.self_attn.q_b_proj: bf16 weight") for p in sglang)
-    assert not any("model.layers.3" in p for p in sglang)  # vLLM's names are the ones Quark wrote
-    vllm = problems(report, "vllm")
-    assert vllm == ["model.layers.3.eh_proj: vllm builds eh_proj as a plain bf16 Linear; a U8 eh_proj cannot load"]
+    old = problems(report, SGLANG_OLD)
+    assert any(p.startswith("model.decoder.mlp.shared_experts.gate_up_proj: bf16 weight [32, 64] (shard gate_proj of "
+                            "this fused module) meets an MXFP4 slot [32, 32]") for p in old)
+    assert any(p.startswith("model.decoder.self_attn.q_b_proj: bf16 weight") for p in old)
+    assert not any("model.layers.3" in p for p in old)  # the names Quark wrote are vLLM's
+    assert report["engines"]["sglang 0.5.16..0.5.20"]["ok"] and report["engines"][SGLANG_NEW]["ok"]
+    # sglang 0.5.9/0.5.10 also build eh_proj plain and look gate_up_proj up by its fused name only.
+    assert "model.eh_proj: sglang builds eh_proj as a plain bf16 Linear; an MXFP4 weight cannot load" in \
+        problems(report, "sglang 0.5.9")
+    assert any(p.startswith("model.layers.1.mlp.shared_experts.gate_up_proj: bf16") for p in problems(report, "sglang 0.5.10"))
+    assert problems(report, VLLM) == [("model.layers.3.eh_proj: vllm builds eh_proj as a plain bf16 Linear; an MXFP4 "
+                                       "weight cannot load")]
+    code, text = run_gate(capsys, tmp_path / "quark", "--engine", "sglang==0.5.23")
+    assert code == 0 and "sglang 0.5.21..0.5.23: OK" in text and "0.5.15" not in text
+    assert run_gate(capsys, tmp_path / "quark", "--engine", "sglang==0.5.12")[0] == 1
 
 
 def test_glob_excludes_match_nothing(ours, tmp_path, capsys):
@@ -78,8 +93,8 @@ def test_glob_excludes_match_nothing(ours, tmp_path, capsys):
     code, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", globify), "--json")
     assert code == 1
     assert "*shared_experts*: glob entry: the engines match exclude entries exactly (or by re: regex), so it " \
-           "matches nothing" in problems(report, "sglang")
-    assert any(p.startswith("model.layers.1.mlp.shared_experts.down_proj: bf16 weight") for p in problems(report, "vllm"))
+           "matches nothing" in problems(report, SGLANG_NEW)
+    assert any(p.startswith("model.layers.1.mlp.shared_experts.down_proj: bf16 weight") for p in problems(report, VLLM))
 
 
 def test_re_entries_are_honoured(ours, tmp_path, capsys):
@@ -102,10 +117,10 @@ def test_missing_scale(ours, tmp_path, capsys):
     code, report = run_gate(capsys, ck, "--json")
     assert code == 1
     assert "model.layers.1.mlp.experts.0.up_proj.weight: U8 weight without weight_scale: the engines load it " \
-           "silently as garbage" in problems(report, "sglang")
+           "silently as garbage" in problems(report, SGLANG_NEW)
 
 
-def test_per_expert_excludes_fail_in_sglang_only(glm_ckpt, tmp_path, capsys):
+def test_per_expert_excludes_without_the_aggregate(glm_ckpt, tmp_path, capsys):
     dst = tmp_path / "mtp_bf16"
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), mtp_experts="bf16")), dst, show_progress=False)
     assert run_gate(capsys, dst)[0] == 0
@@ -115,9 +130,112 @@ def test_per_expert_excludes_fail_in_sglang_only(glm_ckpt, tmp_path, capsys):
 
     code, report = run_gate(capsys, edited_copy(dst, tmp_path / "ck", drop_aggregates), "--json")
     assert code == 1
-    assert [p.split(":")[0] for p in problems(report, "sglang")] == ["model.decoder.mlp.experts"]
-    assert "RuntimeError: The size of tensor a (32) must match the size of tensor b (64)" in problems(report, "sglang")[0]
-    assert report["engines"]["vllm"]["ok"]  # vLLM's check_children matches the per-expert entries
+    assert [p.split(":")[0] for p in problems(report, SGLANG_OLD)] == ["model.decoder.mlp.experts"]
+    assert "RuntimeError: The size of tensor a (32) must match the size of tensor b (64)" in problems(report, SGLANG_OLD)[0]
+    # sglang 0.5.16 adds model.decoder.mlp.experts for per-expert MTP entries, 0.5.21 matches any
+    # '<experts>.' entry, and vLLM's check_children does too.
+    assert failing(report) == ["sglang 0.5.10", "sglang 0.5.11..0.5.14", "sglang 0.5.15", "sglang 0.5.9"]
+
+
+def test_a_stray_per_expert_entry_makes_mxfp4_experts_bf16_in_new_releases(ours, tmp_path, capsys):
+    def stray(q):
+        q["exclude"].append("model.layers.1.mlp.experts.0.gate_proj")
+
+    code, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", stray), "--json")
+    assert code == 1 and failing(report) == [SGLANG_NEW, VLLM]
+    assert problems(report, VLLM) == [("model.layers.1.mlp.experts: MXFP4 weight on disk but the exclude list makes "
+                                       "this FusedMoE bf16: packed bytes would load as weights")]
+
+
+def test_a_fused_name_alone_is_honoured_where_the_engine_matches_it_first(ours, tmp_path, capsys):
+    def fused_only(q):
+        q["exclude"] = [e for e in q["exclude"] if not e.endswith(("shared_experts.gate_proj", "shared_experts.up_proj"))]
+
+    _, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", fused_only), "--json")
+    # 0.5.9/0.5.10 know no gate_up_proj shards (fused name only); 0.5.21 and vLLM match the fused name first.
+    assert failing(report) == ["sglang 0.5.11..0.5.14", "sglang 0.5.15", "sglang 0.5.16..0.5.20"]
+    assert any(p.startswith("model.layers.1.mlp.shared_experts.gate_up_proj: bf16 weight [32, 64] (shard gate_proj")
+               for p in problems(report, "sglang 0.5.15"))
+
+
+def test_shards_named_unevenly_quote_each_engines_error(ours, tmp_path, capsys):
+    def uneven(q):
+        q["exclude"] = [e for e in q["exclude"] if not e.endswith(("self_attn.kv_a_proj_with_mqa", "fused_qkv_a_proj",
+                                                                  "fused_qkv_a_proj_with_mqa"))]
+
+    code, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", uneven), "--json")
+    assert code == 1
+    assert "model.layers.0.self_attn.fused_qkv_a_proj: the exclude list names some of its shards only: the engine " \
+           "raises ValueError: Found different quantization schemes for the shards of " \
+           "model.layers.0.self_attn.fused_qkv_a_proj. vLLM requires all to use the same scheme." in problems(report, VLLM)
+    assert any("raises ValueError: Found different quantization schemes for ['q_a_proj', 'kv_a_proj_with_mqa'] in "
+               "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa. SGLang requires" in p
+               for p in problems(report, SGLANG_NEW))
+
+
+def test_eh_proj_and_indexer_follow_how_each_engine_builds_them(ours, tmp_path, capsys):
+    def drop(q):  # vLLM never looks eh_proj or the fused wk/weights_proj up; sglang 0.5.11+ does look eh_proj up
+        q["exclude"] = [e for e in q["exclude"] if not e.endswith(("eh_proj", "weights_proj"))]
+
+    _, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", drop), "--json")
+    assert report["engines"][VLLM]["ok"] and report["engines"]["sglang 0.5.9"]["ok"]
+    assert problems(report, SGLANG_NEW) == [("model.eh_proj: bf16 weight [64, 128] meets an MXFP4 slot [64, 64]: "
+                                             "AssertionError on shapes at load (the seed's outage)")]
+
+
+def test_the_converter_refuses_a_recipe_an_engine_would_not_load(glm_ckpt):
+    from quant.recipe import Recipe, Rule
+    from quant.serving import NamingError
+
+    recipe = Recipe("indexer", "mxfp4", load_recipe().scale_rule, False, (Rule("indexer", "quantize"),))
+    with pytest.raises(NamingError, match="builds weights_proj unquantized"):
+        make_plan(glm_ckpt, recipe)
+
+
+def test_router_keys_and_mtp_count_are_checked(ours, tmp_path, capsys):
+    ck = edited_copy(ours, tmp_path / "ck")
+    config = json.loads((ck / "config.json").read_text())
+    del config["topk_method"]
+    config["num_nextn_predict_layers"] = 2
+    (ck / "config.json").write_text(json.dumps(config))
+    code, report = run_gate(capsys, ck, "--json")
+    assert code == 1
+    vllm = problems(report, VLLM)
+    assert any(p.startswith("model.layers.1.mlp.gate.e_score_correction_bias: 3 e_score_correction_bias tensors but "
+                            "topk_method is None: vllm creates the bias only for 'noaux_tc'") for p in vllm)
+    assert any("declares 2 MTP layer(s); the checkpoint holds 1" in p for p in vllm)
+    sglang = problems(report, SGLANG_NEW)
+    assert any("sglang asserts at most 1 MTP layer" in p for p in sglang)
+    assert any(p.startswith("config.json topk_method: sglang's model code reads config.topk_method") for p in sglang)
+
+
+def test_fp8_checkpoint_missing_a_bf16_wq_b_entry(glm_ckpt, tmp_path, capsys):
+    dst = tmp_path / "fp8"
+    convert(make_plan(glm_ckpt, load_recipe(to="fp8")), dst, show_progress=False)
+    assert run_gate(capsys, dst)[0] == 0
+
+    def drop_wq_b(q):
+        q["modules_to_not_convert"] = [e for e in q["modules_to_not_convert"]
+                                       if e != "model.layers.1.self_attn.indexer.wq_b"]
+
+    code, report = run_gate(capsys, edited_copy(dst, tmp_path / "ck", drop_wq_b), "--json")
+    assert code == 1
+    expected = ("model.layers.1.self_attn.indexer.wq_b: bf16 weight [64, 64] meets an FP8 slot: it is cast to float8 "
+                "without a scale; loads silently wrong")
+    assert problems(report, VLLM) == [expected] and problems(report, SGLANG_NEW) == [expected]
+
+
+def test_engine_choice_and_listing(ours, capsys):
+    code, text = run_gate(capsys, ours, "--engine", "sglang==0.4.0")
+    assert code == 2 and "no sglang rules cover 0.4.0" in text
+    code, text = run_gate(capsys, ours, "--engine", "trt")
+    assert code == 2 and "unknown engine 'trt'" in text
+    code, listing = run_gate(capsys, "--list-engines", "--json")
+    assert code == 0 and [r["id"] for r in listing][-1] == VLLM
+    newest = next(r for r in listing if r["id"] == SGLANG_NEW)
+    assert newest["rules"]["quark_match"]["value"] == {"fused_first": True, "experts_prefix": "any_entry"}
+    assert "should_ignore_layer" in newest["rules"]["quark_match"]["cite"]
+    assert all(rule["cite"] for r in listing for rule in r["rules"].values())
 
 
 def test_partially_quantized_expert_layer(ours, tmp_path, capsys):
@@ -132,8 +250,8 @@ def test_partially_quantized_expert_layer(ours, tmp_path, capsys):
     (ck / "model.safetensors.index.json").write_text(json.dumps(index))
     code, report = run_gate(capsys, ck, "--json")
     assert code == 1
-    assert any(p.startswith("model.layers.2.mlp.experts: routed experts of one layer are partly MXFP4")
-               for p in problems(report, "vllm"))
+    assert any(p.startswith("model.layers.2.mlp.experts: its checkpoint parts are partly MXFP4, partly bf16")
+               for p in problems(report, VLLM))
 
 
 def test_truncated_shard_is_unreadable(ours, tmp_path, capsys):
@@ -159,7 +277,7 @@ def test_deep_finds_unwritten_scales(ours, tmp_path, capsys):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     assert run_gate(capsys, ck)[0] == 0  # headers alone cannot see it
     code, report = run_gate(capsys, ck, "--deep", "--json")
-    assert code == 1 and f"{name}: 4 all-zero scale rows (never written?)" in problems(report, "vllm")
+    assert code == 1 and f"{name}: 4 all-zero scale rows (never written?)" in problems(report, VLLM)
 
 
 def test_help_documents_exit_codes(capsys):

@@ -1,0 +1,69 @@
+"""What an engine release refuses or misreads in ``config.json`` itself: the Quark schema, the
+exclude list's type, the router keys its model code reads, and the MTP layer count."""
+
+from __future__ import annotations
+
+from quant.engines.replay import Finding
+from quant.engines.rules import RuleSet
+
+
+def quark_findings(rules: RuleSet, qconfig: dict) -> list[Finding]:
+    want = rules["quark_config"]
+    findings = []
+
+    def finding(where: str, why: str, fix: str) -> None:
+        findings.append(Finding("config", rules.id, where, why, fix))
+
+    weight = (qconfig.get("global_quant_config") or {}).get("weight") or {}
+    inputs = (qconfig.get("global_quant_config") or {}).get("input_tensors")
+    if want["requires_export"] and not isinstance(qconfig.get("export"), dict):
+        finding("quantization_config.export", f"missing: {rules.engine}'s QuarkConfig.from_config raises",
+                "add Quark's export block (quantgate writes it)")
+    if weight.get("dtype") not in want["formats"]:
+        finding("global_quant_config.weight", f"{rules.engine}'s Quark loader does not accept weight dtype "
+                f"{weight.get('dtype')!r}", f"use one of {want['formats']} or serve with another engine")
+    if want["requires_input_tensors"] and weight.get("dtype") == "fp4" and not inputs:
+        finding("global_quant_config.input_tensors", f"MXFP4 weight-only (W4A16): {rules.engine}'s Quark loader needs "
+                "W4A4 (an fp4 input_tensors spec)", "re-export without --weight-only")
+    if want["exclude_must_be_list"] and qconfig.get("exclude") is None:
+        finding("quantization_config.exclude", f"missing or null: {rules.engine} iterates it as a list (TypeError "
+                "at load)", 'write "exclude": [] at least')
+    return findings
+
+
+def model_findings(rules: RuleSet, config: dict, tensors: set[str], num_hidden_layers: int,
+                   mtp_layers: set[int]) -> list[Finding]:
+    """Router keys and the tensors they imply; the MTP layers the config promises."""
+    findings = []
+
+    def finding(where: str, why: str, fix: str) -> None:
+        findings.append(Finding("config", rules.id, where, why, fix))
+
+    router = rules["router"]
+    for key in router["reads"]:
+        if key not in config:
+            finding(f"config.json {key}", f"{rules.engine}'s model code reads config.{key} as an attribute "
+                    "(AttributeError at load unless the config class supplies it)", f"add {key!r} (the source "
+                    "checkpoint's value; DeepSeek-V3 and GLM-5 use topk_method 'noaux_tc')")
+    biases = sorted(t for t in tensors if t.endswith(".mlp.gate.e_score_correction_bias"))
+    routers = sorted(t for t in tensors if t.endswith(".mlp.gate.weight"))
+    noaux = config.get("topk_method") == router["bias_when"]
+    if biases and not noaux:
+        finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but topk_method is "
+                f"{config.get('topk_method')!r}: {rules.engine} creates the bias only for {router['bias_when']!r} "
+                "(KeyError for the unexpected tensor at load)", f"set \"topk_method\": \"{router['bias_when']}\"")
+    if noaux and len(biases) < len(routers):
+        finding("e_score_correction_bias", f"topk_method {router['bias_when']!r} but only {len(biases)} of "
+                f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
+                "copy the source checkpoint's e_score_correction_bias tensors")
+    declared = int(config.get("num_nextn_predict_layers") or 0)
+    if declared != len(mtp_layers):
+        finding("config.json num_nextn_predict_layers", f"declares {declared} MTP layer(s); the checkpoint holds "
+                f"{len(mtp_layers)} (layers {sorted(mtp_layers)} at or after num_hidden_layers {num_hidden_layers}): "
+                "speculative decoding loads a draft that is not there or ignores one that is",
+                "make the count match the model.layers.N.* tensors")
+    limit = rules["mtp_naming"]["max_layers"]
+    if limit is not None and declared > limit:
+        finding("config.json num_nextn_predict_layers", f"{rules.engine} asserts at most {limit} MTP layer "
+                "('Only 1 nextn layer is supported') when it loads the draft", "serve without the MTP draft")
+    return findings

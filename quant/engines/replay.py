@@ -1,0 +1,200 @@
+"""Replay of one engine release's loading on a checkpoint's headers: which modules it builds, under
+which names, quantized or not, and whether the tensors on disk fit.
+
+The rules are a ``RuleSet`` (data, with citations); the decisions go through ``quant.engines.match``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from quant.engines.match import (
+    Exclude,
+    MixedShards,
+    fp8_ignored_layers,
+    fp8_skipped,
+    quark_excluded,
+)
+from quant.engines.rules import RuleSet
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
+_GLM_DRAFT_EXPERTS = "model.decoder.mlp.experts"  # added by GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config
+
+
+@dataclass(frozen=True)
+class Module:
+    """A checkpoint Linear: quantized on disk or not, its logical [out, in], its family role."""
+    quantized: bool
+    shape: tuple[int, int]
+    role: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # layout | config | engine
+    engine: str | None  # a rule set id ("sglang 0.5.21..0.5.23"), None for every engine
+    module: str
+    why: str
+    fix: str
+
+
+@dataclass
+class EngineModule:
+    name: str  # the engine's module name
+    members: list[str] = field(default_factory=list)  # checkpoint modules loaded into it
+    build: str = "governed"  # governed (exclude decides) | bf16 (always unquantized)
+    draft: bool = False
+    moe: bool = False
+    role: str = ""
+
+
+def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:
+    """The engine's name for a checkpoint module (None: the engine does not load it)."""
+    naming = rules["mtp_naming"]
+    match = _LAYER.match(module)
+    if not match or int(match.group(1)) < num_hidden_layers or naming["style"] != "decoder":
+        return module
+    if any(part in module for part in naming["skipped"]):
+        return None
+    rest = match.group(2)
+    return ("model." if any(part in module for part in naming["top_level"]) else "model.decoder.") + rest
+
+
+def _map_61(entry: str) -> str:
+    return entry.replace(*_MAPPER_61, 1) if _MAPPER_61[0] in entry else entry
+
+
+def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_layers: int, kind: str) \
+        -> tuple[list[str], bool]:
+    """The exclude list the draft (MTP) model is built with, and whether the whole draft is bf16."""
+    how = rules["draft_exclude"].get(family, "none")
+    if how in ("mapper_61", "mapper_61_draft_bf16"):
+        entries = [_map_61(e) for e in entries]
+        whole = how == "mapper_61_draft_bf16" and kind == "quark" and Exclude(entries).matches(
+            _map_61(f"model.layers.{num_hidden_layers}"))
+        return entries, whole
+    if how == "glm_remap" and kind == "quark":
+        prefix = f"model.layers.{num_hidden_layers}."
+        mtp = [e for e in entries if e.startswith(prefix)]
+        names = set(entries) | {draft_name(e, rules, num_hidden_layers) or e for e in mtp}
+        if any(".mlp.experts." in e for e in mtp):
+            names.add(_GLM_DRAFT_EXPERTS)
+        return sorted(names), False
+    return entries, False
+
+
+def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int, kind: str,
+                   whole_draft_bf16: bool = False) -> dict[str, EngineModule]:
+    """The modules the engine builds from the checkpoint's Linear modules."""
+    built: dict[str, EngineModule] = {}
+    fused_of = {shard: fused for fused, shards in rules["built_fused"].items() for shard in shards}
+    max_draft = rules["mtp_naming"]["max_layers"]
+    for module, info in modules.items():
+        match = _LAYER.match(module)
+        draft = bool(match) and int(match.group(1)) >= num_hidden_layers
+        if draft and max_draft is not None and int(match.group(1)) >= num_hidden_layers + max_draft:
+            continue  # not loaded (the config check reports the count)
+        name = draft_name(module, rules, num_hidden_layers)
+        if name is None:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        moe = info.role == "routed_expert"
+        if moe:
+            name = name[:name.rindex(".experts.") + len(".experts")]
+        elif leaf in fused_of and info.role not in ("indexer",):
+            name = f"{parent}.{fused_of[leaf]}"
+        entry = built.setdefault(name, EngineModule(name, draft=draft, moe=moe, role=info.role))
+        entry.members.append(module)
+        entry.build = _build(info.role, leaf, rules, kind, draft and whole_draft_bf16)
+    return built
+
+
+def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool) -> str:
+    if draft_bf16 or role in rules["unquantized_roles"]:
+        return "bf16"
+    if role == "mtp_proj":
+        return "governed" if rules["eh_proj"] == "quant_config" and kind == "quark" else "bf16"
+    if role == "indexer":
+        return "governed" if rules["indexer"].get(leaf) == "quant_config" else "bf16"
+    return "governed"
+
+
+def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
+    if kind == "fp8":
+        skip = rules["fp8_skip"]
+        return fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+    entries = qconfig.get("exclude")
+    return [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+
+
+def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) -> bool:
+    """The engine's decision for one module (raises ``MixedShards`` where the engine raises)."""
+    if kind == "fp8":
+        skip = rules["fp8_skip"]
+        return fp8_skipped(name, exclude.entries, skip["fused"], match=skip["match"], experts=skip["experts"],
+                           fallback_fused=skip["fallback_fused"])
+    match = rules["quark_match"]
+    return quark_excluded(name, exclude, rules["quark_fused"], fused_first=match["fused_first"],
+                          experts_prefix=match["experts_prefix"], routed_experts=moe,
+                          error=rules["mixed_shards_error"])
+
+
+def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
+           kind: str, fmt_name: str) -> list[Finding]:
+    """Findings for one engine release, from the checkpoint's Linear modules and its quantization_config."""
+    entries = exclude_entries(qconfig, rules, kind)
+    draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, family, num_hidden_layers, kind)
+    lists = {False: Exclude(entries), True: Exclude(draft_entries)}
+    where = "modules_to_not_convert" if kind == "fp8" else "exclude"
+    findings = []
+
+    def finding(module: str, why: str, fix: str) -> None:
+        findings.append(Finding("engine", rules.id, module, why, fix))
+
+    for name, em in sorted(engine_modules(modules, rules, num_hidden_layers, kind, whole_draft_bf16).items()):
+        on_disk = {modules[m].quantized for m in em.members}
+        what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
+        if len(on_disk) > 1:
+            finding(name, f"its checkpoint parts are partly {fmt_name}, partly bf16 ({', '.join(sorted(em.members))}); "
+                          f"the {what} loads all of them with one scheme", "quantize all of them or none")
+            continue
+        quantized_on_disk = on_disk.pop()
+        if em.build == "bf16":
+            if quantized_on_disk:
+                how = "as a plain bf16 Linear" if em.role == "mtp_proj" else f"unquantized ({em.role})"
+                finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}; an {fmt_name} weight cannot "
+                              "load", "keep it bf16 (quantgate's recipes never quantize it)")
+            continue
+        try:
+            expect_quantized = not excluded(name, lists[em.draft], rules, kind, em.moe)
+        except MixedShards as exc:
+            finding(name, f"the {where} list names some of its shards only: the engine raises {exc}",
+                    f"list all shards of {name} or none")
+            continue
+        if em.role == "indexer" and quantized_on_disk and rules["indexer"].get("wk_fused_bf16_on_cuda") \
+                and name.endswith(".wk"):
+            finding(name, f"on CUDA {rules.engine} fuses wk into a bf16 wk_weights_proj; an {fmt_name} wk loads on "
+                          "ROCm only", "keep the indexer's wk bf16")
+        if expect_quantized and not quantized_on_disk:
+            finding(name, _bf16_meets_slot(em, modules, fmt_name, kind), f"add {where} entry {name!r}")
+        elif not expect_quantized and quantized_on_disk:
+            finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
+                          "would load as weights", f"remove the {where} entries matching {name!r}")
+    return findings
+
+
+def _bf16_meets_slot(em: EngineModule, modules: dict[str, Module], fmt_name: str, kind: str) -> str:
+    shard = min(em.members, key=lambda m: not m.endswith("gate_proj"))  # w13 / the first shard loads first
+    out, cols = modules[shard].shape
+    if kind == "fp8":
+        return (f"bf16 weight [{out}, {cols}] meets an FP8 {'FusedMoE' if em.moe else 'slot'}: it is cast to float8 "
+                "without a scale; loads silently wrong")
+    packed = cols * (6 if fmt_name.startswith("MXFP6") else 4) // 8
+    if em.moe:
+        return (f"bf16 experts meet an {fmt_name} FusedMoE: RuntimeError: The size of tensor a ({packed}) must "
+                f"match the size of tensor b ({cols}) at non-singleton dimension 1")
+    part_of = f" (shard {shard.rsplit('.', 1)[-1]} of this fused module)" if len(em.members) > 1 else ""
+    return (f"bf16 weight [{out}, {cols}]{part_of} meets an {fmt_name} slot [{out}, {packed}]: AssertionError "
+            "on shapes at load (the seed's outage)")

@@ -1,0 +1,102 @@
+"""Load single functions from released sglang / vLLM wheels, without importing the packages.
+
+The wheels come from the package registry (``pip download --no-deps``) into a cache folder
+(``$QUANTGATE_WHEELS`` or ``~/.cache/quantgate-wheels``). From a wheel's source file we take only
+the named functions and classes (``ast``), and run them in a namespace holding the few names they
+use: the engines' own code decides, nothing of it is rewritten here.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import logging
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035 (names the engines' annotations use)
+
+CACHE = Path(os.environ.get("QUANTGATE_WHEELS", Path.home() / ".cache" / "quantgate-wheels"))
+
+
+class WheelUnavailable(RuntimeError):
+    pass
+
+
+def wheel(package: str, version: str) -> Path:
+    """The cached wheel of ``package==version``, downloaded once from the registry."""
+    folder = CACHE / f"{package}-{version}"
+    found = sorted(folder.glob("*.whl"))
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), f"{package}=={version}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    found = sorted(folder.glob("*.whl"))
+    if done.returncode or not found:
+        raise WheelUnavailable(f"pip download {package}=={version} failed: {done.stderr.strip()[-300:]}")
+    return found[0]
+
+
+def source(whl: Path, path: str) -> str:
+    with zipfile.ZipFile(whl) as z:
+        return z.read(path).decode()
+
+
+def _base_namespace() -> dict:
+    import regex
+
+    return {"re": re, "regex": regex, "copy": copy, "Iterable": Iterable, "Mapping": Mapping,
+            "MappingProxyType": MappingProxyType, "Optional": Optional, "Any": Any, "Dict": Dict, "List": List,  # noqa: UP006
+            "Literal": Literal, "Union": Union, "dataclass": dataclass, "field": field,
+            "logger": logging.getLogger("engine-source"), "__name__": __name__}
+
+
+def load(whl: Path, path: str, names: Iterable[str], extra: dict | None = None,
+         namespace: dict | None = None) -> dict:
+    """Execute the top-level functions, classes and assignments called ``names`` of ``path``."""
+    tree = ast.parse(source(whl, path))
+    wanted = set(names)
+    nodes = []
+    for node in tree.body:
+        targets = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+            [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)] + \
+            ([node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else [])
+        if wanted & set(targets):
+            nodes.append(node)
+    missing = wanted - {n.name if hasattr(n, "name") else None for n in nodes} - {
+        t.id for n in nodes for t in getattr(n, "targets", []) if isinstance(t, ast.Name)} - {
+        n.target.id for n in nodes if isinstance(n, ast.AnnAssign)}
+    if missing:
+        raise LookupError(f"{path} in {whl.name} has no {sorted(missing)}")
+    ns = namespace if namespace is not None else _base_namespace()
+    ns.update(extra or {})
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), f"{whl.name}/{path}", "exec"), ns)  # noqa: S102 (the engine's own code)
+    return ns
+
+
+def methods(whl: Path, path: str, cls: str, names: Iterable[str], extra: dict | None = None) -> dict:
+    """The methods (and class attributes) ``names`` of class ``cls`` in ``path``, as plain functions."""
+    tree = ast.parse(source(whl, path))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    wanted = set(names)
+    body = [n for n in node.body if (getattr(n, "name", None) in wanted) or any(
+        isinstance(t, ast.Name) and t.id in wanted for t in getattr(n, "targets", []))]
+    ns = _base_namespace()
+    ns.update(extra or {})
+    holder = ast.ClassDef(name=cls, bases=[], keywords=[], body=body or [ast.Pass()], decorator_list=[])
+    code = compile(ast.fix_missing_locations(ast.Module(body=[holder], type_ignores=[])), f"{whl.name}/{path}", "exec")
+    exec(code, ns)  # noqa: S102 (the engine's own code)
+    return {"cls": ns[cls], "ns": ns}
+
+
+def fake_quant_config(name: str, exclude: list[str]) -> SimpleNamespace:
+    """What ``_resolve_nextn_quant_config`` reads of a QuarkConfig: its name, exclude list and dict."""
+    return SimpleNamespace(get_name=lambda: name, exclude_layers=list(exclude),
+                           quant_config={"exclude": list(exclude), "layer_quant_config": {}})
