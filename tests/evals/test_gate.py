@@ -154,7 +154,7 @@ def test_release_writes_reports_and_blocks_on_structure(glm_ckpt, tmp_path, caps
     (ckpt / "config.json").write_text(json.dumps(config))
     code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r)
     assert code == 1 and report["verdict"] == "BLOCK"
-    assert "model.decoder.mlp.shared_experts.gate_proj" in (c / "report.md").read_text()
+    assert "model.decoder.mlp.shared_experts.gate_up_proj" in (c / "report.md").read_text()
 
 
 def test_unpaired_comparison_against_the_seed_table_is_labelled_weaker(tmp_path, capsys):

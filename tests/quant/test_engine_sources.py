@@ -8,7 +8,10 @@ are run on generated cases beside ``quant.engines``. Without the registry the te
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
+import types
 
 import pytest
 
@@ -164,7 +167,6 @@ def _sglang_draft_engine(whl, family):
     without quant config. The loader first applies the class's hf_to_sglang_mapper (apply_list)."""
     util = load(whl, "sglang/srt/layers/quantization/quark/utils.py",
                 ["should_ignore_layer", "check_equal_or_regex_match", "_is_equal_or_regex_match"])
-    _serve_module("sglang.srt.layers.quantization.quark.utils", should_ignore_layer=util["should_ignore_layer"])
     mapper_cls = load(whl, "sglang/srt/models/utils.py", ["WeightsMapper", "WeightsMapping"])["WeightsMapper"]
     extra = {"WeightsMapper": mapper_cls, "should_apply_glm_nextn_moe_ptpc": lambda *a: False}
     wanted = ["_resolve_nextn_quant_config", "_map_mtp_ckpt_name", "_NEXTN_SPEC_WEIGHT_NAMES", "hf_to_sglang_mapper",
@@ -181,22 +183,30 @@ def _sglang_draft_engine(whl, family):
         mapped = mapper.apply_list(exclude) if mapper is not None else list(exclude)
         if not hasattr(draft, "_resolve_nextn_quant_config"):
             return mapped
-        out = draft()._resolve_nextn_quant_config(_Config(num_layers), fake_quant_config("quark", mapped))
+        with _served("sglang.srt.layers.quantization.quark.utils", should_ignore_layer=util["should_ignore_layer"]):
+            out = draft()._resolve_nextn_quant_config(_Config(num_layers), fake_quant_config("quark", mapped))
         return None if out is None else out.exclude_layers
     return rewrite
 
 
-def _serve_module(name, **attrs):
-    """The draft methods import helpers inside their body: serve the wheel's own ones under that name."""
-    import sys
-    import types
-
+@contextlib.contextmanager
+def _served(name, **attrs):
+    """The draft methods import helpers inside their body: serve the wheel's own ones under that name
+    for the duration of the call only (no stub package outlives it)."""
     parts = name.split(".")
-    for i in range(1, len(parts)):
-        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    module = types.ModuleType(name)
-    module.__dict__.update(attrs)
-    sys.modules[name] = module
+    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[name].__dict__.update(attrs)
+    try:
+        yield
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
 
 
 class _Config:
