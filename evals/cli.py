@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -200,16 +201,17 @@ def main(argv: list[str] | None = None) -> int:
 
 EVALS_EPILOG = """\
 examples:
-  evals data --data-dir DATA --gsm8k ../shared/data/gsm8k --gpqa gpqa_diamond.csv
+  evals run --benchmarks gsm8k --model /ckpt/tiny --limit 20 --out runs/try     # GSM8K ships with quantgate
+  evals data --data-dir DATA --gpqa gpqa_diamond.csv                          # GPQA: you supply it (gated)
   evals run --benchmarks gsm8k,gpqa_diamond --out runs/mxfp4 --data-dir DATA \\
       --base-url http://127.0.0.1:30000/v1/completions --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4
-  evals run --benchmarks gsm8k --out runs/deq --data-dir DATA --model /ckpt/GLM-5-mxfp4-as-bf16 --limit 20
+  evals run --benchmarks gsm8k --out runs/raw --data-dir /data --model /ckpt/x   # /data/gsm8k/{train,test}.jsonl
 
 exit codes: 0 done, 1 the run failed (finished units are kept: rerun with --resume), 2 bad input"""
 
 
 def build_evals_parser() -> argparse.ArgumentParser:
-    from evals.run import DEFAULT_MAX_GEN_TOKS
+    from evals.budget import DEFAULT_MAX_GEN_TOKS
 
     parser = argparse.ArgumentParser(prog="evals", description="Benchmark runs that the accuracy gate can pair.",
                                      epilog=EVALS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,7 +237,10 @@ def build_evals_parser() -> argparse.ArgumentParser:
     run.add_argument("--tau2-trials", type=int, default=1, help="trials per tau2 task")
     run.add_argument("--tau2-max-steps", type=int, default=100, help="step limit per tau2 simulation")
     run.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
-    run.add_argument("--data-dir", type=Path, required=True, help="folder prepared by `evals data`")
+    run.add_argument("--data-dir", type=Path,
+                     help="benchmark data: a folder prepared by `evals data`, or GSM8K's own files "
+                          "(DIR/gsm8k/{train,test}.jsonl, hashed at run time); default: the GSM8K copy shipped "
+                          "with quantgate (GPQA always needs a folder from `evals data`)")
     run.add_argument("--model", required=True,
                      help="served model name (with --base-url) or a local HF checkpoint path (e.g. from quantize --to bf16)")
     run.add_argument("--base-url", help="full endpoint URL of an OpenAI-compatible server, e.g. "
@@ -245,8 +250,10 @@ def build_evals_parser() -> argparse.ArgumentParser:
     run.add_argument("--limit", type=int,
                      help="items per benchmark (default: the protocol's, GSM8K 200, GPQA all; tau2: tasks per domain)")
     run.add_argument("--concurrency", type=int, default=1, help="requests in flight against the server")
-    run.add_argument("--max-gen-toks", type=int, default=DEFAULT_MAX_GEN_TOKS,
-                     help=f"generation budget per answer (default {DEFAULT_MAX_GEN_TOKS}: reasoning models need it)")
+    run.add_argument("--max-gen-toks", type=int,
+                     help=f"generation budget per answer (default: {DEFAULT_MAX_GEN_TOKS}, reasoning models need it, "
+                          "capped to the model's context minus the longest prompt: a local model's config, a "
+                          "server's max_model_len on /v1/models; the value used is printed and kept in run.json)")
     run.add_argument("--seeds", help="comma list of request seeds, one repeat each (default: GSM8K 0; GPQA 0,1)")
     run.add_argument("--keep-text", action="store_true", help="also keep GPQA responses in the bundle (never commit it)")
     run.add_argument("--resume", action="store_true", help="complete an interrupted run; finished units are kept")
@@ -254,11 +261,14 @@ def build_evals_parser() -> argparse.ArgumentParser:
 
 
 def evals_main(argv: list[str] | None = None) -> int:
+    from evals.budget import BudgetError
     from evals.data import DataError, fetch_from_hub, import_gpqa, import_gsm8k
     from evals.run import PROTOCOLS, RunError, RunSpec, run
     from evals.tau2 import Tau2Error, import_tau2
 
     args = build_evals_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("evals").setLevel(logging.INFO)  # our progress lines; lm-eval's own INFO stays quiet
     try:
         if args.command == "import-tau2":
             result = import_tau2(args.results, args.out)
@@ -294,7 +304,7 @@ def evals_main(argv: list[str] | None = None) -> int:
         result = run(spec, resume=args.resume)
         print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"]}, indent=2))
         return EXIT_OK
-    except (DataError, Tau2Error) as exc:
+    except (DataError, BudgetError, Tau2Error) as exc:
         print(f"evals: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RunError as exc:

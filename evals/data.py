@@ -1,10 +1,16 @@
-"""Benchmark data, offline-first: imported once into a data folder with its sha256s recorded.
+"""Benchmark data, offline-first, every file's sha256 recorded in each run bundle.
 
-``<data-dir>/gsm8k/{train,test}.jsonl`` in GSM8K's own format; ``<data-dir>/gpqa_diamond/test.jsonl``
-with the choice order frozen at import (lm-eval's own GPQA task shuffles at load time with the
-global ``random`` inside ``datasets.map``, so a warm cache ignores ``--seed``: SPEC section 6).
-``<data-dir>/manifest.json`` records every file's sha256, which each run bundle copies.
-GPQA is never bundled with quantgate: the user supplies the file.
+Where a benchmark's files come from (``dataset_for``):
+- GSM8K ships with quantgate (``evals/benchmarks/data``, MIT licence, sha256s in its manifest.json):
+  ``evals run --benchmarks gsm8k`` needs no ``--data-dir``.
+- A folder prepared by ``evals data`` (``<data-dir>/manifest.json`` records every file's sha256,
+  checked before a run).
+- GSM8K's own layout, ``<data-dir>/gsm8k/{train,test}.jsonl`` (or those two files directly in
+  ``<data-dir>``): validated and hashed at run time.
+- GPQA-Diamond only through ``evals data``, with the choice order frozen at import: lm-eval's own
+  GPQA task shuffles the choices at load time with the global ``random`` inside ``datasets.map``,
+  and the datasets cache replays a stale order (a warm cache ignores ``--seed``), so two arms of a
+  comparison could see different orders. GPQA is gated and never bundled: the user supplies it.
 """
 
 from __future__ import annotations
@@ -12,12 +18,20 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
 import random
+import re
 import shutil
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 GPQA_FREEZE_SEED = 0
+BUNDLED_DATA_DIR = Path(str(resources.files("evals.benchmarks").joinpath("data")))
+GSM8K_FILES = ("train.jsonl", "test.jsonl")
+GSM8K_ANSWER = re.compile(r"####\s*-?[0-9][0-9.,]*\s*$")  # the official answer ends "#### N"
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -30,10 +44,22 @@ def sha256_of(path: Path) -> str:
 
 def _update_manifest(data_dir: Path, benchmark: str, files: dict[str, Path], source: str) -> dict:
     manifest_path = data_dir / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
     manifest[benchmark] = {"source": source, "files": {name: sha256_of(p) for name, p in files.items()}}
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest[benchmark]
+
+
+def check_gsm8k_file(path: Path) -> None:
+    """Every line a JSON object with a ``question`` and an ``answer`` ending ``#### N``; else name the line."""
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{n}: not a JSON line ({exc.msg}); GSM8K files hold one JSON object per line")
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                and GSM8K_ANSWER.search(str(row.get("answer", "")))):
+            raise DataError(f"{path}:{n}: not GSM8K format: needs a 'question' and an 'answer' ending '#### N'")
 
 
 def import_gsm8k(source_dir: Path, data_dir: Path) -> dict:
@@ -41,16 +67,13 @@ def import_gsm8k(source_dir: Path, data_dir: Path) -> dict:
     out = data_dir / "gsm8k"
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    for split in ("train", "test"):
-        src = Path(source_dir) / f"{split}.jsonl"
+    for name in GSM8K_FILES:
+        src = Path(source_dir) / name
         if not src.exists():
             raise DataError(f"{src}: missing; point --gsm8k at the folder holding GSM8K's train.jsonl and test.jsonl")
-        for n, line in enumerate(src.read_text().splitlines(), 1):
-            row = json.loads(line)
-            if "question" not in row or "####" not in row.get("answer", ""):
-                raise DataError(f"{src}:{n}: not GSM8K format (question, answer ending '#### N')")
-        shutil.copyfile(src, out / f"{split}.jsonl")
-        files[f"{split}.jsonl"] = out / f"{split}.jsonl"
+        check_gsm8k_file(src)
+        shutil.copyfile(src, out / name)
+        files[name] = out / name
     return _update_manifest(data_dir, "gsm8k", files, str(source_dir))
 
 
@@ -111,12 +134,68 @@ def import_gpqa(source: Path, data_dir: Path, seed: int = GPQA_FREEZE_SEED) -> d
                             f"{source} (choices frozen with seed {seed})")
 
 
+@dataclass(frozen=True)
+class Dataset:
+    """A benchmark's files for one run: the folder holding them and the entry run.json records."""
+
+    folder: Path
+    entry: dict  # {"source": where it came from, "files": {name: sha256}}
+
+
+def _raw_gsm8k_folder(data_dir: Path) -> Path | None:
+    for folder in (data_dir / "gsm8k", data_dir):
+        if all((folder / name).is_file() for name in GSM8K_FILES):
+            return folder
+    return None
+
+
+def dataset_for(benchmark: str, data_dir: Path | None = None) -> Dataset:
+    """Where ``benchmark``'s files are for a run, checked and hashed (see the module docstring)."""
+    if data_dir is None:
+        if benchmark == "gsm8k":
+            return Dataset(BUNDLED_DATA_DIR / "gsm8k", verify_data(BUNDLED_DATA_DIR, "gsm8k"))
+        raise DataError(f"{benchmark} does not ship with quantgate (it is gated): import your copy with "
+                        f"`evals data --data-dir DATA --gpqa FILE`, then pass --data-dir DATA")
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: not a folder; pass a folder prepared by `evals data`, or one holding "
+                        f"GSM8K's train.jsonl and test.jsonl (directly or under gsm8k/)")
+    manifest = data_dir / MANIFEST
+    if manifest.exists() and benchmark in _read_manifest(manifest):
+        return Dataset(data_dir / benchmark, verify_data(data_dir, benchmark))
+    raw = _raw_gsm8k_folder(data_dir) if benchmark == "gsm8k" else None
+    if raw is not None:
+        for name in GSM8K_FILES:
+            check_gsm8k_file(raw / name)
+        return Dataset(raw, {"source": f"{raw} (GSM8K's own files, hashed at run time)",
+                             "files": {name: sha256_of(raw / name) for name in GSM8K_FILES}})
+    if benchmark == "gsm8k" and manifest.exists():
+        log.warning("%s has no gsm8k; using the GSM8K copy shipped with quantgate", data_dir)
+        return dataset_for("gsm8k")
+    if benchmark == "gsm8k":
+        raise DataError(f"{data_dir}: holds neither {MANIFEST} (from `evals data --data-dir {data_dir} --gsm8k DIR`) "
+                        f"nor GSM8K's own train.jsonl and test.jsonl (under {data_dir / 'gsm8k'}); do one of the two, "
+                        f"or omit --data-dir to use the GSM8K copy shipped with quantgate")
+    raise DataError(f"{data_dir}: {benchmark} not imported; run `evals data --data-dir {data_dir} "
+                    f"--{benchmark.split('_')[0]} ...` first")
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: unreadable ({exc}); re-import the data with `evals data`") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a data manifest (expected a JSON object); re-import the data with `evals data`")
+    return manifest
+
+
 def verify_data(data_dir: Path, benchmark: str) -> dict:
     """The manifest entry of ``benchmark``, after checking its files still have the recorded hashes."""
     manifest_path = Path(data_dir) / MANIFEST
     if not manifest_path.exists():
         raise DataError(f"{data_dir}: no {MANIFEST}; import the data first with `evals data`")
-    entry = json.loads(manifest_path.read_text()).get(benchmark)
+    entry = _read_manifest(manifest_path).get(benchmark)
     if entry is None:
         raise DataError(f"{data_dir}: {benchmark} not imported; run `evals data --{benchmark.split('_')[0]} ...`")
     for name, digest in entry["files"].items():

@@ -14,12 +14,13 @@ import json
 import logging
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata, resources
 from pathlib import Path
 
+from evals import budget
 from evals.bundle import RUN_JSON, SAMPLES, write_samples
-from evals.data import verify_data
+from evals.data import Dataset, dataset_for
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -30,7 +31,6 @@ PROTOCOLS = {
     "gpqa_diamond": {"task": "quantgate_gpqa_diamond", "limit": None, "seeds": [0, 1],
                      "primary_filter": "flexible-extract"},
 }
-DEFAULT_MAX_GEN_TOKS = 16384  # reasoning models think long; lm-eval's 256 truncates them to zero
 log = logging.getLogger(__name__)
 
 
@@ -42,14 +42,14 @@ class RunError(RuntimeError):
 class RunSpec:
     benchmarks: list[str]
     out: Path
-    data_dir: Path
     model: str
+    data_dir: Path | None = None  # None: GSM8K shipped with quantgate (GPQA needs a folder from `evals data`)
     base_url: str | None = None
     tokenizer: str | None = None
     api: str = "completions"
     limit: int | None = None
     concurrency: int = 1
-    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
+    max_gen_toks: int | None = None  # None: the largest budget that fits the model (evals.budget)
     seeds: list[int] | None = None
     keep_text: bool = False
     tau2_domains: list[str] = field(default_factory=lambda: ["airline", "retail", "telecom"])
@@ -65,16 +65,27 @@ class RunSpec:
         return self.limit if self.limit is not None else PROTOCOLS[benchmark]["limit"]
 
 
-def _task_dir(spec: RunSpec) -> Path:
-    """The benchmark YAMLs with this run's data folder filled in (lm-eval's include_path)."""
+def _task_dir(spec: RunSpec, datasets: dict[str, Dataset]) -> Path:
+    """The benchmark YAMLs with each benchmark's data folder filled in (lm-eval's include_path)."""
     tasks = spec.out / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
-    for benchmark in spec.benchmarks:
-        if benchmark == "tau2":
-            continue
+    for benchmark, dataset in datasets.items():
         template = resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text()
-        (tasks / f"{benchmark}.yaml").write_text(template.replace("{data_dir}", str(spec.data_dir.resolve())))
+        (tasks / f"{benchmark}.yaml").write_text(template.replace("{benchmark_dir}", str(dataset.folder.resolve())))
     return tasks
+
+
+def fit_budget(spec: RunSpec, tasks: Path, benchmarks: list[str]) -> budget.Budget:
+    """The generation budget for this run: ``--max-gen-toks`` if it fits, else the largest that does."""
+    if spec.base_url:
+        context = budget.server_context(spec.base_url, spec.model)
+        count, unit = budget.prompt_counter(spec.tokenizer, chat=spec.api == "chat")
+    else:
+        context = budget.local_context(spec.model)
+        count, unit = budget.prompt_counter(spec.model, chat=False)
+    longest = max(count(prompt) for b in benchmarks
+                  for prompt in budget.prompts(tasks, PROTOCOLS[b]["task"], spec.limit_for(b)))
+    return budget.fit(spec.max_gen_toks, context, longest, unit)
 
 
 def _model(spec: RunSpec, seed: int) -> tuple[str, dict]:
@@ -105,7 +116,7 @@ def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path)
         task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         limit=spec.limit_for(benchmark), log_samples=True, apply_chat_template=spec.api == "chat" and bool(spec.base_url),
         gen_kwargs={"max_gen_toks": spec.max_gen_toks}, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=1234, batch_size=1)
+        torch_random_seed=seed, fewshot_random_seed=budget.FEWSHOT_SEED, batch_size=1)
     samples = results["samples"][PROTOCOLS[benchmark]["task"]]
     rows = []
     for s in samples:
@@ -188,10 +199,14 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         raise RunError(f"{spec.out} already holds a finished run; choose a new --out")
     spec.out.mkdir(parents=True, exist_ok=True)
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
-    datasets = {b: verify_data(spec.data_dir, b) for b in lm_eval_benchmarks}
+    datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}
     units_dir = spec.out / "units"
     units_dir.mkdir(exist_ok=True)
-    tasks = _task_dir(spec)
+    tasks = _task_dir(spec, datasets)
+    generation = fit_budget(spec, tasks, lm_eval_benchmarks) if lm_eval_benchmarks else None
+    if generation:
+        spec = replace(spec, max_gen_toks=generation.max_gen_toks)
+        log.info("max_gen_toks %d (%s)", generation.max_gen_toks, generation.how)
     started, timings = time.time(), {}
     rows: list[dict] = []
     for benchmark in lm_eval_benchmarks:
@@ -214,7 +229,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
             meta.write_text(json.dumps(settings))
             timings[f"{benchmark}-r{repeat}"] = round(time.time() - t0, 2)
             rows += unit_rows
-    benchmarks = {b: {**settings_of(spec, b), "dataset": datasets[b]} for b in lm_eval_benchmarks}
+    benchmarks = {b: {**settings_of(spec, b), "dataset": datasets[b].entry} for b in lm_eval_benchmarks}
     if "tau2" in spec.benchmarks:
         t0 = time.time()
         tau2_rows, benchmarks["tau2"] = _run_tau2(spec, units_dir, resume)
@@ -224,7 +239,8 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
     run_json = {
         "model": spec.model, "endpoint": spec.base_url, "api": spec.api if spec.base_url else "hf-local",
         "tokenizer": spec.tokenizer, "benchmarks": benchmarks,
-        "max_gen_toks": spec.max_gen_toks, "concurrency": spec.concurrency, "versions": _versions(),
+        "max_gen_toks": spec.max_gen_toks, "generation_budget": generation.to_dict() if generation else None,
+        "concurrency": spec.concurrency, "versions": _versions(),
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
         "created_unix": int(started), "rows": len(rows), "keep_text": spec.keep_text,
     }

@@ -1,4 +1,4 @@
-"""Paired statistics for the accuracy gate (SPEC section 7).
+"""Paired statistics for the accuracy gate (docs/reference.md §7).
 
 Items are the unit: repeats (GPQA seeds, tau2 trials) are averaged per item first, so a question
 asked twice is one observation, not two. Everything is deterministic given the bootstrap seed.

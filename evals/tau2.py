@@ -1,4 +1,4 @@
-"""tau2-bench results files -> a run bundle the gate can pair (SPEC section 6).
+"""tau2-bench results files -> a run bundle the gate can pair (docs/reference.md §6).
 
 Each simulation becomes one row: item ``<domain>/<task_id>``, repeat = trial, score = reward (0/1).
 Both arms must use the same user simulator, trials and step limits, so files that disagree on

@@ -1,4 +1,4 @@
-"""The ``quantization_config`` block of config.json in AMD Quark 0.13's schema (SPEC section 2)."""
+"""The ``quantization_config`` block of config.json in AMD Quark 0.13's schema (docs/reference.md §2)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def quantization_config(exclude: list[str], scale_rule: ScaleRule, weight_only: 
 
 
 def fp8_config(exclude: list[str]) -> dict:
-    """DeepSeek-V3-style block FP8 (SPEC section 1), what vLLM and sglang load as block FP8."""
+    """DeepSeek-V3-style block FP8 (docs/reference.md §1), what vLLM and sglang load as block FP8."""
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
             "modules_to_not_convert": list(exclude)}
 

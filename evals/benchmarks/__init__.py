@@ -1,1 +1,5 @@
-"""Benchmark definitions as lm-eval task YAMLs (``{data_dir}`` is filled in per run)."""
+"""Benchmark definitions as lm-eval task YAMLs.
+
+``{benchmark_dir}`` (the folder holding a benchmark's files) is filled in per run; ``data/`` holds
+GSM8K, shipped with quantgate under its MIT licence.
+"""

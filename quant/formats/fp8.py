@@ -1,5 +1,5 @@
 """Block FP8 (DeepSeek-V3 style), the reference format: e4m3 weights, one float32 scale per
-128x128 tile (SPEC section 1). ``w ~= q * scale_inv``; ``scale_inv = amax_tile / 448`` (1.0 for an
+128x128 tile (docs/reference.md §1). ``w ~= q * scale_inv``; ``scale_inv = amax_tile / 448`` (1.0 for an
 all-zero tile); ``q = clamp(w / scale_inv, -448, 448)`` cast to e4m3 with round-to-nearest-even.
 """
 

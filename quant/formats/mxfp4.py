@@ -4,10 +4,10 @@ A Linear weight ``[out, in]`` is cut into blocks of 32 consecutive values along 
 shares one power-of-two scale ``2^e`` stored as the byte ``e + 127`` (``mx.ScaleRule``); each
 element is the E2M1 code of ``x / 2^e`` rounded half-to-even onto the grid
 ``0, .5, 1, 1.5, 2, 3, 4, 6`` and saturated at 6. Two codes share a byte: element ``2j`` in the
-low nibble, ``2j+1`` in the high one. See SPEC section 1; tests check every rule against Quark.
+low nibble, ``2j+1`` in the high one. See docs/reference.md §1; tests check every rule against Quark.
 
 This is the torch reference for MXFP4 (``mx`` holds the machinery shared with MXFP6): its element
-rounding is spelled as the SPEC's tie table, which ``mxfp4_fast`` mirrors on bit patterns.
+rounding is spelled as the tie table of docs/reference.md §1, which ``mxfp4_fast`` mirrors on bit patterns.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``gate accuracy`` / ``gate release``: SPEC section 7's known values, verdicts on synthetic bundles."""
+"""``gate accuracy`` / ``gate release``: the known values of docs/reference.md §7, verdicts on synthetic bundles."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 import shutil
@@ -18,9 +19,9 @@ import pytest
 
 from evals.bundle import BundleError, pair, read_bundle
 from evals.cli import evals_main
-from evals.data import import_gpqa, import_gsm8k
+from evals.data import BUNDLED_DATA_DIR, import_gpqa, import_gsm8k
 
-GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+GSM8K = BUNDLED_DATA_DIR / "gsm8k"  # shipped with quantgate (MIT)
 GEN = ["--max-gen-toks", "8"]
 
 
@@ -37,10 +38,22 @@ def synthetic_gpqa(path: Path, n: int = 4) -> Path:
     return path
 
 
+def synthetic_gsm8k(folder: Path, train: int = 20, test: int = 6) -> Path:
+    """GSM8K's own layout and format with short made-up problems: 5-shot prompts that fit the tiny
+    model's 2048-token context (the real exemplars take ~2,400 of its byte-level tokens)."""
+    folder.mkdir(parents=True)
+    for name, n, offset in (("train.jsonl", train, 100), ("test.jsonl", test, 0)):
+        rows = [{"question": f"Problem {offset + i}: Tom has {i} apples and gets {i + 2} more. How many now?",
+                 "answer": f"{i} + {i + 2} = <<{i}+{i + 2}={2 * i + 2}>>{2 * i + 2}\n#### {2 * i + 2}"}
+                for i in range(n)]
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data")
-    import_gsm8k(GSM8K, data)
+    import_gsm8k(synthetic_gsm8k(data / "source"), data)
     import_gpqa(synthetic_gpqa(data / "gpqa.csv"), data)
     return data
 
@@ -137,7 +150,7 @@ def test_changed_data_is_detected(data_dir, glm_ckpt, tmp_path, capsys):
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     test = data / "gsm8k" / "test.jsonl"
-    test.write_text(test.read_text().replace("Janet", "Jane", 1))
+    test.write_text(test.read_text().replace("apples", "pears", 1))
     code = run_cli("--benchmarks", "gsm8k", "--out", tmp_path / "r", "--data-dir", data, "--model", glm_ckpt,
                    "--limit", 1, *GEN)
     assert code == 2 and "changed since import" in capsys.readouterr().err
@@ -158,12 +171,28 @@ def test_pairing_refuses_other_items_and_other_documents(glm_ckpt, data_dir, tmp
 class ScriptedModel(BaseHTTPRequestHandler):
     """An OpenAI-compatible completions endpoint that knows the answers: it proves the scoring path
     (prompt -> response -> lm-eval filters -> score) gives 1 for right answers. It stands in for a
-    good model, which cannot run here."""
+    good model, which cannot run here. With ``max_model_len`` set it reports it on /v1/models the way
+    vLLM 0.33.0 and sglang 0.5.23 do (their ``ModelCard``), standing in for those GPU servers."""
 
     answers: dict[str, str] = {}
+    max_model_len: int | None = None
+    max_tokens_seen: set = set()
+
+    def do_GET(self):  # noqa: N802
+        if self.path != "/v1/models" or self.max_model_len is None:
+            self.send_error(404)
+            return
+        data = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model",
+                                                       "max_model_len": self.max_model_len}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.max_tokens_seen.add(body.get("max_tokens"))
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         texts = []
         for prompt in prompts:
@@ -237,3 +266,97 @@ def test_evals_data_cli_imports_and_says_when_the_hub_is_out_of_reach(tmp_path, 
     assert evals_main(["data", "--data-dir", str(tmp_path / "d"), "--gsm8k", "hub"]) == 2
     assert "could not fetch openai/gsm8k" in capsys.readouterr().err
     assert json.loads((tmp_path / "d" / "manifest.json").read_text()) == manifest
+
+
+def scripted_server(max_model_len=None):
+    ScriptedModel.max_model_len, ScriptedModel.max_tokens_seen = max_model_len, set()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}/v1/completions"
+
+
+def raw_gsm8k(folder: Path) -> Path:
+    """GSM8K's own layout, DIR/gsm8k/{train,test}.jsonl, not imported."""
+    synthetic_gsm8k(folder / "gsm8k")
+    return folder
+
+
+def test_gsm8k_ships_with_quantgate_with_licence_and_hashes():
+    from evals.data import dataset_for
+
+    dataset = dataset_for("gsm8k")  # checks every file against the shipped manifest's sha256
+    assert dataset.folder == GSM8K and "MIT License" in (GSM8K / "LICENSE").read_text()
+    assert [len((GSM8K / n).read_text().splitlines()) for n in ("train.jsonl", "test.jsonl")] == [7473, 1319]
+    assert set(dataset.entry["files"]) == {"train.jsonl", "test.jsonl"}
+
+
+def test_raw_layout_and_a_budget_that_fits_a_short_context_model(tmp_path):
+    """A first run as a user makes it: GSM8K's own files, a small-context model, no --max-gen-toks.
+    The context is 640 here, not 2048, only because a random model fills its whole budget and the
+    tiny model generates slowly on CPU; the rule (context - longest prompt) is the same."""
+    from evals.budget import local_context
+    from quant.example import tiny_config, write_checkpoint
+
+    model = write_checkpoint(tmp_path / "ctx640", {**tiny_config("glm_moe_dsa"), "max_position_embeddings": 640})
+    raw = raw_gsm8k(tmp_path / "raw")
+    assert run_cli("--benchmarks", "gsm8k", "--out", tmp_path / "r", "--data-dir", raw, "--model", model,
+                   "--limit", 2) == 0
+    run, rows = read_bundle(tmp_path / "r")
+    budget, dataset = run["generation_budget"], run["benchmarks"]["gsm8k"]["dataset"]
+    assert local_context(str(model)) == budget["context"] == 640 and budget["counted_in"] == "tokens"
+    assert budget["max_gen_toks"] == run["max_gen_toks"] == 640 - budget["longest_prompt"] > 0
+    assert run["benchmarks"]["gsm8k"]["max_gen_toks"] == budget["max_gen_toks"]
+    assert "hashed at run time" in dataset["source"]
+    assert dataset["files"]["test.jsonl"] == hashlib.sha256((raw / "gsm8k" / "test.jsonl").read_bytes()).hexdigest()
+    assert len(rows) == 4
+
+
+def test_budget_from_the_servers_max_model_len(tmp_path, capsys):
+    server, url = scripted_server(max_model_len=1500)
+    try:
+        common = ["--benchmarks", "gsm8k", "--data-dir", raw_gsm8k(tmp_path / "raw"), "--model", "scripted",
+                  "--base-url", url, "--limit", 3]
+        assert run_cli("--out", tmp_path / "s", *common) == 0
+        sent = set(ScriptedModel.max_tokens_seen)
+        code = run_cli("--out", tmp_path / "t", *common, "--max-gen-toks", 1400)
+    finally:
+        server.shutdown()
+    budget = json.loads((tmp_path / "s" / "run.json").read_text())["generation_budget"]
+    # no tokenizer given: prompts are counted in UTF-8 bytes, an upper bound on byte-level BPE tokens
+    assert budget["context"] == 1500 and budget["counted_in"] == "bytes"
+    assert sent == {budget["max_gen_toks"]} == {1500 - budget["longest_prompt"]}
+    err = capsys.readouterr().err
+    assert code == 2 and "--max-gen-toks 1400" in err and "(1500)" in err and f"at most {1500 - budget['longest_prompt']}" in err
+    assert not (tmp_path / "t" / "run.json").exists()
+
+
+@pytest.mark.parametrize("requested, context, longest, expect", [
+    (None, 2048, 800, 1248), (None, 100_000, 800, 16384), (None, None, 800, 16384), (64, None, 800, 64),
+    (1248, 2048, 800, 1248), (1249, 2048, 800, "lower --max-gen-toks to at most 1248"),
+    (None, 2048, 2048, "no room to generate"),
+])
+def test_budget_rules(requested, context, longest, expect):
+    from evals.budget import BudgetError, fit
+
+    if isinstance(expect, str):
+        with pytest.raises(BudgetError, match=re.escape(expect)):
+            fit(requested, context, longest, "tokens")
+    else:
+        assert fit(requested, context, longest, "tokens").max_gen_toks == expect
+
+
+def test_data_dir_mistakes_name_the_folder_the_line_and_the_fix(glm_ckpt, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    common = ["--benchmarks", "gsm8k", "--model", glm_ckpt, "--limit", 1, *GEN]
+    assert run_cli("--out", tmp_path / "a", "--data-dir", empty, *common) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "evals data" in err and "train.jsonl" in err and "Traceback" not in err
+    raw = raw_gsm8k(tmp_path / "raw")
+    lines = (raw / "gsm8k" / "test.jsonl").read_text().splitlines()
+    lines[2] = json.dumps({"question": "q", "answer": "no final answer here"})
+    (raw / "gsm8k" / "test.jsonl").write_text("\n".join(lines) + "\n")
+    assert run_cli("--out", tmp_path / "b", "--data-dir", raw, *common) == 2
+    assert f"{raw / 'gsm8k' / 'test.jsonl'}:3: not GSM8K format" in capsys.readouterr().err
+    assert run_cli("--out", tmp_path / "c", "--benchmarks", "gpqa_diamond", "--model", glm_ckpt, *GEN) == 2
+    assert "evals data --data-dir DATA --gpqa" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""MXFP4 numerics: the SPEC's rules directly, and byte parity with AMD Quark on edge cases."""
+"""MXFP4 numerics: the rules of docs/reference.md §1 directly, and byte parity with AMD Quark on edge cases."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_byte_parity_with_quark_on_edge_cases(tmp_path, rule):
 def test_subnormal_blocks_under_floor_ceil_diverge_from_quark_on_purpose(tmp_path, rule):
     """Quark's floor/ceil scale a block with amax < 2^-124 by 2^(e<-127) but store byte 1 (2^-127),
     so its own file decodes to values up to 2^5 too large. We clamp e to -127 before quantizing
-    (SPEC section 1), so bytes and elements agree; this test pins that one, deliberate difference."""
+    (docs/reference.md §1), so bytes and elements agree; this test pins that one, deliberate difference."""
     weight = torch.tensor([block(2.0 ** -130, 2.0 ** -133)] * 2, dtype=torch.bfloat16)
     q_packed, q_scales = quark_single_tensor(tmp_path, weight, rule)
     packed, scales = mxfp4.quantize(weight, ScaleRule(rule))
