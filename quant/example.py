@@ -53,7 +53,10 @@ def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, firs
         "n_routed_experts": n_routed_experts, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5,
         "kv_lora_rank": 32, "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
         "qk_head_dim": 48, "head_dim": 16, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-        "first_k_dense_replace": first_k_dense_replace, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "first_k_dense_replace": first_k_dense_replace, "hidden_act": "silu",
+        # 4096: GSM8K's 5-shot prompts take ~2,400 tokens of the tiny byte-level tokenizer, and the
+        # evals' generation budget is the context minus the longest prompt (evals/budget.py)
+        "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "dtype": "bfloat16", "initializer_range": 0.02,
