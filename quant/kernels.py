@@ -532,14 +532,13 @@ def human(report: KernelReport) -> str:
         detail = t.get("found", [None])[0] if t["status"] == "tuned" else t.get("why") or f"none of {t['names']}"
         lines.append(f"triton ({engine}): {t['status']}  {detail}")
     if report.fallbacks:
-        s_ = report.shape
         lines.append(f"fix: tune the shape (token,model_dim,inter_dim,expert,topk,... = "
                      f"{report.untuned_rows[0].split(',', 1)[1]}) for tokens "
                      f"{', '.join(str(b['bucket']) for b in report.fallbacks)}: write the rows with --untuned-out "
                      f"untuned.csv, then " + AITER_TUNE.format(aiter="<aiter checkout>", untuned="untuned.csv"))
-        if s_["format"].startswith("mxfp4") and not s_["fused_shared"] and s_["fusion_reason"].startswith("not fused"):
-            lines.append("     (published MXFP4 tables use the fused shape expert+1/topk+1; a bf16 shared expert "
-                         "keeps this checkpoint off it)")
+        if "exclude list" in s["fusion_reason"]:
+            lines.append(f"hint: with the shared expert quantized too, sglang fuses it (experts {s['experts'] + 1}, "
+                         f"topk {s['topk'] + 1}), the shape aiter's published MXFP4 tables are keyed on: check it")
     for engine in report.triton_missing:
         lines.append(f"fix ({engine} Triton): {TRITON_TUNE[engine]}")
     verdict = "all tuned" if report.ok else "FALLBACK: " + "; ".join(
