@@ -43,6 +43,12 @@ examples:
   quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation"""
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantize", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (exit 2) a NaN/Inf in a tensor kept as it is (norms, attention, ... by the recipe); "
                         "without it that tensor is copied unchanged with a warning naming it. NaN/Inf in a weight to "
                         "quantize is always refused")
-    p.add_argument("--workers", type=int, metavar="N",
+    p.add_argument("--workers", type=_positive_int, metavar="N",
                    help="worker processes, one shard each (default: number of cores, at most the shard count)")
     p.add_argument("--device", default="cpu",
                    help="where the quantization math runs: cpu (default; fast bf16 kernel) or cuda[:N]")
@@ -133,6 +139,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError("--example converts bf16 to a quantized format; run --to bf16 on its output afterwards")
         if args.src or args.dst:
             raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
+        if args.example.exists() and not args.example.is_dir():
+            raise PlanError(f"--example {args.example}: a file, not a folder; choose a new folder")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
         args.src, args.dst = write_example(args.example / "bf16", args.example_family, mla=args.example_mla), args.example / args.to

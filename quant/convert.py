@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import quant
 from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, DestinationLock, check_overlap, copy_atomic,
-                           prepare_destination, write_atomic)
+                           create_destination, prepare_destination, write_atomic)
 from quant.plan import Plan
 from quant.hashing import sha256_file
 from quant.safetensors_io import PARTIAL_SUFFIX
@@ -195,7 +195,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
     check_overlap(plan.source_dir, dst)
     resuming = resume and dst.exists()
     try:
-        dst.mkdir(parents=True, exist_ok=True)
+        create_destination(dst)
         with DestinationLock(dst):
             if resuming:
                 done, sources = _load_resumable(plan, dst, show_progress)

@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from quant.formats import WeightFormat, checkpoint_format, logical_shape
 from quant.hashing import StreamHasher
-from quant.outputs import (INDEX_NAME, DestinationLock, aux_files, check_overlap, copy_atomic, prepare_destination,
-                           write_atomic)
+from quant.outputs import (INDEX_NAME, DestinationLock, aux_files, check_overlap, copy_atomic, create_destination,
+                           prepare_destination, write_atomic)
 from quant.checkpoint import Checkpoint
 from quant.errors import CheckpointError
 from quant.quark_config import strip_quantization_config
@@ -61,7 +61,7 @@ def dequantize_checkpoint(src: Path, dst: Path, *, overwrite: bool = False, show
         raise CheckpointError(f"{src / INDEX_NAME}: {what}: the index and the shards disagree; "
                               "regenerate the index (gate checkpoint lists every mismatch)")
     check_overlap(src, dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    create_destination(dst)
     with DestinationLock(dst):
         prepare_destination(dst, overwrite)
         return _decode(checkpoint, fmt, dst, show_progress)

@@ -63,22 +63,45 @@ def manifests_root() -> Path:
     return Path(str(resources.files("manifests")))
 
 
+def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
+    """A YAML file that must hold a mapping; anything else raises ``error`` naming the file and line."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{what} {path} not found") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise error(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix the {what}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc}); check the {what} file") \
+            from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; see the {what}s in {manifests_root()}")
+    return data
+
+
 def load_family(path: Path) -> Family:
-    data = yaml.safe_load(path.read_text())
-    roles = tuple(
-        Role(r["role"], re.compile(r["pattern"]), bool(r.get("linear", False)), bool(r.get("quantizable", r.get("linear", False))))
-        for r in data["roles"]
-    )
-    return Family(
-        name=data["family"],
-        model_types=tuple(data["model_types"]),
-        num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
-        num_mtp_layers_key=data.get("num_mtp_layers_key", "num_nextn_predict_layers"),
-        roles=roles,
-        fused={k: tuple(v) for k, v in (data.get("fused") or {}).items()},
-        mtp_top_level=tuple(data.get("mtp_top_level") or ()),
-        source=str(path),
-    )
+    data = read_yaml_mapping(path, "family manifest", UnknownFamilyError)
+    try:
+        roles = tuple(
+            Role(r["role"], re.compile(r["pattern"]), bool(r.get("linear", False)),
+                 bool(r.get("quantizable", r.get("linear", False))))
+            for r in data["roles"]
+        )
+        return Family(
+            name=data["family"],
+            model_types=tuple(data["model_types"]),
+            num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
+            num_mtp_layers_key=data.get("num_mtp_layers_key", "num_nextn_predict_layers"),
+            roles=roles,
+            fused={k: tuple(v) for k, v in (data.get("fused") or {}).items()},
+            mtp_top_level=tuple(data.get("mtp_top_level") or ()),
+            source=str(path),
+        )
+    except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
+        raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "
+                                 f"{manifests_root() / 'models' / 'glm_moe_dsa.yaml'}") from None
 
 
 def family_for(config: dict, manifest: Path | None = None) -> Family:

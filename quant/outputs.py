@@ -57,6 +57,15 @@ def check_overlap(src: Path, dst: Path) -> None:
         raise ConvertError(f"output {dst} exists and is not a folder")
 
 
+def create_destination(dst: Path) -> None:
+    """``dst`` and its parents as folders; a path that cannot be one is bad input, not a failure."""
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except (NotADirectoryError, FileExistsError, PermissionError) as exc:
+        raise ConvertError(f"cannot create the output folder {dst} ({exc.strerror}: {exc.filename}); "
+                           "choose a folder you can write") from None
+
+
 class DestinationLock:
     """Exclusive hold on an output folder for a writer's whole run (``with DestinationLock(dst):``).
 

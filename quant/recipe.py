@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from quant.formats.mx import ScaleRule
-from quant.layout import TensorRole, manifests_root
+from quant.layout import TensorRole, manifests_root, read_yaml_mapping
 
 DEFAULT_RECIPES = {"mxfp4": "mxfp4-w4a4-experts", "mxfp6_e2m3": "mxfp4-w4a4-experts",
                    "mxfp6_e3m2": "mxfp4-w4a4-experts", "fp8": "fp8-block"}
@@ -62,10 +60,7 @@ def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
     engine is known here to load that (sglang's Quark loader takes fp4 only).
     """
     path = path or manifests_root() / "recipes" / f"{DEFAULT_RECIPES[to or 'mxfp4']}.yaml"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise RecipeError(f"recipe {path} not found") from None
+    data = read_yaml_mapping(path, "recipe", RecipeError)
     fmt = data.get("format")
     if to and fmt != to and not (fmt in MX_FORMATS and to in MX_FORMATS and not data.get("format_fixed")):
         raise RecipeError(f"{path}: a {fmt} recipe cannot produce --to {to}")
@@ -73,7 +68,12 @@ def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
     if fmt not in DEFAULT_RECIPES:
         raise RecipeError(f"{path}: format {fmt!r} is not supported (supported: {sorted(DEFAULT_RECIPES)})")
     rules = []
+    if not isinstance(data.get("rules") or [], list):
+        raise RecipeError(f"{path}: rules must be a list of {{role, action}} mappings")
     for raw in data.get("rules") or []:
+        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
+            raise RecipeError(f"{path}: rule {raw!r} is not a mapping with a role; write rules as "
+                              "{role: routed_expert, action: quantize}")
         if raw.get("action") not in ACTIONS:
             raise RecipeError(f"{path}: rule {raw} needs action one of {ACTIONS}")
         if raw.get("format", fmt) != fmt:
@@ -84,10 +84,15 @@ def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
     activations = data.get("activations", "dynamic")
     if activations not in ("dynamic", "none"):
         raise RecipeError(f"{path}: activations must be 'dynamic' (W4A4) or 'none' (W4A16), got {activations!r}")
+    try:
+        scale_rule = ScaleRule(data.get("scale_rule", "even"))
+    except ValueError:
+        raise RecipeError(f"{path}: scale_rule {data.get('scale_rule')!r} is not one of "
+                          f"{[r.value for r in ScaleRule]}") from None
     return Recipe(
         name=data.get("name", path.stem),
         format=fmt,
-        scale_rule=ScaleRule(data.get("scale_rule", "even")),
+        scale_rule=scale_rule,
         weight_only=activations == "none",
         rules=tuple(rules),
     )

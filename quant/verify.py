@@ -178,6 +178,20 @@ def _deep_findings(checkpoint: Checkpoint) -> list[Finding]:
     return findings
 
 
+def _malformed_qconfig(qconfig) -> list[Finding]:
+    """A quantization_config whose shape the engines cannot read (checked before anything reads into it)."""
+    if qconfig is None:
+        return []
+    key, part = "quantization_config", qconfig
+    for child in ("global_quant_config", "weight", None):
+        if not isinstance(part, dict):
+            return [Finding("config", None, key, f"must be an object, not a {type(part).__name__}: the engines cannot "
+                            "read it", "re-export the checkpoint (quantize writes Quark's quantization_config)")]
+        if child:
+            key, part = f"{key}.{child}", part.get(child) or {}
+    return []
+
+
 def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     """Check ``folder`` for every engine release ``engine`` selects (``all``, ``sglang``,
     ``sglang==0.5.23``, ``vllm`` ...); findings are reported per release's rule set."""
@@ -194,21 +208,10 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     config = checkpoint.config
     report = Report(str(folder), [r.id for r in rule_sets])
     qconfig = config.get("quantization_config")
-    if qconfig is not None and not isinstance(qconfig, dict):
-        report.findings.append(Finding("config", None, "quantization_config",
-                                       f"must be an object, not a {type(qconfig).__name__}: the engines cannot read it",
-                                       "re-export the checkpoint (quantize writes Quark's quantization_config)"))
-        qconfig = {}
-    weight = (qconfig or {}).get("global_quant_config", {})
-    for key in ("global_quant_config", "weight"):
-        if not isinstance(weight, dict):
-            report.findings.append(Finding("config", None, f"quantization_config.{key}", f"must be an object, not a "
-                                           f"{type(weight).__name__}", "re-export the checkpoint"))
-            qconfig = {}
-            break
-        weight = weight.get("weight", {})
+    malformed = _malformed_qconfig(qconfig)
+    report.findings += malformed
     try:
-        fmt = checkpoint_format(config) if qconfig else None
+        fmt = checkpoint_format(config) if qconfig and not malformed else None
     except ValueError as exc:
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
@@ -230,10 +233,11 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     report.findings += _missing_modules(tensors, config, num_hidden_layers)
     report.findings += _layout_findings(checkpoint, fmt)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
-    report.findings += _config_findings(qconfig or None, has_quantized)
-    exclude, exclude_findings = _exclude_list(qconfig or {})
+    # A quantization_config the engines cannot even read: its one finding says it all.
+    report.findings += [] if malformed else _config_findings(qconfig, has_quantized)
+    exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
-    kind = {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
+    kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
     for rules in rule_sets:
         report.findings += model_findings(rules, config, set(tensors), num_hidden_layers, mtp_layers)
         if kind == "quark":
@@ -241,7 +245,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
         if kind == "fp8" or (kind == "quark" and exclude is not None):
             usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
             report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt))
-        elif not kind and any(m.quantized for m in modules.values()):
+        elif not kind and not malformed and any(m.quantized for m in modules.values()):
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
     if deep:

@@ -409,6 +409,47 @@ def test_malformed_config_or_index(case, src, tmp_path, capsys):
     assert code == 2 and says in err
 
 
+MANIFEST_CASES = {
+    # case: (flag, YAML text, what the message must say)
+    "recipe not YAML": ("--recipe", "rules: [1\n", ":2: not valid YAML"),
+    "recipe a list": ("--recipe", "- 1\n", "a YAML list, not a mapping"),
+    "recipe rules a string": ("--recipe", "format: mxfp4\nrules: abc\n", "rules must be a list"),
+    "recipe rule without role": ("--recipe", "format: mxfp4\nrules: [{action: keep}]\n", "is not a mapping with a role"),
+    "recipe bad scale rule": ("--recipe", "format: mxfp4\nscale_rule: up\n", "scale_rule 'up' is not one of"),
+    "family not YAML": ("--family-manifest", "roles: [1\n", ":2: not valid YAML"),
+    "family a list": ("--family-manifest", "- 1\n", "a YAML list, not a mapping"),
+    "family role without pattern": ("--family-manifest", "family: f\nmodel_types: [x]\nroles: [{role: r}]\n",
+                                    "not a valid family manifest (KeyError: 'pattern')"),
+    "family bad regex": ("--family-manifest", "family: f\nmodel_types: [x]\nroles: [{role: r, pattern: '('}]\n",
+                         "not a valid family manifest (error:"),
+}
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+def test_malformed_recipe_or_family_manifest(case, glm_ckpt, tmp_path, capsys):
+    flag, text, says = MANIFEST_CASES[case]
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(text)
+    code, err = quantize(capsys, flag, manifest, glm_ckpt, tmp_path / "dst")
+    assert code == 2
+    one_line_error(err, str(manifest), says)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_output_path_that_cannot_be_a_folder(glm_ckpt, mxfp4_ckpt, tmp_path, capsys):
+    (tmp_path / "afile").write_text("mine")
+    for to, src in (("mxfp4", glm_ckpt), ("bf16", mxfp4_ckpt)):
+        code, err = quantize(capsys, src, tmp_path / "afile" / "out", to=to)
+        assert code == 2
+        one_line_error(err, "cannot create the output folder", "Not a directory")
+    code, err = quantize(capsys, "--example", tmp_path / "afile")
+    assert code == 2 and "a file, not a folder" in err
+    assert (tmp_path / "afile").read_text() == "mine"
+    with pytest.raises(SystemExit) as exc:
+        quantize_main(["--to", "mxfp4", "--workers", "0", str(glm_ckpt), str(tmp_path / "dst")])
+    assert exc.value.code == 2 and "'0' is not a whole number of at least 1" in capsys.readouterr().err
+
+
 def test_fifo_named_as_a_shard_does_not_hang(src, tmp_path):
     (src / SHARD1).unlink()
     os.mkfifo(src / SHARD1)
