@@ -178,11 +178,23 @@ def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: st
             finding(name, f"on CUDA {rules.engine} fuses wk into a bf16 wk_weights_proj; an {fmt_name} wk loads on "
                           "ROCm only", "keep the indexer's wk bf16")
         if expect_quantized and not quantized_on_disk:
-            finding(name, _bf16_meets_slot(em, modules, fmt_name, kind), f"add {where} entry {name!r}")
+            names = ", ".join(repr(n) for n in _names_to_list(name, rules, kind))
+            finding(name, _bf16_meets_slot(em, modules, fmt_name, kind), f"list {names} in {where} (quantize "
+                                                                           "writes them)")
         elif not expect_quantized and quantized_on_disk:
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
     return findings
+
+
+def _names_to_list(name: str, rules: RuleSet, kind: str) -> list[str]:
+    """The entries this release honours for ``name``: its shards where it only expands fused names."""
+    leaf = name.rsplit(".", 1)[-1]
+    fused = rules.fused(kind)
+    fused_first = rules["quark_match"]["fused_first"] if kind == "quark" else rules["fp8_skip"]["match"] == "exact"
+    if leaf in fused and not fused_first:
+        return [name.replace(leaf, shard) for shard in fused[leaf]]
+    return [name]
 
 
 def _bf16_meets_slot(em: EngineModule, modules: dict[str, Module], fmt_name: str, kind: str) -> str:
