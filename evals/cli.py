@@ -210,6 +210,45 @@ examples:
 exit codes: 0 done, 1 the run failed (finished units are kept: rerun with --resume), 2 bad input"""
 
 
+def tau2_flags(run: argparse.ArgumentParser) -> None:
+    from evals.tau2_run import DOMAINS, Tau2Settings
+
+    d = Tau2Settings(model="", api_base="", user_llm="")
+    g = run.add_argument_group("tau2 (drives tau2-bench's `tau2 run` per domain against --base-url; README: tau2)")
+    g.add_argument("--tau2-domains", default=",".join(DOMAINS), help="comma list of tau2 domains (default: %(default)s)")
+    g.add_argument("--tau2-user-llm", help="the fixed user simulator, a litellm model name (e.g. openai/NAME for an "
+                                           "OpenAI-compatible server); must be the same for both arms")
+    g.add_argument("--tau2-user-llm-args", default=json.dumps(d.user_llm_args),
+                   help='JSON args for the user simulator, e.g. \'{"api_base": "http://127.0.0.1:30001/v1", '
+                        '"temperature": 0.0}\' (default: %(default)s)')
+    g.add_argument("--tau2-trials", type=int, default=d.trials, help="trials per task (default: %(default)s)")
+    g.add_argument("--tau2-max-steps", type=int, default=d.max_steps, help="step limit per simulation (default: %(default)s)")
+    g.add_argument("--tau2-max-errors", type=int, default=d.max_errors,
+                   help="tool errors in a row before tau2 ends a simulation (default: %(default)s)")
+    g.add_argument("--tau2-seed", type=int, default=d.seed, help="tau2's run seed (default: %(default)s)")
+    g.add_argument("--tau2-task-split", default=d.task_split, help="tau2 task split (default: %(default)s)")
+    g.add_argument("--tau2-concurrency", type=int, default=d.concurrency,
+                   help="simulations in flight per domain (tau2's max_concurrency; default: %(default)s)")
+    g.add_argument("--tau2-max-retries", type=int, default=d.max_retries,
+                   help="litellm retries per LLM call before a simulation counts as failed (default: %(default)s)")
+
+
+def tau2_settings(args: argparse.Namespace):
+    from evals.tau2 import Tau2Error
+    from evals.tau2_run import Tau2Settings
+
+    try:
+        user_args = json.loads(args.tau2_user_llm_args)
+    except json.JSONDecodeError as exc:
+        raise Tau2Error(f"--tau2-user-llm-args is not JSON ({exc}): {args.tau2_user_llm_args!r}") from None
+    return Tau2Settings(model=args.model, api_base=args.base_url.rsplit("/v1", 1)[0] + "/v1",
+                        user_llm=args.tau2_user_llm, user_llm_args=user_args,
+                        domains=tuple(d for d in args.tau2_domains.split(",") if d), trials=args.tau2_trials,
+                        max_steps=args.tau2_max_steps, max_errors=args.tau2_max_errors, seed=args.tau2_seed,
+                        num_tasks=args.limit, task_split=args.tau2_task_split, concurrency=args.tau2_concurrency,
+                        max_retries=args.tau2_max_retries, agent_max_tokens=args.max_gen_toks)
+
+
 def build_evals_parser() -> argparse.ArgumentParser:
     from evals.budget import DEFAULT_MAX_GEN_TOKS
 
@@ -231,11 +270,7 @@ def build_evals_parser() -> argparse.ArgumentParser:
     run.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
                      help="comma list of gsm8k, gpqa_diamond, tau2 (tau2 drives `tau2 run` per domain; or run it "
                           "yourself and use `evals import-tau2`)")
-    run.add_argument("--tau2-domains", default="airline,retail,telecom", help="tau2 domains (one results file each)")
-    run.add_argument("--tau2-user-llm", help="the fixed user simulator (litellm model name), the same for both arms")
-    run.add_argument("--tau2-user-llm-args", default='{"temperature": 0.0}', help="JSON args for the user simulator")
-    run.add_argument("--tau2-trials", type=int, default=1, help="trials per tau2 task")
-    run.add_argument("--tau2-max-steps", type=int, default=100, help="step limit per tau2 simulation")
+    tau2_flags(run)
     run.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
     run.add_argument("--data-dir", type=Path,
                      help="benchmark data: a folder prepared by `evals data`, or GSM8K's own files "
@@ -253,7 +288,7 @@ def build_evals_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-gen-toks", type=int,
                      help=f"generation budget per answer (default: {DEFAULT_MAX_GEN_TOKS}, reasoning models need it, "
                           "capped to the model's context minus the longest prompt: a local model's config, a "
-                          "server's max_model_len on /v1/models; the value used is printed and kept in run.json)")
+                          "server's max_model_len on /v1/models; the value used is printed and kept in run.json; given, also the tau2 agent's budget per turn)")
     run.add_argument("--seeds", help="comma list of request seeds, one repeat each (default: GSM8K 0; GPQA 0,1)")
     run.add_argument("--keep-text", action="store_true", help="also keep GPQA responses in the bundle (never commit it)")
     run.add_argument("--resume", action="store_true", help="complete an interrupted run; finished units are kept")
@@ -298,9 +333,7 @@ def evals_main(argv: list[str] | None = None) -> int:
                        base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
                        concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                        seeds=[int(s) for s in args.seeds.split(",")] if args.seeds else None,
-                       tau2_domains=[d for d in args.tau2_domains.split(",") if d], tau2_user_llm=args.tau2_user_llm,
-                       tau2_user_llm_args=json.loads(args.tau2_user_llm_args), tau2_trials=args.tau2_trials,
-                       tau2_max_steps=args.tau2_max_steps)
+                       tau2=tau2_settings(args) if "tau2" in benchmarks else None)
         result = run(spec, resume=args.resume)
         print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"]}, indent=2))
         return EXIT_OK

@@ -14,13 +14,14 @@ import json
 import logging
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib import metadata, resources
 from pathlib import Path
 
 from evals import budget
 from evals.bundle import RUN_JSON, SAMPLES, write_samples
 from evals.data import Dataset, dataset_for
+from evals.tau2_run import Tau2Settings
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -52,11 +53,7 @@ class RunSpec:
     max_gen_toks: int | None = None  # None: the largest budget that fits the model (evals.budget)
     seeds: list[int] | None = None
     keep_text: bool = False
-    tau2_domains: list[str] = field(default_factory=lambda: ["airline", "retail", "telecom"])
-    tau2_user_llm: str | None = None  # the fixed user simulator (a litellm model name)
-    tau2_user_llm_args: dict = field(default_factory=lambda: {"temperature": 0.0})
-    tau2_trials: int = 1
-    tau2_max_steps: int = 100
+    tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
 
     def seeds_for(self, benchmark: str) -> list[int]:
         return self.seeds or PROTOCOLS[benchmark]["seeds"]
@@ -148,11 +145,13 @@ def _checkpoint_provenance(spec: RunSpec) -> dict:
     manifest = Path(spec.model) / "conversion_manifest.json"
     if manifest.exists():
         out["checkpoint_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
-    config = path / "tokenizer_config.json"
-    if config.exists():
-        template = json.loads(config.read_text()).get("chat_template")
-        if template:
-            out["chat_template_sha256"] = _hash(template if isinstance(template, str) else json.dumps(template))
+    config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
+    # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
+    # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)
+    template = (jinja.read_text() if jinja.exists() else
+                json.loads(config.read_text()).get("chat_template") if config.exists() else None)
+    if template:
+        out["chat_template_sha256"] = _hash(template if isinstance(template, str) else json.dumps(template))
     return out
 
 
@@ -163,35 +162,19 @@ def settings_of(spec: RunSpec, benchmark: str) -> dict:
             "primary_filter": PROTOCOLS[benchmark]["primary_filter"], "model": spec.model}
 
 
-def tau2_settings(spec: RunSpec) -> dict:
-    return {"benchmark": "tau2", "domains": spec.tau2_domains, "user_llm": spec.tau2_user_llm,
-            "user_llm_args": spec.tau2_user_llm_args, "trials": spec.tau2_trials, "max_steps": spec.tau2_max_steps,
-            "limit": spec.limit, "model": spec.model, "seed": (spec.seeds or [0])[0], "primary_filter": "reward"}
-
-
 def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict], dict]:
-    from evals.tau2 import Tau2Error, rows_from_results, run_tau2
+    from evals.tau2 import Tau2Error, rows_from_results
+    from evals.tau2_run import run_domains
 
-    if not spec.base_url or not spec.tau2_user_llm:
+    if spec.tau2 is None:
         raise RunError("tau2 needs a served model (--base-url) and a fixed user simulator (--tau2-user-llm), "
                        "the same for both arms of a comparison")
-    settings = tau2_settings(spec)
-    files = []
-    for domain in spec.tau2_domains:
-        path, meta = units_dir / "tau2" / f"{domain}.json", units_dir / "tau2" / f"{domain}.settings.json"
-        if not (path.exists() and meta.exists() and json.loads(meta.read_text()) == settings):
-            if path.exists() and not resume:
-                raise RunError(f"{path} exists from another run; pass --resume or choose a new --out")
-            try:
-                run_tau2(domain, spec.model, spec.base_url.rsplit("/v1", 1)[0] + "/v1", spec.tau2_user_llm,
-                         spec.tau2_user_llm_args, units_dir / "tau2", trials=spec.tau2_trials, num_tasks=spec.limit,
-                         max_steps=spec.tau2_max_steps, seed=settings["seed"], concurrency=spec.concurrency)
-            except Tau2Error as exc:
-                raise RunError(f"{exc}; finished domains are kept: rerun with --resume") from exc
-            meta.write_text(json.dumps(settings))
-        files.append(path)
+    try:
+        files = run_domains(spec.tau2, units_dir / "tau2", resume)
+    except Tau2Error as exc:
+        raise RunError(f"{exc}\nfinished simulations are kept: rerun with --resume") from exc
     rows, summary = rows_from_results(files)
-    return rows, {**settings, **summary}
+    return rows, {"benchmark": "tau2", "model": spec.model, **spec.tau2.recorded(), **summary}
 
 
 def run(spec: RunSpec, resume: bool = False) -> dict:

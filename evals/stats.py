@@ -30,6 +30,34 @@ def mean_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float,
     return mean, mean - half, mean + half
 
 
+def wilson_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the Wilson score interval for a mean of per-item scores in [0, 1].
+
+    Exact for 0/1 items, conservative for items averaged over repeats (their variance is below
+    p(1 - p)); unlike ``mean +/- z * se`` it stays inside [0, 1] and is not zero-width at 0 or 1."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    p = float(values.mean())
+    z = sps.norm.ppf(0.5 + confidence / 2)
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return p, float(max(0.0, center - half)), float(min(1.0, center + half))
+
+
+def macro_interval(values: np.ndarray, strata: np.ndarray, confidence: float = 0.95, resamples: int = 10000,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """``(macro, low, high)``: the unweighted mean of stratum means (tau2's macro over domains) and
+    its two-sided percentile interval from resampling items within each stratum."""
+    groups = [values[strata == s] for s in np.unique(strata)]
+    if not groups:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    boot = np.mean([g[rng.integers(0, len(g), size=(resamples, len(g)))].mean(axis=1) for g in groups], axis=0)
+    tail = (1 - confidence) / 2
+    return float(np.mean([g.mean() for g in groups])), float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
+
+
 @dataclass(frozen=True)
 class Paired:
     n: int

