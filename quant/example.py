@@ -150,7 +150,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: t
     return (torch.randn(shape, generator=gen) * 0.05).to(dtype)
 
 
-def write_tokenizer(dst: Path, vocab_size: int) -> None:
+def write_tokenizer(dst: Path, vocab_size: int, context: int) -> None:
     """A byte-level BPE trained offline on a built-in corpus, saved in transformers' layout."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -164,7 +164,7 @@ def write_tokenizer(dst: Path, vocab_size: int) -> None:
     tokenizer.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>", "model_max_length": 2048,
+        "pad_token": "<|pad|>", "model_max_length": context,
         "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}",
     }, indent=2))
@@ -202,7 +202,7 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}, indent=2))
-    write_tokenizer(dst, config["vocab_size"])
+    write_tokenizer(dst, config["vocab_size"], config["max_position_embeddings"])
     return dst
 
 
