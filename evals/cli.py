@@ -8,10 +8,13 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quant import kernels
 from quant.engines import UnknownEngine
-from quant.verify import Report, UnreadableCheckpoint, verify
+
+if TYPE_CHECKING:  # quant.verify loads torch: only commands that check a checkpoint import it
+    from quant.verify import Report
 
 EXIT_OK, EXIT_BLOCK, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -152,11 +155,12 @@ def list_engines(spec: str, as_json: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # first: --help and usage errors need none of the heavy imports
     from evals.bundle import BundleError
     from evals.gate import PASS, accuracy_gate, load_policy, unpaired_against_reference
     from evals.report import write
+    from quant.verify import UnreadableCheckpoint, verify
 
-    args = build_parser().parse_args(argv)
     try:
         if args.command == "checkpoint" and args.list_engines:
             print(list_engines(args.engine, args.json))
@@ -296,12 +300,12 @@ def build_evals_parser() -> argparse.ArgumentParser:
 
 
 def evals_main(argv: list[str] | None = None) -> int:
+    args = build_evals_parser().parse_args(argv)  # first: --help needs none of the heavy imports
     from evals.budget import BudgetError
     from evals.data import DataError, fetch_from_hub, import_gpqa, import_gsm8k
     from evals.run import PROTOCOLS, RunError, RunSpec, run
     from evals.tau2 import Tau2Error, import_tau2
 
-    args = build_evals_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("evals").setLevel(logging.INFO)  # our progress lines; lm-eval's own INFO stays quiet
     try:

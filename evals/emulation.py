@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 from quant.checkpoint import Checkpoint
-from quant.formats import WeightFormat, fp8, mx, weight_format
-from quant.formats.mx import ScaleRule
+from quant.formats import fp8, mx
+from quant.formats.codecs import CODECS, Codec, get_codec
+from quant.formats.constants import BLOCK, ScaleRule
 
 METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
@@ -62,8 +63,8 @@ class Emulation:
     modules: list[str] = field(default_factory=list)  # checkpoint modules with quantized weights
 
     @property
-    def weight_format(self) -> WeightFormat:
-        return weight_format(self.weights)
+    def weight_format(self) -> Codec:
+        return get_codec(self.weights)
 
     @property
     def scheme(self) -> str:
@@ -74,7 +75,7 @@ class Emulation:
     def activation_qdq(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "fp8":
             return fp8.quantize_dequantize(x, self.activation_group)
-        return mx.quantize_dequantize(x, mx.FORMATS[self.activations], ScaleRule(self.activation_scale_rule))
+        return mx.quantize_dequantize(x, get_codec(self.activations).element, ScaleRule(self.activation_scale_rule))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,12 +83,12 @@ class Emulation:
 
 def _quark_mx_format(spec: dict, role: str, dynamic: bool) -> tuple[str, str]:
     """(format name, scale rule) of a Quark MX tensor spec, or EmulationRefused naming what differs."""
-    names = {element.name: name for name, element in mx.FORMATS.items()}
+    names = {c.element.name: name for name, c in CODECS.items() if c.family == "mx"}
     dtype = spec.get("dtype")
     if dtype not in names:
         raise EmulationRefused(f"Quark {role} dtype {dtype!r} (qscheme {spec.get('qscheme')!r}) is not emulated; "
                                f"covered: {sorted(names)} per_group 32 with e8m0 scales")
-    expected = {"qscheme": "per_group", "group_size": mx.BLOCK, "ch_axis": -1, "scale_format": "e8m0",
+    expected = {"qscheme": "per_group", "group_size": BLOCK, "ch_axis": -1, "scale_format": "e8m0",
                 "is_dynamic": dynamic, "mx_element_dtype": None}
     wrong = {k: spec.get(k) for k, v in expected.items() if spec.get(k) != v}
     if spec.get("round_method") not in (None, "half_even"):
@@ -123,7 +124,7 @@ def _from_quark(qc: dict) -> Emulation:
     if unsupported:
         raise EmulationRefused(f"Quark {weights} checkpoint with {sorted(unsupported)} = {unsupported} is not emulated "
                                "(only a global weight / input_tensors MX spec is)")
-    return Emulation("quark", weights, weight_rule, activations, act_rule, mx.BLOCK if activations else None)
+    return Emulation("quark", weights, weight_rule, activations, act_rule, BLOCK if activations else None)
 
 
 def _from_fp8(qc: dict) -> Emulation:
@@ -149,7 +150,7 @@ def emulation_of(config: dict) -> Emulation | None:
                            "and fp8 (128x128 block, dynamic activations)")
 
 
-def quantized_modules(tensors: dict, fmt: WeightFormat) -> list[str]:
+def quantized_modules(tensors: dict, fmt: Codec) -> list[str]:
     """Checkpoint modules whose weight is stored quantized (weight in the format's dtype + its scale)."""
     return sorted(name.removesuffix(".weight") for name, info in tensors.items()
                   if name.endswith(".weight") and info.dtype == fmt.weight_dtype and name + fmt.scale_suffix in tensors)
@@ -271,7 +272,7 @@ def _register() -> None:
                     decoded = [w if dtype is None else w.to(dtype) for w in weights]
                 else:
                     scales = scales if isinstance(scales, list) else [scales]
-                    decoded = [fmt.dequantize(w, s, dtype or torch.bfloat16) for w, s in zip(weights, scales, strict=True)]
+                    decoded = [fmt.decode(w, s, dtype or torch.bfloat16) for w, s in zip(weights, scales, strict=True)]
                 out[full_layer_name if key == "weight" and full_layer_name else key] = (
                     decoded if isinstance(value, list) else decoded[0])
             return out

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from quant.errors import CheckpointError, ConvertError, DiskFullError, NonFiniteError
-from quant.example import FAMILIES, MLA_SIZES, write_example
-from quant.formats.mx import ScaleRule
+from quant.example import FAMILIES, MLA_SIZES
+from quant.formats.codecs import CODECS
+from quant.formats.constants import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
-from quant.plan import Plan, PlanError, make_plan
+from quant.plan import Plan, PlanError, make_decode_plan, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides
 from quant.safetensors_io import ShardError
 from quant.serving import NamingError
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", type=Path, help="source checkpoint folder (config.json, shards, index)")
     p.add_argument("dst", nargs="?", type=Path, help="output folder; must be empty (or see --overwrite)")
-    p.add_argument("--to", required=True, choices=["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "fp8", "bf16"],
+    p.add_argument("--to", required=True, choices=[*CODECS, "bf16"],
                    help="target format: mxfp4 (Quark, W4A4); mxfp6_e2m3 / mxfp6_e3m2 (Quark MXFP6: vLLM loads it, "
                         "sglang's Quark loader does not yet); fp8 (DeepSeek-V3-style 128x128 block FP8, to build "
                         "your own reference); or bf16 to decode any of those exactly back to plain bf16 "
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _human_plan(plan: Plan) -> str:
     s = plan.summary()
+    if plan.decodes:
+        lines = [f"source      {s['source']}  ({s['from']}, {s['shards']} shards)",
+                 f"tensors     {s['tensors_decoded']} {s['from']} weights decoded to bf16, {s['tensors_copied']} copied",
+                 f"bytes       in {s['bytes_in'] / 1e9:.3f} GB -> out {s['bytes_out'] / 1e9:.3f} GB"]
+        return "\n".join(lines + [f"warning     {w}" for w in s["warnings"]])
     lines = [
         f"source      {s['source']}  ({s['family']}, {s['shards']} shards, {s['num_hidden_layers']} layers, "
         f"MTP layers {', '.join(s['mtp_layers']) or 'none'})",
@@ -128,7 +134,8 @@ def _human_done(manifest: dict, dst: Path) -> str:
     from quant.convert import MANIFEST_NAME
 
     s = manifest["summary"]
-    return (f"done        {s['tensors_quantized']} tensors quantized, {s['bytes_in'] / 1e9:.3f} GB in, "
+    what = f"{s['tensors_decoded']} tensors decoded" if s["tensors_decoded"] else f"{s['tensors_quantized']} tensors quantized"
+    return (f"done        {what}, {s['bytes_in'] / 1e9:.3f} GB in, "
             f"{s['bytes_out'] / 1e9:.3f} GB out, {manifest['seconds']:.1f} s, {s['gb_per_s'] or 0:.3f} GB/s\n"
             f"output      {dst}  (manifest: {dst / MANIFEST_NAME})")
 
@@ -143,23 +150,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError(f"--example {args.example}: a file, not a folder; choose a new folder")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
-        args.src, args.dst = write_example(args.example / "bf16", args.example_family, mla=args.example_mla), args.example / args.to
+        from quant.example import write_example
+
+        args.src, args.dst = (write_example(args.example / "bf16", args.example_family, mla=args.example_mla),
+                              args.example / args.to)
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
     if args.to == "bf16":
-        from quant.dequantize import dequantize_checkpoint
-
-        result = dequantize_checkpoint(args.src, args.dst, overwrite=args.overwrite,
-                                       show_progress=not (args.quiet or args.json))
-        print(json.dumps(result, indent=2) if args.json else
-              f"done        {result['tensors_dequantized']} quantized weights decoded to bf16 in {result['shards']} "
-              f"shards\noutput      {args.dst}")
-        return EXIT_OK
-    recipe = with_overrides(load_recipe(args.recipe, args.to), shared_experts=args.shared_experts,
-                            mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
-                            scale_rule=args.scale_rule)
-    family = load_family(args.family_manifest) if args.family_manifest else None
-    plan = make_plan(args.src, recipe, family)
+        plan = make_decode_plan(args.src)
+    else:
+        recipe = with_overrides(load_recipe(args.recipe, args.to), shared_experts=args.shared_experts,
+                                mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
+                                scale_rule=args.scale_rule)
+        family = load_family(args.family_manifest) if args.family_manifest else None
+        plan = make_plan(args.src, recipe, family)
     if args.dry_run:
         print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
         return EXIT_OK

@@ -44,7 +44,8 @@ __all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "
 
 def plan_fingerprint(plan: Plan) -> str:
     """What must not change between a run and its --resume: sources, recipe, exclude, tool version."""
-    key = {"version": quant.__version__, "recipe": plan.recipe.to_dict(), "exclude": list(plan.exclude),
+    key = {"version": quant.__version__, "to": plan.to, "codec": plan.codec.name,
+           "recipe": plan.recipe.to_dict() if plan.recipe else None, "exclude": list(plan.exclude),
            "shards": [(s.file, s.source_size, s.output_size) for s in plan.shards]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -133,9 +134,7 @@ def _init_worker(threads: int, counter, parent_pid: int) -> None:
     global _progress_counter
     _die_with_parent(parent_pid)
     _progress_counter = counter
-    import numba
-
-    numba.set_num_threads(threads)
+    os.environ["NUMBA_NUM_THREADS"] = str(threads)  # read when numba loads, if this worker's codec needs it
 
 
 def _advance_shared(nbytes: int) -> None:
@@ -221,8 +220,12 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
         state = {"fingerprint": fingerprint, "shards": done, "sources": sources}
         write_atomic(dst / PROGRESS_NAME, json.dumps(state).encode())
 
+    stage_seconds: dict[str, float] = {}  # summed over the shards converted now; not part of a shard's record
+
     def record(result: dict) -> None:
         file = result["file"]
+        for stage, seconds in result.pop("seconds").items():
+            stage_seconds[stage] = round(stage_seconds.get(stage, 0.0) + seconds, 4)
         for tensor, where in result["kept_non_finite"].items():
             log.warning("%s: NaN/Inf at %s in a tensor kept as it is (copied unchanged; --strict refuses it)",
                         tensor, where)
@@ -233,7 +236,7 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             del sources[file], done[file]
             raise
 
-    jobs = [ShardJob(plan.source_dir, dst, s, plan.recipe.scale_rule, device, plan.recipe.format, strict)
+    jobs = [ShardJob(plan.source_dir, dst, s, plan.codec, plan.recipe and plan.recipe.scale_rule, device, strict)
             for s in todo]
     todo_bytes = sum(s.source_size for s in todo)
     # A worker process costs ~2 s to start (torch, numba): only worth it for real work.
@@ -243,7 +246,8 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
         save_progress()
         for name in plan.aux_files:
             copy_atomic(plan.source_dir / name, dst / name)
-        with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="quantize", disable=not show_progress) as bar:
+        with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="decode" if plan.decodes else "quantize",
+                  disable=not show_progress) as bar:
             _run_jobs(jobs, workers, bar, record)
         elapsed = time.time() - started
         records = [done[s.file] for s in plan.shards]
@@ -258,18 +262,21 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             "seconds": round(elapsed, 3),
             "resumed_shards": len(plan.shards) - len(todo),
             "source": str(plan.source_dir.resolve()),
-            "family": plan.family.name,
-            "recipe": plan.recipe.to_dict(),
-            "format": plan.recipe.format,
+            "family": plan.family.name if plan.family else None,
+            "recipe": plan.recipe.to_dict() if plan.recipe else None,
+            "format": plan.to,
+            "decoded_from": plan.codec.name if plan.decodes else None,
             "exclude_count": len(plan.exclude),
             "shards": records,
             "summary": {
                 "tensors_quantized": sum(len(r["quantized"]) for r in records),
+                "tensors_decoded": sum(len(r["decoded"]) for r in records),
                 "bytes_in": sum(r["source_size"] for r in records),
                 "bytes_out": sum(r["size"] for r in records),
                 "gb_per_s": round(todo_bytes / 1e9 / elapsed, 4) if elapsed else None,
                 "workers": workers,
                 "device": device,
+                "stage_seconds": stage_seconds,
             },
             "warnings": list(plan.warnings) + [f"{tensor}: NaN/Inf at {where}, kept as it is" for r in records
                                                for tensor, where in r["kept_non_finite"].items()],

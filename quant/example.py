@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads only when tensors are made: quant.cli imports this module for FAMILIES
+    import torch
 
 FAMILIES = ("glm_moe_dsa", "deepseek_v3")
 MLA_SIZES = ("tiny", "real")
@@ -90,6 +92,8 @@ def glm5_config() -> dict:
 
 def tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of the checkpoint, in storage order, with shape and dtype."""
+    import torch
+
     c = config
     h, heads = c["hidden_size"], c["num_attention_heads"]
     bf16, f32 = torch.bfloat16, torch.float32
@@ -143,6 +147,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    import torch
+
     if name.endswith(("norm.weight",)):
         return torch.ones(shape, dtype=dtype)
     if name.endswith(("norm.bias", "e_score_correction_bias")):
@@ -176,6 +182,9 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
 
     ``overrides`` replaces named tensors' values (edge cases, NaN injection in tests).
     """
+    import torch
+    from safetensors.torch import save_file
+
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)

@@ -1,7 +1,10 @@
-"""Pure planning: checkpoint headers + family + recipe -> per-tensor actions, exclude list, sizes.
+"""Pure planning: checkpoint headers (+ family + recipe) -> per-tensor actions, exclude list, sizes.
 
-Never reads tensor data, so ``quantize --dry-run`` answers for a 1.5 TB checkpoint from headers
-alone, and the executor only moves bytes the plan already sized.
+Here, and only here, each tensor's fate is decided: ``copy`` it, ``encode`` it into the plan's
+codec (``make_plan``), ``decode`` it from the codec back to bf16 (``make_decode_plan``, for
+``--to bf16``), or nothing for a scale its weight's decode consumes. Never reads tensor data, so
+``quantize --dry-run`` answers for a 1.5 TB checkpoint from headers alone, and the one executor
+(``convert``) only moves bytes the plan already sized.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from pathlib import Path
 
 from quant.checkpoint import Checkpoint
 from quant.engines import Module, draft_name, replay, select
-from quant.formats import weight_format
+from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.layout import Family, family_for
 from quant.outputs import INDEX_NAME, aux_files
-from quant.quark_config import fp8_config, quantization_config, strip_quantization_config
+from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import NamingError, build_exclude
@@ -28,14 +31,18 @@ class PlanError(ValueError):
     """The source cannot be converted as asked; the message names the file/tensor and the fix."""
 
 
+COPY, ENCODE, DECODE, CONSUMED = "copy", "encode", "decode", "consumed"
+
+
 @dataclass(frozen=True)
 class TensorPlan:
     source: TensorInfo
-    role: str
-    linear: bool
-    mtp: bool
-    quantize: bool
+    action: str  # COPY, ENCODE, DECODE, or CONSUMED (a scale read by its weight's decode; no output)
     outputs: tuple[Entry, ...]
+    role: str = "other"
+    linear: bool = False
+    mtp: bool = False
+    scale: TensorInfo | None = None  # DECODE: the weight's scale tensor
 
 
 @dataclass(frozen=True)
@@ -57,53 +64,62 @@ class ShardPlan:
 class Plan:
     source_dir: Path
     config: dict
-    family: Family
-    recipe: Recipe
-    num_hidden_layers: int
+    codec: Codec  # the format encoded into, or, when ``to`` is "bf16", decoded from
+    to: str
     shards: tuple[ShardPlan, ...]
-    exclude: tuple[str, ...]
     aux_files: tuple[str, ...]
     warnings: tuple[str, ...]
+    family: Family | None = None  # encoding only: roles, recipe and exclude list
+    recipe: Recipe | None = None
+    num_hidden_layers: int = 0
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def decodes(self) -> bool:
+        return self.to == "bf16"
 
     @property
     def tensors(self) -> list[TensorPlan]:
         return [tensor for shard in self.shards for tensor in shard.tensors]
 
     def quantization_config(self) -> dict:
-        if self.recipe.format == "fp8":
-            return fp8_config(list(self.exclude))
-        element = weight_format(self.recipe.format).element
-        return quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only, element.name)
+        return self.codec.quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
 
     def output_config(self) -> dict:
         config = strip_quantization_config(self.config)
-        config["quantization_config"] = self.quantization_config()
+        if not self.decodes:
+            config["quantization_config"] = self.quantization_config()
         return config
 
     def weight_map(self) -> dict[str, str]:
         return {name: shard.file for shard in self.shards for name, _, _ in shard.entries}
 
     def summary(self) -> dict:
-        quantized = [t for t in self.tensors if t.quantize]
+        sizes = {"source": str(self.source_dir), "to": self.to, "shards": len(self.shards),
+                 "bytes_in": sum(s.source_size for s in self.shards),
+                 "bytes_out": sum(s.output_size for s in self.shards)}
+        if self.decodes:
+            return {**sizes, "from": self.codec.name,
+                    "tensors_decoded": sum(t.action == DECODE for t in self.tensors),
+                    "tensors_copied": sum(t.action == COPY for t in self.tensors),
+                    "aux_files": list(self.aux_files), "warnings": list(self.warnings)}
+        quantized = [t for t in self.tensors if t.action == ENCODE]
         by_role: dict[str, dict[str, int]] = {}
         for tensor in self.tensors:
             counts = by_role.setdefault(tensor.role, {"quantize": 0, "keep": 0})
-            counts["quantize" if tensor.quantize else "keep"] += 1
+            counts["quantize" if tensor.action == ENCODE else "keep"] += 1
         aliases = sorted({alias for rules in select("all") for name in self.exclude
                           if (alias := draft_name(name, rules, self.num_hidden_layers)) and alias != name})
         return {
-            "source": str(self.source_dir),
+            **sizes,
             "family": self.family.name,
             "recipe": self.recipe.to_dict(),
             "num_hidden_layers": self.num_hidden_layers,
             "mtp_layers": sorted({t.source.name.split(".")[2] for t in self.tensors if t.mtp}),
-            "shards": len(self.shards),
             "tensors": len(self.tensors),
             "tensors_quantized": len(quantized),
             "tensors_kept": len(self.tensors) - len(quantized),
             "by_role": by_role,
-            "bytes_in": sum(s.source_size for s in self.shards),
-            "bytes_out": sum(s.output_size for s in self.shards),
             "bytes_quantized_in": sum(t.source.nbytes for t in quantized),
             "exclude_count": len(self.exclude),
             "exclude": list(self.exclude),
@@ -137,7 +153,7 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
         raise RecipeError(f"recipe {recipe.name} asks to quantize {info.name} (role {role.role}), which must stay "
                           f"{info.dtype}: the engines build it unquantized")
     if not quantize:
-        return TensorPlan(info, role.role, role.linear, role.mtp, False, ((info.name, info.dtype, info.shape),))
+        return TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),), role.role, role.linear, role.mtp)
     where = f"{file}: tensor {info.name} {info.dtype}{list(info.shape)}"
     if info.dtype not in QUANTIZABLE_SOURCE_DTYPES:
         raise PlanError(f"{where} is not a float tensor; quantize from a bf16 checkpoint "
@@ -147,12 +163,11 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
     if 0 in info.shape:
         raise PlanError(f"{where} has no elements: an empty Linear weight cannot be quantized; fix the source "
                         "checkpoint or keep this role bf16 in the recipe")
-    fmt = weight_format(recipe.format)
+    fmt = get_codec(recipe.format)
     problem = fmt.shape_problem(info.shape)
     if problem:
         raise PlanError(f"{where}: {problem}; keep this role bf16 in the recipe")
-    outputs = fmt.outputs(info.name, info.shape)
-    return TensorPlan(info, role.role, role.linear, role.mtp, True, outputs)
+    return TensorPlan(info, ENCODE, fmt.outputs(info.name, info.shape), role.role, role.linear, role.mtp)
 
 
 def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None) -> Plan:
@@ -172,27 +187,26 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     for shard in shards:
         for tensor in shard.tensors:
             if tensor.linear and len(tensor.source.shape) == 2:
-                (quantized if tensor.quantize else kept).add(tensor.source.name.removesuffix(".weight"))
+                (quantized if tensor.action == ENCODE else kept).add(tensor.source.name.removesuffix(".weight"))
     if not quantized:
         warnings.append("the recipe quantizes no tensor of this checkpoint; the output is a copy with a Quark config")
-    if recipe.format.startswith("mxfp6"):
-        warnings.append(f"{recipe.format}: vLLM loads MXFP6 (emulated); sglang's Quark loader accepts only fp4 "
-                        "today and will refuse this checkpoint")
+    if get_codec(recipe.format).warning:
+        warnings.append(f"{recipe.format}: {get_codec(recipe.format).warning}")
     if recipe.weight_only:
         warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
                         "vLLM loads it")
-    if any(t.role == "shared_expert" and not t.quantize for s in shards for t in s.tensors):
+    if any(t.role == "shared_expert" and t.action == COPY for s in shards for t in s.tensors):
         warnings.append("shared experts stay bf16: sglang disables its shared-expert fusion (a speed cost, not an error)")
     exclude = build_exclude(kept, quantized, num_hidden_layers)
-    plan = Plan(source_dir, config, family, recipe, num_hidden_layers, tuple(shards), tuple(exclude),
-                aux_files(source_dir), tuple(warnings))
+    plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
+                tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
     _check_engines_load(plan)
     return plan
 
 
 def _check_engines_load(plan: Plan) -> None:
     """Replay every known engine release on the planned checkpoint; refuse what one would not load."""
-    modules = {t.source.name.removesuffix(".weight"): Module(t.quantize, tuple(t.source.shape), t.role)
+    modules = {t.source.name.removesuffix(".weight"): Module(t.action == ENCODE, tuple(t.source.shape), t.role)
                for t in plan.tensors if t.linear and len(t.source.shape) == 2}
     kind = "fp8" if plan.recipe.format == "fp8" else "quark"
     qconfig = plan.quantization_config()
@@ -204,4 +218,45 @@ def _check_engines_load(plan: Plan) -> None:
                           "Change the recipe (quantize whole fused modules and whole expert layers).")
 
 
-__all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan"]
+def _plan_decode(header, codec: Codec) -> tuple[TensorPlan, ...]:
+    """Each stored weight of ``codec`` (with its scale beside it) decoded to bf16, the rest copied."""
+    tensors = header.tensors
+    weights = {n for n, t in tensors.items() if t.dtype == codec.weight_dtype and len(t.shape) == 2
+               and n + codec.scale_suffix in tensors}
+    scales = {n + codec.scale_suffix for n in weights}
+    plans = []
+    for info in sorted(tensors.values(), key=lambda t: t.begin):
+        if info.name in scales:
+            plans.append(TensorPlan(info, CONSUMED, ()))
+            continue
+        if info.name not in weights:
+            plans.append(TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),)))
+            continue
+        scale = tensors[info.name + codec.scale_suffix]
+        shape = codec.logical_shape(info.shape)
+        expected = codec.outputs(info.name, shape)[1]
+        if (scale.dtype, scale.shape) != expected[1:]:
+            raise PlanError(f"{header.path}: {info.name} is {info.dtype}{list(info.shape)} but its scale is "
+                            f"{scale.dtype}{list(scale.shape)}, not the {codec.name} scale {expected[1]}"
+                            f"{list(expected[2])}; cannot decode it (gate checkpoint lists every problem)")
+        plans.append(TensorPlan(info, DECODE, ((info.name, "BF16", shape),), scale=scale))
+    return tuple(plans)
+
+
+def make_decode_plan(source: Path | Checkpoint) -> Plan:
+    """``--to bf16``: every weight stored in the checkpoint's declared format decoded exactly to bf16."""
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
+    try:
+        codec = codec_for_config(checkpoint.config)
+    except ValueError as exc:
+        raise PlanError(f"{checkpoint.config_path}: {exc}") from None
+    warnings = _index_warnings(checkpoint)
+    shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec))
+                   for file, header in checkpoint.headers.items())
+    if not any(t.action == DECODE for s in shards for t in s.tensors):
+        warnings.append(f"no {codec.name} weight found: the output is a copy with the quantization_config removed")
+    return Plan(checkpoint.folder, checkpoint.config, codec, "bf16", shards, aux_files(checkpoint.folder),
+                tuple(warnings))
+
+
+__all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_decode_plan", "make_plan"]

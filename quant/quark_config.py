@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from quant.formats.mx import BLOCK, ScaleRule
+from quant.formats.constants import BLOCK, ScaleRule
 
 QUARK_VERSION = "0.13"
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quant.formats.mx import ScaleRule
+from quant.formats.codecs import CODECS
+from quant.formats.constants import ScaleRule
 from quant.layout import TensorRole, manifests_root, read_yaml_mapping
 
-DEFAULT_RECIPES = {"mxfp4": "mxfp4-w4a4-experts", "mxfp6_e2m3": "mxfp4-w4a4-experts",
-                   "mxfp6_e3m2": "mxfp4-w4a4-experts", "fp8": "fp8-block"}
-MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
 ACTIONS = ("quantize", "keep")
 
 
@@ -59,14 +57,14 @@ def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
     (seed) recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
     engine is known here to load that (sglang's Quark loader takes fp4 only).
     """
-    path = path or manifests_root() / "recipes" / f"{DEFAULT_RECIPES[to or 'mxfp4']}.yaml"
+    path = path or manifests_root() / "recipes" / f"{CODECS[to or 'mxfp4'].default_recipe}.yaml"
     data = read_yaml_mapping(path, "recipe", RecipeError)
     fmt = data.get("format")
-    if to and fmt != to and not (fmt in MX_FORMATS and to in MX_FORMATS and not data.get("format_fixed")):
+    if not isinstance(fmt, str) or fmt not in CODECS:
+        raise RecipeError(f"{path}: format {fmt!r} is not supported (supported: {', '.join(CODECS)})")
+    if to and fmt != to and (CODECS[fmt].family != CODECS[to].family or data.get("format_fixed")):
         raise RecipeError(f"{path}: a {fmt} recipe cannot produce --to {to}")
     fmt = to or fmt
-    if fmt not in DEFAULT_RECIPES:
-        raise RecipeError(f"{path}: format {fmt!r} is not supported (supported: {sorted(DEFAULT_RECIPES)})")
     rules = []
     if not isinstance(data.get("rules") or [], list):
         raise RecipeError(f"{path}: rules must be a list of {{role, action}} mappings")

@@ -1,8 +1,11 @@
-"""Converting one shard: read tensors in file order, quantize or copy them, write one atomic file.
+"""Converting one shard: read tensors in file order, carry out each one's planned action (encode,
+decode or copy), write one atomic file.
 
 The source is read front to back exactly once; the same bytes feed its sha256, so provenance
-costs no second read. Memory is bounded by one chunk (``CHUNK_BYTES`` of source) whatever the
-tensor or shard size.
+costs no second read. Three things overlap: the source's sha256 (one helper thread), the
+kernel (this thread, numba's threads inside), and the output's sha256 (another helper thread);
+hashlib and numba both release the GIL. Memory is bounded by a few chunks (``CHUNK_BYTES`` of
+source) whatever the tensor or shard size.
 """
 
 from __future__ import annotations
@@ -16,18 +19,16 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from quant.errors import NonFiniteError
-from quant.formats import mxfp4, mxfp4_fast, weight_format
-from quant.formats.mx import ScaleRule
-from quant.hashing import StreamHasher
-from quant.plan import ShardPlan, TensorPlan
-from quant.safetensors_io import TORCH_DTYPES, ShardError, ShardWriter, numel, open_regular
+from quant.formats.codecs import Codec
+from quant.formats.constants import ScaleRule
+from quant.hashing import HashStream
+from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
+from quant.safetensors_io import ShardError, ShardWriter, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
-ERROR_ROW_STRIDE = 64  # the fast path measures error on every 64th row: cheap and representative
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ class ShardJob:
     source_dir: Path
     dst: Path
     shard: ShardPlan
-    scale_rule: ScaleRule
+    codec: Codec
+    scale_rule: ScaleRule | None  # encoding only
     device: str = "cpu"
-    format: str = "mxfp4"
     strict: bool = False  # NaN/Inf in a tensor kept as it is: an error, not a warning
 
 
@@ -69,10 +70,11 @@ class SourceReader:
     resident memory stays a few chunks whatever the shard size.
     """
 
-    def __init__(self, path: Path, hasher: StreamHasher):
+    def __init__(self, path: Path):
         self.path = path
-        self.hasher, self.digest = hasher, hasher.new()
+        self.hash = HashStream()
         self.pos = self.released = 0
+        self.read_s = 0.0
         with open_regular(path) as f:
             self.opened = os.fstat(f.fileno())  # the identity --resume checks before trusting this shard
             self.opened_ns = time.time_ns()
@@ -83,18 +85,27 @@ class SourceReader:
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """The bytes at ``offset``, as a view into the mapping."""
+        started = time.perf_counter()
         if offset > self.pos:  # header, or padding between tensors
-            self.hasher.update(self.digest, self._view(self.pos, offset))
+            self.hash.update(self._view(self.pos, offset))
         elif offset < self.pos:
             raise AssertionError("tensors must be read in file order")
         if offset + nbytes > self.size:
             raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes} "
                              "(file truncated or changed during conversion)")
         data = self._view(offset, offset + nbytes)
-        self.hasher.update(self.digest, data)
+        self.hash.update(data)
         self.pos = offset + nbytes
         self._release_behind(offset - RELEASE_LAG)
+        self.read_s += time.perf_counter() - started
         return data
+
+    def peek(self, offset: int, nbytes: int) -> bytes:
+        """A copy of bytes ahead of the read position (a scale its weight needs first); they are
+        hashed when the reading passes them."""
+        if offset < self.pos or offset + nbytes > self.size:
+            raise AssertionError(f"peek at [{offset}, {offset + nbytes}) outside the unread part of {self.path}")
+        return bytes(self._view(offset, offset + nbytes))
 
     def _view(self, start: int, end: int) -> memoryview:
         return memoryview(self.map)[start:end] if self.map else memoryview(b"")
@@ -108,13 +119,14 @@ class SourceReader:
     def finish(self) -> str:
         if self.pos < self.size:
             self.read(self.pos, self.size - self.pos)
-        self.hasher.drain()
+        digest = self.hash.hexdigest()
         if file_identity(self.path.stat()) != file_identity(self.opened):
             raise ShardError(f"{self.path}: changed while it was being converted; leave the source alone and "
                              "rerun (--resume keeps the finished shards)")
-        return self.digest.hexdigest()
+        return digest
 
     def close(self) -> None:
+        self.hash.close()
         if self.map:
             try:
                 self.map.close()
@@ -122,56 +134,48 @@ class SourceReader:
                 pass
 
 
-def _nonfinite_error(name: str, x: torch.Tensor, row0: int) -> NonFiniteError:
-    row, col = (~torch.isfinite(x)).nonzero()[0].tolist()
-    return NonFiniteError(f"{name}: NaN/Inf at row {row0 + row}, column {col}; "
-                          "fix the source checkpoint (Quark would silently write garbage here)")
-
-
-def _quantize_chunk(raw: np.ndarray, dtype: str, name: str, row0: int, job: "ShardJob",
-                    ) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """``(weight, scales, err_sq, ref_sq)`` for rows of one weight, given as raw bytes ``[rows, row_bytes]``."""
-    rule, fmt = job.scale_rule, weight_format(job.format)
-    fast = job.format == "mxfp4" and job.device == "cpu" and rule is ScaleRule.EVEN and dtype == "BF16"
-    if fast:
-        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
-        if not flags.any():
-            return packed, scales, float(err.sum()), float(ref.sum())
-    x = torch.frombuffer(bytearray(raw), dtype=TORCH_DTYPES[dtype]).reshape(raw.shape[0], -1)
-    if fast and not (flags == mxfp4_fast.ROW_NON_FINITE).any():  # tiny blocks: the reference is exact
-        redo = np.flatnonzero(flags == mxfp4_fast.ROW_NEEDS_REFERENCE)
-        p, s = mxfp4.quantize(x[torch.from_numpy(redo)], rule)
-        packed[redo], scales[redo] = p.numpy(), s.numpy()
-        return packed, scales, float(err.sum()), float(ref.sum())
-    xd = x.to(job.device)
-    if not torch.isfinite(xd).all():
-        raise _nonfinite_error(name, xd.cpu(), row0)
-    weight, scales = fmt.quantize(xd, rule)  # the reference path: error measured on every row
-    xf = xd.to(torch.float32)
-    err = float(((fmt.dequantize(weight, scales, torch.float32) - xf) ** 2).sum())
-    return weight.cpu().numpy(), scales.cpu().numpy(), err, float((xf * xf).sum())
-
-
-def _quantize_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
-                     advance: Callable[[int], None]) -> dict:
-    info = tensor.source
+def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                   advance: Callable[[int], None], timing: dict) -> dict:
+    info, codec = tensor.source, job.codec
     rows, cols = info.shape
     row_bytes = info.nbytes // rows
-    multiple = weight_format(job.format).row_multiple  # FP8 scales cover 128-row tiles
-    step = max(multiple, CHUNK_BYTES // row_bytes // multiple * multiple)
+    step = max(codec.row_multiple, CHUNK_BYTES // row_bytes // codec.row_multiple * codec.row_multiple)
     (weight_name, _, _), (scale_name, _, _) = tensor.outputs
     err_sq = ref_sq = 0.0
     scale_chunks = []  # written after the weight, keeping the file order (1/64 of the tensor's size)
     for start in range(0, rows, step):
         count = min(step, rows - start)
         raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
-        packed, scales, err, ref = _quantize_chunk(raw.reshape(count, row_bytes), info.dtype, info.name, start, job)
-        writer.write(weight_name, start * packed.shape[1] * packed.itemsize, packed.data)
-        scale_chunks.append(scales)
-        err_sq, ref_sq = err_sq + err, ref_sq + ref
+        started = time.perf_counter()
+        try:
+            out = codec.encode(raw.reshape(count, row_bytes), info.dtype, job.scale_rule, device=job.device, row0=start)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"{info.name}: {exc}") from None
+        timing["kernel"] += time.perf_counter() - started
+        writer.write(weight_name, start * out.weight.shape[1] * out.weight.itemsize, out.weight.data)
+        scale_chunks.append(out.scales)
+        err_sq, ref_sq = err_sq + out.err_sq, ref_sq + out.ref_sq
         advance(count * row_bytes)
     writer.write(scale_name, 0, np.concatenate(scale_chunks).data)
     return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+
+
+def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                   advance: Callable[[int], None], timing: dict) -> None:
+    info, scale, codec = tensor.source, tensor.scale, job.codec
+    (name, _, (rows, cols)), multiple = tensor.outputs[0], codec.row_multiple
+    scales = np.frombuffer(reader.peek(scale.begin, scale.nbytes), np.uint8).reshape(scale.shape[0], -1)
+    row_bytes = info.nbytes // rows
+    step = max(multiple, CHUNK_BYTES // (cols * 2) // multiple * multiple)  # bounded by the bf16 written
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
+        started = time.perf_counter()
+        first = start // multiple
+        out = codec.decode_bytes(raw.reshape(count, row_bytes), scales[first:first + -(-count // multiple)])
+        timing["kernel"] += time.perf_counter() - started
+        writer.write(name, start * cols * 2, out.data)
+        advance(count * row_bytes)
 
 
 def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
@@ -197,20 +201,29 @@ def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, 
 
 
 def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None) -> dict:
-    """Write one output shard atomically; returns its record for the conversion manifest."""
+    """Write one output shard atomically; returns its record for the conversion manifest, with the
+    seconds each stage took (``hash`` runs on helper threads, overlapping the others)."""
     shard = job.shard
-    hasher = StreamHasher()
+    started = time.perf_counter()
+    timing = {"kernel": 0.0}
     writer = reader = None
     errors: dict[str, dict] = {}
+    decoded: list[str] = []
     kept_non_finite: dict[str, str] = {}
     try:
-        writer = ShardWriter(job.dst / shard.file, shard.entries, hasher)
-        reader = SourceReader(job.source_dir / shard.file, hasher)
-        for tensor in shard.tensors:
-            if tensor.quantize:
-                errors[tensor.source.name] = _quantize_tensor(reader, tensor, writer, job, advance)
-            elif where := _copy_tensor(reader, tensor, writer, job, advance):
-                kept_non_finite[tensor.source.name] = where
+        writer = ShardWriter(job.dst / shard.file, shard.entries)
+        reader = SourceReader(job.source_dir / shard.file)
+        for tensor in shard.tensors:  # the plan decided each tensor's action; this only carries it out
+            if tensor.action == ENCODE:
+                errors[tensor.source.name] = _encode_tensor(reader, tensor, writer, job, advance, timing)
+            elif tensor.action == DECODE:
+                _decode_tensor(reader, tensor, writer, job, advance, timing)
+                decoded.append(tensor.source.name)
+            elif tensor.action == COPY:
+                if where := _copy_tensor(reader, tensor, writer, job, advance):
+                    kept_non_finite[tensor.source.name] = where
+            else:  # a scale consumed by its weight's decode: hashed as the reading passes it, not written
+                advance(tensor.source.nbytes)
         source_sha256 = reader.finish()
         output_sha256 = writer.commit()
     except BaseException:
@@ -220,7 +233,9 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     finally:
         if reader:
             reader.close()
-        hasher.close()
+    seconds = {"total": time.perf_counter() - started, "read": reader.read_s, **timing,
+               "hash": reader.hash.busy_s + writer.hash.busy_s, "write": writer.write_s}
     return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
-            "size": writer.size, "sha256": output_sha256, "quantized": errors, "kept_non_finite": kept_non_finite,
-            "source_identity": {**file_identity(reader.opened), "opened_ns": reader.opened_ns}}
+            "size": writer.size, "sha256": output_sha256, "quantized": errors, "decoded": decoded, "kept_non_finite": kept_non_finite,
+            "source_identity": {**file_identity(reader.opened), "opened_ns": reader.opened_ns},
+            "seconds": {k: round(v, 4) for k, v in seconds.items()}}

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from quant.engines import Finding, Module, UnknownEngine, replay, select
 from quant.engines.config import model_findings, quark_findings
-from quant.formats import WeightFormat, checkpoint_format, logical_shape
+from quant.formats.codecs import Codec, codec_for_config
 from quant.layout import UnknownFamilyError, family_for
 from quant.checkpoint import INDEX_NAME, Checkpoint
 from quant.errors import CheckpointError
@@ -49,7 +49,7 @@ class Report:
                             for e in self.engines}}
 
 
-def _layout_findings(checkpoint: Checkpoint, fmt: WeightFormat | None) -> list[Finding]:
+def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
     findings = []
     tensors = checkpoint.tensors()
     suffix = fmt.scale_suffix if fmt else "_scale"
@@ -58,7 +58,7 @@ def _layout_findings(checkpoint: Checkpoint, fmt: WeightFormat | None) -> list[F
             continue
         scale = tensors.get(name + suffix)
         if fmt and info.dtype == fmt.weight_dtype:
-            expected = fmt.outputs(name, logical_shape(fmt, info.shape))[1]
+            expected = fmt.outputs(name, fmt.logical_shape(info.shape))[1]
             if scale is None:
                 findings.append(Finding("layout", None, name, f"{info.dtype} weight without weight{suffix}: the engines "
                                         "load it silently as garbage", "re-export the checkpoint; the scale is missing"))
@@ -211,7 +211,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     malformed = _malformed_qconfig(qconfig)
     report.findings += malformed
     try:
-        fmt = checkpoint_format(config) if qconfig and not malformed else None
+        fmt = codec_for_config(config) if qconfig and not malformed else None
     except ValueError as exc:
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
@@ -223,7 +223,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
             mtp_layers.add(role.layer)
         if role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
-            shape = logical_shape(fmt, info.shape) if quantized else tuple(info.shape)
+            shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)
             modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
     report.modules_checked = len(modules)
     if not modules:

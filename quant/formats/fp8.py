@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-TILE = 128
-E4M3_MAX = 448.0
+from quant.formats.constants import E4M3_MAX, FP8_TILE as TILE
 
 
 def _tiles(rows: int, cols: int) -> tuple[int, int]:
@@ -35,10 +34,6 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     rows, cols = q.shape
     return (q.to(torch.float32) * _expand(scale_inv.to(torch.float32), rows, cols)).to(dtype)
-
-
-def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
-    return tuple(shape), _tiles(*shape)
 
 
 def quantize_dequantize(x: torch.Tensor, group: int = TILE, eps: float = 1e-10) -> torch.Tensor:

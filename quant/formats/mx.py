@@ -8,68 +8,13 @@ MXFP6 packs 4 six-bit codes (bit 5 = sign) into 3 bytes little-endian:
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass
 
 import torch
 
-BLOCK = 32
-SCALE_BIAS = 127
+from quant.formats.constants import BLOCK, SCALE_BIAS, ElementFormat, ScaleRule
+
 ZERO_BLOCK_FALLBACK_EXP = -23  # Quark's floor/ceil fall back to float32 eps for an all-zero block
-
-
-class ScaleRule(str, enum.Enum):
-    """How the shared exponent ``e`` of a block follows from its largest magnitude ``amax``
-    (``emax`` is the element format's largest exponent, 2 for E2M1):
-
-    - ``even`` (Quark's default): ``floor(log2(amax)) - emax`` after rounding ``amax`` up to the
-      next power of two when its mantissa would round past the element's top (>= 1.75 for E2M1).
-      Implemented as ``exponent(amax_bits + 2^(23 - mbits - 1)) - emax`` on the fp32 bit pattern;
-      a carry into the all-ones exponent field means +inf, which Quark clamps to 127.
-    - ``floor`` (plain OCP): ``floor(log2(amax)) - emax``; ``ceil``: ``ceil(log2(amax)) - emax``.
-      Quark takes this ``log2`` in the weight's own dtype: bf16 rounds it to 8 significant bits,
-      so e.g. log2 = -57.05 becomes -57.0 and floors to -57 (plain math says -58); an all-zero
-      block gets float32 eps = 2^-23 as its scale.
-    ``e`` is clamped to [-127, 127]; the stored byte is ``e + 127`` but at least 1.
-    """
-
-    EVEN = "even"
-    FLOOR = "floor"
-    CEIL = "ceil"
-
-
-@dataclass(frozen=True)
-class ElementFormat:
-    name: str  # Quark's dtype name
-    ebits: int
-    mbits: int
-
-    @property
-    def bias(self) -> int:
-        return (1 << (self.ebits - 1)) - 1
-
-    @property
-    def emax(self) -> int:
-        return (1 << self.ebits) - 1 - self.bias
-
-    @property
-    def min_exp(self) -> int:  # exponent of the smallest normal
-        return 1 - self.bias
-
-    @property
-    def max(self) -> float:
-        return 2.0 ** self.emax * (2 - 2.0 ** -self.mbits)
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.ebits + self.mbits
-
-
-E2M1 = ElementFormat("fp4", 2, 1)
-E2M3 = ElementFormat("fp6_e2m3", 2, 3)
-E3M2 = ElementFormat("fp6_e3m2", 3, 2)
-FORMATS = {"mxfp4": E2M1, "mxfp6_e2m3": E2M3, "mxfp6_e3m2": E3M2}
 
 
 def block_exponents(amax: torch.Tensor, fmt: ElementFormat, rule: ScaleRule, source_dtype: torch.dtype,
@@ -183,7 +128,3 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat,
     factor = torch.ldexp(torch.ones(scales.shape, dtype=torch.float32), scales.to(torch.int32) - SCALE_BIAS)
     return (values.reshape(rows, -1, BLOCK) * factor.unsqueeze(-1)).reshape(rows, -1).to(dtype)
 
-
-def packed_shapes(shape: tuple[int, int], fmt: ElementFormat) -> tuple[tuple[int, int], tuple[int, int]]:
-    out, cols = shape
-    return (out, cols * fmt.bits // 8), (out, cols // BLOCK)

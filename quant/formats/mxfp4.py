@@ -1,7 +1,7 @@
 """MXFP4 (OCP microscaling, E2M1 elements, E8M0 block scales) as AMD Quark 0.13 writes it.
 
 A Linear weight ``[out, in]`` is cut into blocks of 32 consecutive values along ``in``. Each block
-shares one power-of-two scale ``2^e`` stored as the byte ``e + 127`` (``mx.ScaleRule``); each
+shares one power-of-two scale ``2^e`` stored as the byte ``e + 127`` (``constants.ScaleRule``); each
 element is the E2M1 code of ``x / 2^e`` rounded half-to-even onto the grid
 ``0, .5, 1, 1.5, 2, 3, 4, 6`` and saturated at 6. Two codes share a byte: element ``2j`` in the
 low nibble, ``2j+1`` in the high one. See docs/reference.md §1; tests check every rule against Quark.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from quant.formats import mx
-from quant.formats.mx import BLOCK, SCALE_BIAS, ScaleRule  # noqa: F401  (re-exported for callers)
+from quant.formats.constants import BLOCK, E2M1, SCALE_BIAS, ScaleRule
 
 # Magnitudes of codes 0..7; codes 8..15 are the same with the sign bit (bit 3) set.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -47,14 +47,14 @@ def quantize(weight: torch.Tensor, rule: ScaleRule = ScaleRule.EVEN) -> tuple[to
     """
     rows, cols = weight.shape
     x = weight.to(torch.float32).reshape(rows, cols // BLOCK, BLOCK)
-    exponent = mx.block_exponents(x.abs().amax(dim=-1), mx.E2M1, rule, weight.dtype)
+    exponent = mx.block_exponents(x.abs().amax(dim=-1), E2M1, rule, weight.dtype)
     # 2^e as an exact float32 (e >= -127 may be subnormal; ldexp keeps it exact).
     scale = torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32), exponent)
     codes = _e2m1_codes(x / scale.unsqueeze(-1)).reshape(rows, cols)
     # Byte 0 would decode as 2^-127; Quark never writes it, a clamped block gets byte 1.
-    return mx.pack(codes, mx.E2M1), (exponent + SCALE_BIAS).clamp_(min=1).to(torch.uint8)
+    return mx.pack(codes, E2M1), (exponent + SCALE_BIAS).clamp_(min=1).to(torch.uint8)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact decode: ``E2M1 value x 2^(byte - 127)``, returned as ``[rows, in]`` in ``dtype``."""
-    return mx.dequantize(packed, scales, mx.E2M1, dtype)
+    return mx.dequantize(packed, scales, E2M1, dtype)

@@ -9,6 +9,9 @@ reference ``mxfp4.quantize`` on every bf16 bit pattern and to Quark's bytes.
 
 Blocks whose exponent is tiny (``e < -119``, amax below about 2^-117) are flagged and redone by
 the reference path: there a subnormal ``x`` can still scale to a non-zero code.
+
+numba compiles the kernel on its first call and caches the machine code on disk (``cache=True``),
+so importing quantgate costs nothing and later processes load the kernel in milliseconds.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import numpy as np
 import torch
 
 from quant.formats import mxfp4
+from quant.formats.constants import BLOCK
 
-BLOCK = mxfp4.BLOCK
 ROW_OK, ROW_NON_FINITE, ROW_NEEDS_REFERENCE = 0, 1, 2
 if sys.byteorder != "little":
     raise ImportError("the fast MXFP4 kernel reads bf16 pairs as little-endian uint32")
@@ -111,11 +114,36 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
     return packed, scales, flags, err_sq, ref_sq
 
 
-def _load_kernel() -> None:
-    """Load the compiled kernel and start numba's threads now, at import, not inside the first shard."""
-    raw = np.zeros((1, 2 * BLOCK), dtype=np.uint8)
-    raw.setflags(write=False)  # the signature conversion uses: read-only views of the mapped source
-    quantize_bf16(raw)
+
+def _decode_table() -> np.ndarray:
+    """bf16 bits of every (scale byte, code) pair, made by the reference decode itself: exact by construction."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(256, 1)  # 8 bytes = codes 0..15 for each scale byte
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, 1).contiguous()
+    values = mxfp4.dequantize(torch.nn.functional.pad(packed, (0, 8)), scales)[:, :16]  # one block of 32 per row
+    return values.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
-_load_kernel()
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _decode_rows(packed, scales, table, out):  # pragma: no cover
+    rows, half = packed.shape
+    for r in numba.prange(rows):
+        for j in range(half):
+            b = np.int32(packed[r, j])
+            base = np.int32(scales[r, j // 16]) << 4
+            out[r, 2 * j] = table[base + (b & 15)]
+            out[r, 2 * j + 1] = table[base + (b >> 4)]
+
+
+_TABLE = None
+
+
+def decode_bf16(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16 ``[rows, in]``) of an MXFP4 weight stored as ``packed`` ``[rows, in/2]``
+    and ``scales`` ``[rows, in/32]`` (uint8): a table lookup, the same values as ``mxfp4.dequantize``."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = _decode_table()
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint16)
+    _decode_rows(packed, scales, _TABLE, out)
+    return out

@@ -1,12 +1,23 @@
-"""Throughput and peak memory of quantgate vs AMD Quark's file-to-file exporter, side by side.
+"""quantgate's converter against AMD Quark's file-to-file exporter, side by side, in one run.
 
-    python -m tests.benchmarks.bench_convert [--experts 16] [--repeat 1] [--workdir DIR]
+    python -m tests.benchmarks.bench_convert [--experts 16] [--skip-quark] [--workdir DIR]
 
-Builds one GLM-5-shaped shard (routed experts at real dims, 6144 x 2048), converts it with each
-tool in its own subprocess (imports excluded from the timing, which brackets the conversion call
-alone), samples the resident memory of each process tree every 20 ms (summed over all its
-processes: interpreter, workers, everything), checks both outputs are byte-identical, and prints
-GB/s, peak RSS and the ratios. Not a test: this machine is noisy, so run the two in one go.
+Prints, from one run on this machine:
+
+1. start-up: ``quantize --help``, ``gate --help``, ``evals --help`` and ``quantize --dry-run``
+   (best of 5; the interpreter's own start included);
+2. one GLM-5-shaped shard (routed experts at real dims, 6144 x 2048 bf16; 16 experts = 1.2 GB)
+   converted to MXFP4 by each tool in its own process: wall clock with start-up, the conversion
+   alone, CPU seconds and peak RSS of the whole process tree (every process, summed, sampled
+   every 20 ms), and the ratios; both outputs must be byte-identical;
+3. the same at twice the shard size (steady state, and memory must stay flat);
+4. ``--to bf16`` (decode, on the same executor) of the 1x output;
+5. where quantgate's time goes (read, kernel, hash, write: seconds each stage was busy; hashing
+   runs on two helper threads overlapping the kernel, so stages add up to more than the total);
+6. ``--workers 1, 2, 4, 8`` on 8 shards of the 2x size.
+
+Not a test: timings depend on the machine and on whatever else runs (the load average is printed
+with them).
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -24,19 +36,6 @@ from pathlib import Path
 import psutil
 
 from tests.benchmarks.make_shard import make_glm5_shard
-
-QUANTGATE = """
-import json, sys, time
-from pathlib import Path
-from quant.convert import convert
-from quant.plan import make_plan
-from quant.recipe import load_recipe
-from quant.formats import mxfp4_fast  # noqa: F401  (numba kernel load, outside the timing)
-src, dst, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-started = time.perf_counter()
-convert(make_plan(src, load_recipe()), dst, show_progress=False, workers=workers or None)
-print(json.dumps({"seconds": time.perf_counter() - started}))
-"""
 
 QUARK = """
 import json, sys, time, logging
@@ -50,12 +49,15 @@ started = time.perf_counter()
 quantize_model_per_safetensor(src, config, dst, device="cpu")
 print(json.dumps({"seconds": time.perf_counter() - started}))
 """
+QUANTIZE = [sys.executable, "-m", "quant.cli"]
+STAGES = ("read", "kernel", "hash", "write")
 
 
-def run_measured(code: str, *args: str) -> dict:
-    """Run ``code`` in a fresh interpreter; its own timing plus the peak RSS of its process tree."""
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def run_measured(cmd: list[str]) -> dict:
+    """Run ``cmd``; its wall clock (start-up included), CPU seconds and the peak RSS of its process tree."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -65,9 +67,37 @@ def run_measured(code: str, *args: str) -> dict:
             pass
         time.sleep(0.02)
     out, err = proc.communicate()
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise SystemExit(f"benchmark subprocess failed:\n{err[-3000:]}")
-    return {**json.loads(out.strip().splitlines()[-1]), "peak_rss": peak}
+        raise SystemExit(f"benchmark subprocess failed ({' '.join(cmd[:6])} ...):\n{err[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": wall, "cpu": cpu, "peak_rss": peak, "stdout": out}
+
+
+def quantgate(src: Path, dst: Path, *args: str) -> dict:
+    r = run_measured([*QUANTIZE, "-q", *args, str(src), str(dst)])
+    manifest = json.loads((dst / "conversion_manifest.json").read_text())
+    return {**r, "seconds": manifest["seconds"], "stages": manifest["summary"]["stage_seconds"],
+            "workers": manifest["summary"]["workers"]}
+
+
+def quark(src: Path, dst: Path) -> dict:
+    r = run_measured([sys.executable, "-c", QUARK, str(src), str(dst)])
+    return {**r, "seconds": json.loads(r["stdout"].strip().splitlines()[-1])["seconds"]}
+
+
+def best_of(cmd: list[str], n: int = 5) -> float:
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def size_of(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
 def tensors_equal(a: Path, b: Path) -> bool:
@@ -76,32 +106,79 @@ def tensors_equal(a: Path, b: Path) -> bool:
     return load_tensors(a) == load_tensors(b)
 
 
+def row(label: str, r: dict, gb: float) -> str:
+    return (f"{label:<26} {r['wall']:>8.2f} {r['seconds']:>9.2f} {gb / r['wall']:>8.3f} {gb / r['seconds']:>9.3f} "
+            f"{r['cpu']:>7.1f} {r['peak_rss'] / 1e9:>8.3f}")
+
+
+HEADER = (f"{'':<26} {'wall s':>8} {'convert s':>9} {'GB/s':>8} {'GB/s conv':>9} {'CPU s':>7} {'RSS GB':>8}\n"
+          f"{'':<26} {'(start-up included)':>19} {'(wall)':>8} {'(no start)':>9} {'(tree)':>7} {'(tree)':>8}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experts", type=int, default=16, help="routed experts in the shard (16 = ~1.2 GB)")
-    parser.add_argument("--workers", type=int, default=0, help="quantgate --workers (0 = its default)")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts in the 1x shard (16 = 1.2 GB)")
     parser.add_argument("--skip-quark", action="store_true", help="measure quantgate only")
-    parser.add_argument("--workdir", type=Path, help="where to build the shard (default: a temp folder)")
+    parser.add_argument("--workdir", type=Path, help="where to build the shards (default: a temp folder)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
-        src = make_glm5_shard(work / "src", args.experts)
-        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        os.sync()  # the fresh shard's write-back would otherwise land inside the first tool's timing
-        results = {"quantgate": run_measured(QUANTGATE, str(src), str(work / "qg"), str(args.workers))}
+        print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
+        one = make_glm5_shard(work / "x1", args.experts)
+        two = make_glm5_shard(work / "x2", 2 * args.experts)
+        os.sync()  # the fresh shards' write-back would otherwise land inside the first timing
+        gb1, gb2 = size_of(one) / 1e9, size_of(two) / 1e9
+
+        print("\n1. start-up (best of 5)")
+        for label, cmd in (("quantize --help", [*QUANTIZE, "--help"]),
+                           ("gate --help", [sys.executable, "-m", "evals.cli", "--help"]),
+                           ("evals --help", [sys.executable, "-c", "from evals.cli import evals_main; evals_main()",
+                                             "--help"]),
+                           ("quantize --dry-run (1x)", [*QUANTIZE, "--to", "mxfp4", "--dry-run", str(one),
+                                                        str(work / "never")])):
+            print(f"  {label:<26} {best_of(cmd):.3f} s")
+
+        print(f"\n2-4. conversions (1x shard {gb1:.3f} GB, 2x shard {gb2:.3f} GB; GB/s are of bf16 bytes)")
+        print(HEADER)
+        results = {"quantgate 1x -> mxfp4": quantgate(one, work / "qg1", "--to", "mxfp4")}
         if not args.skip_quark:
-            results["quark"] = run_measured(QUARK, str(src), str(work / "quark"))
-        print(f"shard: {size / 1e9:.3f} GB bf16, {args.experts} routed experts at 2048x6144")
-        print(f"{'tool':<10} {'seconds':>8} {'GB/s':>8} {'peak RSS GB':>12} {'RSS / shard':>12}")
-        for tool, r in results.items():
-            print(f"{tool:<10} {r['seconds']:>8.2f} {size / 1e9 / r['seconds']:>8.3f} {r['peak_rss'] / 1e9:>12.3f} "
-                  f"{r['peak_rss'] / size:>12.2f}")
-        if "quark" in results:
-            q, g = results["quark"], results["quantgate"]
-            print(f"speed-up quantgate/quark: {q['seconds'] / g['seconds']:.1f}x;  "
-                  f"memory quark/quantgate: {q['peak_rss'] / g['peak_rss']:.1f}x")
-            print(f"outputs byte-identical: {tensors_equal(work / 'qg', work / 'quark')}")
+            results["quark 1x -> mxfp4"] = quark(one, work / "quark1")
+            same = tensors_equal(work / "qg1", work / "quark1")
+            shutil.rmtree(work / "quark1")
+        results["quantgate 2x -> mxfp4"] = quantgate(two, work / "qg2", "--to", "mxfp4")
+        shutil.rmtree(work / "qg2")
+        results["quantgate 1x --to bf16"] = quantgate(work / "qg1", work / "dec1", "--to", "bf16")
+        shutil.rmtree(work / "dec1")
+        for label, r in results.items():
+            print(row(label, r, gb2 if "2x" in label else gb1))
+        g = results["quantgate 1x -> mxfp4"]
+        if "quark 1x -> mxfp4" in results:
+            q = results["quark 1x -> mxfp4"]
+            print(f"quantgate vs quark, 1x: {q['wall'] / g['wall']:.1f}x faster (wall, start-up included), "
+                  f"{q['seconds'] / g['seconds']:.1f}x (conversion alone), {q['cpu'] / g['cpu']:.1f}x less CPU, "
+                  f"{q['peak_rss'] / g['peak_rss']:.1f}x less memory; outputs byte-identical: {same}")
+        g2 = results["quantgate 2x -> mxfp4"]
+        print(f"memory 2x / 1x: {g2['peak_rss'] / g['peak_rss']:.2f} (flat = 1.00)")
+
+        print("\n5. where quantgate's time goes (seconds each stage was busy; hash overlaps the rest)")
+        print(f"{'':<26} {'total':>7} " + " ".join(f"{s:>7}" for s in STAGES))
+        for label, r in results.items():
+            if "stages" in r:
+                st = r["stages"]
+                print(f"{label:<26} {st['total']:>7.2f} " + " ".join(f"{st.get(s, 0.0):>7.2f}" for s in STAGES))
+
+        shutil.rmtree(work / "qg1")
+        shutil.rmtree(two)
+        eight = make_glm5_shard(work / "x8", 2 * args.experts, shards=8)
+        os.sync()
+        print(f"\n6. workers ({gb2:.3f} GB in 8 shards)")
+        print(HEADER)
+        for workers in (1, 2, 4, 8):
+            r = quantgate(eight, work / "w", "--to", "mxfp4", "--workers", str(workers))
+            shutil.rmtree(work / "w")
+            print(row(f"--workers {workers}", r, gb2))
+        print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

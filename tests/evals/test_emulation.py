@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from evals.emulation import EmulationRefused, emulation_of, load_model
 from quant.cli import main as quantize
-from quant.formats import mx
-from quant.formats.mx import ScaleRule
+from quant.formats.constants import E2M1, E3M2, ScaleRule
 from quant.quark_config import fp8_config, quantization_config
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
@@ -60,7 +59,7 @@ def capture(module, store: dict):
     module.register_forward_hook(lambda m, args, out: store.setdefault("out", out))
 
 
-@pytest.mark.parametrize("fmt,element", [("mxfp4", mx.E2M1), ("mxfp6_e3m2", mx.E3M2)])
+@pytest.mark.parametrize("fmt,element", [("mxfp4", E2M1), ("mxfp6_e3m2", E3M2)])
 def test_quantized_modules_see_quarks_activation_qdq(glm_ckpt, tmp_path, fmt, element):
     """W4A4 / W6A6: a quantized Linear computes linear(Quark_QDQ(x), W); a layer's routed experts
     compute, per token, the sum over its top-k of w * down(Quark_QDQ(act(gate(q)) * up(q))), q = Quark_QDQ(x)."""

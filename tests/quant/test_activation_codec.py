@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from quant.formats import fp8, mx
-from quant.formats.mx import ScaleRule
+from quant.formats.constants import E2M1, E2M3, E3M2, ElementFormat, ScaleRule
 from tests.quant.test_mxfp4 import edge_case_weight
 
 
-def quark_dynamic_qdq(element: mx.ElementFormat, rule: ScaleRule):
+def quark_dynamic_qdq(element: ElementFormat, rule: ScaleRule):
     """Quark 0.13's fake quantizer for a dynamic MX ``input_tensors`` spec, as its quantized Linear builds it.
 
     ``DynamicScaledFakeQuantize.forward`` sends bf16 MXFP4 'even' to ``kernel_ext.qdq_mxfp4``, a
@@ -21,7 +21,7 @@ def quark_dynamic_qdq(element: mx.ElementFormat, rule: ScaleRule):
     from quark.torch.quantization.config.config import OCP_MXFP4Spec, OCP_MXFP6E2M3Spec, OCP_MXFP6E3M2Spec
     from quark.torch.quantization.tensor_quantize import DynamicScaledFakeQuantize
 
-    spec = {mx.E2M1: OCP_MXFP4Spec, mx.E2M3: OCP_MXFP6E2M3Spec, mx.E3M2: OCP_MXFP6E3M2Spec}[element]
+    spec = {E2M1: OCP_MXFP4Spec, E2M3: OCP_MXFP6E2M3Spec, E3M2: OCP_MXFP6E3M2Spec}[element]
     return DynamicScaledFakeQuantize(spec(ch_axis=-1, is_dynamic=True, scale_calculation_mode=rule.value)
                                      .to_quantization_spec()).fake_quantize
 
@@ -41,7 +41,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("element", [mx.E2M1, mx.E2M3, mx.E3M2], ids=lambda e: e.name)
+@pytest.mark.parametrize("element", [E2M1, E2M3, E3M2], ids=lambda e: e.name)
 @pytest.mark.parametrize("rule", list(ScaleRule), ids=lambda r: r.value)
 def test_mx_activation_qdq_is_bit_exact_with_quark(element, rule):
     quark = quark_dynamic_qdq(element, rule)
@@ -53,18 +53,18 @@ def test_mx_activation_qdq_is_bit_exact_with_quark(element, rule):
 
 def test_mx_activation_qdq_blocks_run_along_the_last_dim_of_any_shape():
     x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
-    flat = mx.quantize_dequantize(x.reshape(6, 96), mx.E2M1, ScaleRule.EVEN)
-    assert torch.equal(mx.quantize_dequantize(x, mx.E2M1, ScaleRule.EVEN), flat.reshape(2, 3, 96))
-    assert torch.equal(bits(flat), bits(quark_dynamic_qdq(mx.E2M1, ScaleRule.EVEN)(x.reshape(6, 96))))
+    flat = mx.quantize_dequantize(x.reshape(6, 96), E2M1, ScaleRule.EVEN)
+    assert torch.equal(mx.quantize_dequantize(x, E2M1, ScaleRule.EVEN), flat.reshape(2, 3, 96))
+    assert torch.equal(bits(flat), bits(quark_dynamic_qdq(E2M1, ScaleRule.EVEN)(x.reshape(6, 96))))
 
 
 def test_mx_activation_qdq_is_the_weight_codec():
     """The same encode as the converter: on a weight, QDQ equals decode(encode) wherever the block's
     exponent is storable (all but blocks clamped at 2^-127, whose stored byte reads 2^-126)."""
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
-    packed, scales = mx.quantize(weight, mx.E2M3, ScaleRule.FLOOR)
-    decoded = mx.dequantize(packed, scales, mx.E2M3, torch.bfloat16)
-    assert torch.equal(mx.quantize_dequantize(weight, mx.E2M3, ScaleRule.FLOOR), decoded)
+    packed, scales = mx.quantize(weight, E2M3, ScaleRule.FLOOR)
+    decoded = mx.dequantize(packed, scales, E2M3, torch.bfloat16)
+    assert torch.equal(mx.quantize_dequantize(weight, E2M3, ScaleRule.FLOOR), decoded)
 
 
 def e4m3_grid() -> torch.Tensor:

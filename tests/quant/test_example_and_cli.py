@@ -96,3 +96,15 @@ def test_module_entry_point(glm_ckpt, tmp_path):
     out = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--dry-run", str(glm_ckpt),
                           str(tmp_path / "o")], capture_output=True, text=True)
     assert out.returncode == 0 and "recipe" in out.stdout
+
+
+def test_help_and_dry_run_load_neither_torch_nor_numba(glm_ckpt):
+    """The CLIs start in a blink: --help, and a dry run (headers only), import no numeric stack."""
+    code = ("import sys, contextlib, io\n"
+            "import evals.cli, quant.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert quant.cli.main(['--to', 'mxfp4', '--dry-run', {str(glm_ckpt)!r}, '/nonexistent/out']) == 0\n"
+            "print(sorted(m for m in ('torch', 'numba', 'numpy', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

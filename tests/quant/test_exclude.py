@@ -46,7 +46,7 @@ def test_mtp_experts_bf16_adds_both_expert_aggregates(mtp_ckpt):
     assert {"model.layers.1.mlp.experts", "model.decoder.mlp.experts",
             "model.layers.1.mlp.experts.0.gate_proj", "model.decoder.mlp.experts.1.down_proj"} <= exclude
     assert "model.layers.0.mlp.experts" not in exclude  # main-layer experts are still MXFP4
-    assert sum(t.quantize for t in plan.tensors) == 6  # layer 0: 2 experts x 3
+    assert sum(t.action == "encode" for t in plan.tensors) == 6  # layer 0: 2 experts x 3
 
 
 def test_shared_experts_mxfp4_leaves_no_shared_entry(mtp_ckpt):

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from evals.cli import main as gate
 from quant.cli import main as quantize
-from quant.formats import fp8, mx, weight_format
-from quant.formats.mxfp4 import ScaleRule
+from quant.formats import fp8, mx
+from quant.formats.codecs import CODECS, get_codec
+from quant.formats.constants import E2M1, E2M3, E3M2, ScaleRule
 from quant.layout import manifests_root
 from quant.recipe import RecipeError, load_recipe
 from tests.conftest import QUARK_SEED_EXCLUDES, load_tensors, quark_convert
@@ -23,7 +24,7 @@ def test_mxfp6_edge_cases_match_quark(tmp_path, fmt):
 
     weight = edge_case_weight()
     q_packed, q_scales = quark_single_tensor(tmp_path, weight, "even", scheme=fmt)
-    packed, scales = mx.quantize(weight, weight_format(fmt).element, ScaleRule.EVEN)
+    packed, scales = mx.quantize(weight, get_codec(fmt).element, ScaleRule.EVEN)
     assert packed.shape == (weight.shape[0], weight.shape[1] * 3 // 4)
     assert torch.equal(scales, q_scales) and torch.equal(packed, q_packed)
 
@@ -44,11 +45,11 @@ def test_generic_mx_equals_the_mxfp4_reference_for_e2m1():
 
     weight = edge_case_weight()
     for rule in ScaleRule:
-        assert all(torch.equal(a, b) for a, b in zip(mx.quantize(weight, mx.E2M1, rule), mxfp4.quantize(weight, rule)))
+        assert all(torch.equal(a, b) for a, b in zip(mx.quantize(weight, E2M1, rule), mxfp4.quantize(weight, rule)))
 
 
 def test_mx_decode_inverts_encode_on_grid_values():
-    for element in (mx.E2M3, mx.E3M2):
+    for element in (E2M3, E3M2):
         values = mx.code_values(element)
         grid = values[torch.isfinite(values)][: 32 * (len(values) // 32)].reshape(-1, 32)
         grid[:, 0] = element.max  # pin every block to scale 2^0
@@ -109,7 +110,7 @@ def test_mxfp6_gate_and_decode(glm_ckpt, tmp_path, capsys):
     stored = load_file(str(tmp_path / "m6" / file))
     assert stored[name].shape == (64, 32 * 3 // 4) and stored[name + "_scale"].shape == (64, 1)
     decoded = load_file(str(tmp_path / "deq" / file))[name]
-    assert torch.equal(decoded, mx.dequantize(stored[name], stored[name + "_scale"], mx.E3M2))
+    assert torch.equal(decoded, mx.dequantize(stored[name], stored[name + "_scale"], E3M2))
 
 
 def test_dry_run_sizes_each_format(glm_ckpt, tmp_path, capsys):
@@ -132,3 +133,34 @@ def test_mixed_formats_are_refused(tmp_path):
     fp8_recipe = manifests_root() / "recipes" / "fp8-block.yaml"
     with pytest.raises(RecipeError, match="a fp8 recipe cannot produce --to mxfp4"):
         load_recipe(fp8_recipe, "mxfp4")
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "fp8"])
+def test_codec_quantize_dequantize_works_on_activations_of_any_rank(name):
+    """What evaluation uses to emulate a format on activations: blocks along the last dimension."""
+    codec = get_codec(name)
+    x = (torch.randn(2, 3, 256) * 3).to(torch.bfloat16)
+    y = codec.quantize_dequantize(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and not torch.equal(y, x)
+    if codec.family == "mx":  # the same numbers a weight's rows get, and a fixed point
+        rows = x.reshape(6, 256)
+        assert torch.equal(y.reshape(6, 256), codec.decode(*codec.quantize(rows)))
+        assert torch.equal(codec.quantize_dequantize(y), y)
+    else:  # 1x128 groups: each group scaled by its own amax, so its largest value survives exactly
+        groups = x.reshape(-1, 128).float()
+        top = groups.abs().argmax(dim=1)
+        assert torch.equal(y.reshape(-1, 128).float().gather(1, top[:, None]), groups.gather(1, top[:, None]))
+
+
+def test_cli_choices_come_from_the_codec_registry():
+    from quant.cli import build_parser
+    from quant.formats.codecs import CODECS
+
+    to = next(a for a in build_parser()._actions if a.dest == "to")
+    assert to.choices == [*CODECS, "bf16"]
+
+
+def test_a_codec_sent_to_a_worker_is_the_registered_one():
+    import pickle
+
+    assert all(pickle.loads(pickle.dumps(c)) is c for c in CODECS.values())

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quant.formats import mxfp4
-from quant.formats.mxfp4 import ScaleRule
+from quant.formats.constants import ScaleRule
 from tests.conftest import quark_convert
 
 NAME = "model.layers.0.mlp.experts.0.gate_proj.weight"

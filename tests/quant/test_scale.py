@@ -15,6 +15,7 @@ import torch
 from quant.convert import MANIFEST_NAME, PROGRESS_NAME
 from quant.example import glm5_config, tiny_config, write_checkpoint
 from quant.formats import mxfp4, mxfp4_fast
+from quant.formats.constants import ScaleRule
 from quant.hashing import sha256_file
 from tests.conftest import (QUARK_SEED_EXCLUDES, interrupt_midway, load_tensors, quantize_cmd, quark_convert,
                             write_sparse_checkpoint)
@@ -85,6 +86,26 @@ def test_resume_after_kill_finishes_identically(multi_shard_ckpt, multi_shard_re
     assert json.loads(out.stdout)["manifest"]["resumed_shards"] == len(kept)  # finished shards are not redone
     assert not (dst / PROGRESS_NAME).exists()
     same_checkpoint(dst, multi_shard_reference)
+
+
+def test_decode_runs_on_the_converter_executor(multi_shard_reference, tmp_path):
+    """--to bf16 is a plan of per-tensor decode actions run by the one executor: a killed run
+    resumes to the same bytes, two workers write the same bytes, the manifest records the decode."""
+    full = tmp_path / "full"
+    subprocess.run(quantize_cmd(multi_shard_reference, full, "--to", "bf16"), check=True, capture_output=True)
+    manifest = json.loads((full / MANIFEST_NAME).read_text())
+    quantized = json.loads((multi_shard_reference / MANIFEST_NAME).read_text())["summary"]["tensors_quantized"]
+    assert (manifest["format"], manifest["decoded_from"]) == ("bf16", "mxfp4")
+    assert manifest["summary"]["tensors_decoded"] == quantized > 0
+    dst = tmp_path / "resumed"
+    code, _ = interrupt_midway(multi_shard_reference, dst, signal.SIGKILL, "--to", "bf16")
+    assert code == -signal.SIGKILL
+    assert 0 < len(json.loads((dst / PROGRESS_NAME).read_text())["shards"]) < len(manifest["shards"])
+    subprocess.run(quantize_cmd(multi_shard_reference, dst, "--to", "bf16", "--resume"), check=True, capture_output=True)
+    same_checkpoint(dst, full)
+    subprocess.run(quantize_cmd(multi_shard_reference, tmp_path / "w2", "--to", "bf16", "--workers", "2"), check=True,
+                   capture_output=True)
+    same_checkpoint(tmp_path / "w2", full)
 
 
 def test_resume_redoes_a_kept_shard_that_no_longer_matches_its_hash(multi_shard_ckpt, multi_shard_reference,
@@ -198,7 +219,15 @@ def test_cuda_device_writes_the_same_bytes(glm_ckpt, tmp_path):
     subprocess.run(quantize_cmd(glm_ckpt, tmp_path / "cuda", "--device", "cuda"), check=True, capture_output=True)
     assert load_tensors(tmp_path / "cpu") == load_tensors(tmp_path / "cuda")
     weight = edge_case_weight()
-    for rule in mxfp4.ScaleRule:
+    for rule in ScaleRule:
         cpu = mxfp4.quantize(weight, rule)
         gpu = mxfp4.quantize(weight.cuda(), rule)
         assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+def test_fast_decode_equals_reference_for_every_scale_byte_and_code():
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (512, 64), dtype=torch.uint8, generator=gen)  # every code pair, many times
+    scales = torch.arange(512 * 4).remainder(256).to(torch.uint8).reshape(512, 4)  # every scale byte
+    reference = mxfp4.dequantize(packed, scales).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(mxfp4_fast.decode_bf16(packed.numpy(), scales.numpy()), reference)

@@ -1,0 +1,272 @@
+"""A format is a registered codec object: what a quantized Linear weight becomes on disk, both
+directions of the math, and the ``quantization_config`` that tells the engines how to load it.
+
+One codec per ``--to`` name (``CODECS``; the CLI's choices come from it). A codec answers:
+
+- ``outputs(name, shape)``: the two tensors written for a ``[out, in]`` weight (the weight and its
+  scale: names, safetensors dtypes, shapes), and ``shape_problem`` / ``logical_shape``;
+- ``encode(raw, dtype, rule)``: the executor's call, bytes in, bytes out. It picks the fastest
+  exact kernel itself (MXFP4 from bf16 under the ``even`` rule runs the numba kernel; blocks that
+  kernel flags go through the torch reference) and refuses NaN/Inf;
+- ``decode_bytes(weight, scales)``: the executor's decode (MXFP4 runs a numba table lookup);
+- ``quantize`` / ``decode``: the torch reference, both directions, on tensors;
+- ``quantize_dequantize(x)``: what the format does to any tensor (activations included): the
+  round trip along the last dimension, for emulating quantized numerics in evaluation;
+- ``quantization_config(exclude, rule, weight_only)`` and ``matches_config`` for the reverse.
+
+Importing this module loads neither torch nor numba: planning, ``--dry-run`` and ``--help`` only
+need sizes and names; the math modules load on the first encode or decode.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from quant.errors import NonFiniteError
+from quant.formats.constants import BLOCK, E2M1, E2M3, E3M2, FP8_TILE, ElementFormat, ScaleRule
+from quant.quark_config import fp8_config, quantization_config
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+Entry = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype, shape) of an output tensor
+ERROR_ROW_STRIDE = 64  # the fast kernel measures error on every 64th row: cheap and representative
+
+
+class Encoded(NamedTuple):
+    weight: "np.ndarray"  # as stored: uint8 bytes (MX codes, e4m3) of shape [rows, ...]
+    scales: "np.ndarray"
+    err_sq: float  # sum of squared quantization error over the rows measured
+    ref_sq: float  # sum of squared values over the same rows
+
+
+def _non_finite(x: "torch.Tensor", row0: int) -> NonFiniteError:
+    import torch
+
+    row, col = (~torch.isfinite(x)).nonzero()[0].tolist()
+    return NonFiniteError(f"NaN/Inf at row {row0 + row}, column {col}; fix the source checkpoint "
+                          "(Quark would silently write garbage here)")
+
+
+class Codec:
+    """The interface and the torch reference path every codec shares."""
+
+    name: str  # what --to and recipes call it
+    family: str  # recipes of one family are interchangeable (an MX recipe can produce any MX format)
+    default_recipe: str
+    weight_dtype: str  # safetensors dtype of the stored weight
+    scale_suffix: str  # the scale tensor is "<module>.weight" + this
+    scale_dtype: str
+    row_multiple: int  # row chunks must be multiples of this (FP8 scales cover 128-row tiles)
+    bits: int  # stored bits per weight element
+    warning: str | None = None  # said by every plan that uses the format
+
+    def __reduce__(self):  # a worker process gets the registered codec itself, not a copy
+        return get_codec, (self.name,)
+
+    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def outputs(self, name: str, shape: tuple[int, int]) -> tuple[Entry, Entry]:
+        weight = (shape[0], shape[1] * self.bits // 8)
+        return (name, self.weight_dtype, weight), (name + self.scale_suffix, self.scale_dtype, self.scale_shape(shape))
+
+    def logical_shape(self, stored: tuple[int, ...]) -> tuple[int, int]:
+        """The ``[out, in]`` of a stored quantized weight."""
+        return stored[0], stored[1] * 8 // self.bits
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None
+
+    def quantize(self, x: "torch.Tensor", rule: ScaleRule = ScaleRule.EVEN) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """``(weight as stored, scales)`` of a ``[rows, in]`` float tensor (the torch reference)."""
+        raise NotImplementedError
+
+    def decode(self, weight: "torch.Tensor", scales: "torch.Tensor", dtype=None) -> "torch.Tensor":
+        """Exact values of a stored weight, ``[rows, in]`` in ``dtype`` (bf16 by default)."""
+        raise NotImplementedError
+
+    def quantize_dequantize(self, x: "torch.Tensor", rule: ScaleRule = ScaleRule.EVEN) -> "torch.Tensor":
+        raise NotImplementedError
+
+    def decode_bytes(self, weight: "np.ndarray", scales: "np.ndarray") -> "np.ndarray":
+        """The executor's decode, bytes in, bytes out: bf16 bytes ``[rows, in * 2]`` of stored rows
+        ``weight`` (uint8 ``[rows, stored bytes]``) whose scale rows are ``scales`` (their raw bytes)."""
+        import torch
+
+        from quant.safetensors_io import torch_dtype
+
+        w = torch.frombuffer(bytearray(weight), dtype=torch.uint8).reshape(weight.shape)
+        s = torch.frombuffer(bytearray(scales), dtype=torch_dtype(self.scale_dtype)).reshape(scales.shape[0], -1)
+        return self.decode(w, s).view(torch.uint8).numpy()
+
+    def quantization_config(self, exclude: list[str], rule: ScaleRule, weight_only: bool) -> dict:
+        raise NotImplementedError
+
+    def matches_config(self, qconfig: dict) -> bool:
+        raise NotImplementedError
+
+    def encode(self, raw: "np.ndarray", dtype: str, rule: ScaleRule = ScaleRule.EVEN, *, device: str = "cpu",
+               row0: int = 0) -> Encoded:
+        """Rows of one weight given as raw bytes ``[rows, in * itemsize]`` of safetensors ``dtype``
+        (read-only views of a mapped file are fine); ``row0`` is the first row's index in the
+        weight, for messages and the error sample."""
+        import torch
+
+        from quant.safetensors_io import torch_dtype
+
+        x = torch.frombuffer(bytearray(raw), dtype=torch_dtype(dtype)).reshape(raw.shape[0], -1).to(device)
+        if not torch.isfinite(x).all():
+            raise _non_finite(x.cpu(), row0)
+        weight, scales = self.quantize(x, rule)
+        xf = x.to(torch.float32)
+        err = float(((self.decode(weight, scales, torch.float32) - xf) ** 2).sum())
+        return Encoded(weight.cpu().numpy(), scales.cpu().numpy(), err, float((xf * xf).sum()))
+
+
+class MXCodec(Codec):
+    """Quark 0.13's MX formats: U8 codes (packed), one E8M0 byte per 32 values (``mx``)."""
+
+    family = "mx"
+    default_recipe = "mxfp4-w4a4-experts"
+    weight_dtype = scale_dtype = "U8"
+    scale_suffix = "_scale"
+    row_multiple = 1
+
+    def __init__(self, name: str, element: ElementFormat, warning: str | None = None):
+        self.name, self.element, self.bits, self.warning = name, element, element.bits, warning
+
+    def scale_shape(self, shape):
+        return shape[0], shape[1] // BLOCK
+
+    def shape_problem(self, shape):
+        if shape[1] % BLOCK:
+            return f"input dim {shape[1]} is not divisible by the {self.name} block ({BLOCK})"
+        return None
+
+    def quantize(self, x, rule=ScaleRule.EVEN):
+        from quant.formats import mx
+
+        return mx.quantize(x, self.element, rule)
+
+    def decode(self, weight, scales, dtype=None):
+        import torch
+
+        from quant.formats import mx
+
+        return mx.dequantize(weight, scales, self.element, dtype or torch.bfloat16)
+
+    def quantize_dequantize(self, x, rule=ScaleRule.EVEN):
+        """Blocks of 32 along the last dimension with Quark's dynamic exponents (``mx.quantize_dequantize``)."""
+        from quant.formats import mx
+
+        return mx.quantize_dequantize(x, self.element, rule)
+
+    def decode_bytes(self, weight, scales):
+        if self.element == E2M1:  # a table lookup in numba: the same values as the reference decode
+            from quant.formats import mxfp4_fast
+
+            return mxfp4_fast.decode_bf16(weight, scales).view("uint8")
+        return super().decode_bytes(weight, scales)
+
+    def encode(self, raw, dtype, rule=ScaleRule.EVEN, *, device="cpu", row0=0):
+        if self.element == E2M1 and dtype == "BF16" and rule is ScaleRule.EVEN and device == "cpu":
+            return self._encode_fast(raw, row0)
+        return super().encode(raw, dtype, rule, device=device, row0=row0)
+
+    def _encode_fast(self, raw, row0):
+        import numpy as np
+        import torch
+
+        from quant.formats import mxfp4, mxfp4_fast
+
+        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
+        if flags.any():
+            x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).reshape(raw.shape[0], -1)
+            if (flags == mxfp4_fast.ROW_NON_FINITE).any():
+                raise _non_finite(x, row0)
+            redo = np.flatnonzero(flags == mxfp4_fast.ROW_NEEDS_REFERENCE)  # tiny blocks: the reference is exact
+            p, s = mxfp4.quantize(x[torch.from_numpy(redo)])
+            packed[redo], scales[redo] = p.numpy(), s.numpy()
+        return Encoded(packed, scales, float(err.sum()), float(ref.sum()))
+
+    def quantization_config(self, exclude, rule, weight_only):
+        return quantization_config(exclude, rule, weight_only, self.element.name)
+
+    def matches_config(self, qconfig):
+        weight = (qconfig.get("global_quant_config") or {}).get("weight") or {}
+        return qconfig.get("quant_method") == "quark" and weight.get("dtype") == self.element.name
+
+
+class BlockFP8Codec(Codec):
+    """DeepSeek-V3-style block FP8: e4m3 weights, a float32 ``scale_inv`` per 128x128 tile (``fp8``)."""
+
+    name = "fp8"
+    family = "fp8"
+    default_recipe = "fp8-block"
+    weight_dtype = "F8_E4M3"
+    scale_suffix = "_scale_inv"
+    scale_dtype = "F32"
+    row_multiple = FP8_TILE
+    bits = 8
+
+    def scale_shape(self, shape):
+        return -(-shape[0] // FP8_TILE), -(-shape[1] // FP8_TILE)
+
+    def quantize(self, x, rule=ScaleRule.EVEN):
+        import torch
+
+        from quant.formats import fp8
+
+        q, scale_inv = fp8.quantize(x)
+        return q.view(torch.uint8), scale_inv
+
+    def decode(self, weight, scales, dtype=None):
+        import torch
+
+        from quant.formats import fp8
+
+        return fp8.dequantize(weight.view(torch.float8_e4m3fn), scales, dtype or torch.bfloat16)
+
+    def quantize_dequantize(self, x, rule=ScaleRule.EVEN):
+        """Groups of 128 along the last dimension, vLLM's dynamic per-token-group FP8 (``fp8.quantize_dequantize``)."""
+        from quant.formats import fp8
+
+        return fp8.quantize_dequantize(x)
+
+    def quantization_config(self, exclude, rule, weight_only):
+        return fp8_config(exclude)
+
+    def matches_config(self, qconfig):
+        return qconfig.get("quant_method") == "fp8"
+
+
+_MXFP6_WARNING = ("vLLM loads MXFP6 (emulated); sglang's Quark loader accepts only fp4 today and will refuse "
+                  "this checkpoint")
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    MXCodec("mxfp4", E2M1),
+    MXCodec("mxfp6_e2m3", E2M3, _MXFP6_WARNING),
+    MXCodec("mxfp6_e3m2", E3M2, _MXFP6_WARNING),
+    BlockFP8Codec(),
+)}
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(CODECS)}") from None
+
+
+def codec_for_config(config: dict) -> Codec:
+    """The codec a checkpoint's ``config.json`` declares; ValueError says why there is none."""
+    qconfig = config.get("quantization_config") or {}
+    found = next((c for c in CODECS.values() if c.matches_config(qconfig)), None)
+    if found:
+        return found
+    if qconfig.get("quant_method") == "quark":
+        dtype = ((qconfig.get("global_quant_config") or {}).get("weight") or {}).get("dtype")
+        raise ValueError(f"Quark weight dtype {dtype!r} is not one quantgate decodes (fp4, fp6_e2m3, fp6_e3m2)")
+    raise ValueError(f"not a quantized checkpoint quantgate decodes (quant_method {qconfig.get('quant_method')!r}); "
+                     "nothing to dequantize")
