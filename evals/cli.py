@@ -16,7 +16,7 @@ from quant.engines import UnknownEngine
 if TYPE_CHECKING:  # quant.verify loads torch: only commands that check a checkpoint import it
     from quant.verify import Report
 
-EXIT_OK, EXIT_BLOCK, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_BLOCK, EXIT_BAD_INPUT, EXIT_UNFINISHED = 0, 1, 2, 3
 
 CHECKPOINT_HELP = """\
 Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
@@ -46,8 +46,18 @@ INCONCLUSIVE (anything else; says how many items would decide it).
 exit codes: 0 PASS; 1 FAIL or a blocking INCONCLUSIVE; 2 bad input (bundles that do not pair:
 different items, documents, data files or filters)"""
 
+LOAD_HELP = """\
+Compare two load sweeps (evals load) at the TTFT SLO. Knee of a sweep: the last offered rate that
+meets the SLO (TTFT p95 <= SLO, success >= min) before the first that breaks it, read as its
+achieved RPS and output tok/s. PASS when the candidate's RPS and tok/s are both >= (1 - margin)
+times the reference's; FAIL below; INCONCLUSIVE when a sweep does not bracket its knee (every rate
+met the SLO, or the lowest already broke it: the output says which rates to add).
+
+exit codes: 0 PASS; 1 FAIL; 2 INCONCLUSIVE or bad input (bundles of different workloads)"""
+
 RELEASE_HELP = """\
-gate checkpoint + gate accuracy in one verdict; writes report.md and report.json.
+gate checkpoint + gate accuracy (+ gate load with --load-candidate/--load-reference) in one
+verdict; writes report.md and report.json.
 
 exit codes: 0 release; 1 block; 2 bad input"""
 
@@ -85,6 +95,14 @@ def human_accuracy(result: dict) -> str:
     return "\n".join(lines)
 
 
+def load_args(p, prefix: str) -> None:
+    p.add_argument(f"--{prefix}margin", type=float, default=0.05,
+                   help="the candidate may sustain this fraction less load than the reference (default 0.05)")
+    p.add_argument(f"--{prefix}ttft-slo", type=float, help="TTFT p95 SLO in seconds (default: the one the sweeps used)")
+    p.add_argument(f"--{prefix}min-success", type=float, help="least success fraction within the SLO (default: the "
+                                                               "sweep's, 0.99)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gate", description="Pre-release checks for quantized checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,10 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy_args(acc)
     acc.add_argument("--reference-table", type=Path,
                      help="published summary scores (manifests/references/...): adds an UNPAIRED, weaker comparison")
+    load = sub.add_parser("load", help="serving load: knee RPS and tok/s at the TTFT SLO, candidate vs reference",
+                          description=LOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    load.add_argument("--candidate", type=Path, required=True, help="candidate load bundle (evals load)")
+    load.add_argument("--reference", type=Path, required=True, help="reference load bundle, same workload")
+    load_args(load, prefix="")
+    load.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     rel = sub.add_parser("release", help="gate checkpoint + gate accuracy: one verdict, report.md and report.json",
                          description=RELEASE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     rel.add_argument("checkpoint", type=Path, help="the quantized checkpoint folder")
     accuracy_args(rel)
+    rel.add_argument("--load-candidate", type=Path, help="candidate load bundle: the release also needs gate load")
+    rel.add_argument("--load-reference", type=Path, help="reference load bundle for --load-candidate")
+    load_args(rel, prefix="load-")
     rel.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
     rel.add_argument("--plots", type=Path, metavar="DIR",
                      help="also write the dashboard's figures (PNG) and an HTML page with tables and figures to DIR")
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # first: --help and usage errors need none of the heavy imports
     from evals.bundle import BundleError
     from evals.gate import PASS, accuracy_gate, load_policy, unpaired_against_reference
+    from evals.knee import INCONCLUSIVE, human as human_load, load_gate
     from evals.report import write
     from quant.verify import UnreadableCheckpoint, verify
 
@@ -174,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK if report.ok else EXIT_BLOCK
         if args.command == "kernels":
             return kernels.run_cli(args)
+        if args.command == "load":
+            load = load_gate(args.candidate, args.reference, args.margin, args.ttft_slo, args.min_success)
+            print(json.dumps(load, indent=2) if args.json else human_load(load))
+            return {PASS: EXIT_OK, INCONCLUSIVE: EXIT_BAD_INPUT}.get(load["verdict"], EXIT_BLOCK)
+        if args.command == "release" and bool(args.load_candidate) != bool(args.load_reference):
+            raise BundleError("give both --load-candidate and --load-reference, or neither")
         result = accuracy_gate(args.candidate, args.reference, load_policy(args.policy), _margins(args.margin),
                                args.reference_rerun)
         if args.command == "accuracy":
@@ -184,19 +218,24 @@ def main(argv: list[str] | None = None) -> int:
         structure = verify(args.checkpoint, "all")
         kern = kernels.release_check(args, result["policy"])
         kernels_block = bool(kern and kern["blocking"] and not kern["ok"])
-        verdict = "RELEASE" if structure.ok and result["verdict"] == PASS and not kernels_block else "BLOCK"
+        load = load_gate(args.load_candidate, args.load_reference, args.load_margin, args.load_ttft_slo,
+                         args.load_min_success) if args.load_candidate else None
+        verdict = "RELEASE" if structure.ok and result["verdict"] == PASS and not kernels_block and (
+            load is None or load["verdict"] == PASS) else "BLOCK"
         report = {"verdict": verdict, "checkpoint": str(args.checkpoint), "structure": structure.to_dict(),
-                  "accuracy": result, "kernels": kern}
+                  "accuracy": result, "kernels": kern, "load": load}
         md, js = write(report, args.report_dir or args.candidate)
         if args.plots:
             from evals import dashboard
 
             dashboard.write_plots(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
-        print(json.dumps(report, indent=2, default=float) if args.json else
-              f"{human_report(structure)}\n\n{human_accuracy(result)}\n\n"
-              + (f"{kern['summary']} ({'BLOCKING' if kern['blocking'] else 'warning'})\n\n" if kern else "")
-              + f"release verdict: {verdict}\n"
-              f"report: {md} and {js}")
+        sections = [human_report(structure), human_accuracy(result)]
+        if kern:
+            sections.append(f"{kern['summary']} ({'BLOCKING' if kern['blocking'] else 'warning'})")
+        if load:
+            sections.append(human_load(load))
+        sections.append(f"release verdict: {verdict}\nreport: {md} and {js}")
+        print(json.dumps(report, indent=2, default=float) if args.json else "\n\n".join(sections))
         return EXIT_OK if verdict == "RELEASE" else EXIT_BLOCK
     except (UnreadableCheckpoint, BundleError, UnknownEngine) as exc:
         print(f"gate: error: {exc}", file=sys.stderr)
@@ -211,7 +250,10 @@ examples:
       --base-url http://127.0.0.1:30000/v1/completions --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4
   evals run --benchmarks gsm8k --out runs/raw --data-dir /data --model /ckpt/x   # /data/gsm8k/{train,test}.jsonl
 
-exit codes: 0 done, 1 the run failed (finished units are kept: rerun with --resume), 2 bad input"""
+  evals load --base-url http://127.0.0.1:30000 --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out load/mxfp4
+
+exit codes: 0 done, 1 the run failed (finished units are kept: rerun with --resume), 2 bad input,
+3 (evals load) nothing could be measured: the server is down or every request failed"""
 
 
 def tau2_flags(run: argparse.ArgumentParser) -> None:
@@ -255,6 +297,7 @@ def tau2_settings(args: argparse.Namespace):
 
 def build_evals_parser() -> argparse.ArgumentParser:
     from evals.budget import DEFAULT_MAX_GEN_TOKS
+    from evals.load import SEED_RATES
 
     parser = argparse.ArgumentParser(prog="evals", description="Benchmark runs that the accuracy gate can pair.",
                                      epilog=EVALS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -296,7 +339,61 @@ def build_evals_parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", help="comma list of request seeds, one repeat each (default: GSM8K 0; GPQA 0,1)")
     run.add_argument("--keep-text", action="store_true", help="also keep GPQA responses in the bundle (never commit it)")
     run.add_argument("--resume", action="store_true", help="complete an interrupted run; finished units are kept")
+    load = sub.add_parser("load", help="serving-load sweep (guidellm, constant rates) into a load bundle for gate load",
+                          description="One guidellm run per constant request rate with the seed's workload, until a "
+                                      "rate breaks the TTFT SLO. Default workload: 20000 prompt tokens of which 60% "
+                                      "are one shared prefix (prefix-cache hits), 1000 output tokens.")
+    load.add_argument("--base-url", required=True, help="the OpenAI-compatible server, e.g. http://127.0.0.1:30000")
+    load.add_argument("--model", required=True, help="served model name (must be in the server's /v1/models)")
+    load.add_argument("--tokenizer", required=True, help="tokenizer path or id: prompts are sized in its tokens")
+    load.add_argument("--out", type=Path, required=True, help="load bundle folder (load.json, rates/)")
+    load.add_argument("--rates", default=",".join(f"{r:g}" for r in SEED_RATES),
+                      help="comma list of offered request rates per second, swept upwards (default %(default)s)")
+    load.add_argument("--max-seconds", type=float, default=300, help="seconds per rate (default %(default)s)")
+    load.add_argument("--max-requests", type=int, help="also end a rate after this many requests, all of them finished")
+    load.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT p95 SLO in seconds (default %(default)s)")
+    load.add_argument("--prompt-tokens", type=int, default=20000,
+                      help="prompt tokens per request, prefix included (default %(default)s)")
+    load.add_argument("--output-tokens", type=int, default=1000, help="output tokens per request (default %(default)s)")
+    load.add_argument("--prefix-hit", type=float, default=0.6,
+                      help="share of each prompt that is one prefix common to all requests (default %(default)s)")
+    load.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
+    load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                      help="do not send ignore_eos (for servers that reject it, e.g. transformers serve): "
+                           "output tokens become a cap, not a fixed length")
+    load.add_argument("--all-rates", action="store_true", help="keep sweeping after a rate breaks the SLO")
+    load.add_argument("--dry-run", action="store_true", help="print the guidellm scenario of the first rate; send nothing")
+    load.add_argument("--json", action="store_true", help="print load.json instead of the table")
     return parser
+
+
+def load_main(args) -> int:
+    from evals.load import LoadError, LoadSpec, Workload, human, rate_folder, run_load, scenario
+
+    try:
+        rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
+        if not rates or min(rates) <= 0:
+            raise ValueError
+    except ValueError:
+        print(f"evals: error: --rates {args.rates!r}: expected positive numbers, e.g. 0.5,1,2", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        workload = Workload(args.prompt_tokens, args.output_tokens, args.prefix_hit, args.ignore_eos, args.api)
+        spec = LoadSpec(args.base_url, args.model, args.tokenizer, args.out, workload, rates, args.max_seconds,
+                        args.max_requests, args.ttft_slo, stop_at_knee=not args.all_rates)
+        if args.dry_run:
+            report = rate_folder(args.out, rates[0]) / "guidellm-report.partial.json"
+            print(json.dumps({"rates": rates, "scenario": scenario(spec, rates[0], report)}, indent=2))
+            return EXIT_OK
+        bundle = run_load(spec)
+    except ValueError as exc:
+        print(f"evals: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except LoadError as exc:
+        print(f"evals: could not finish: {exc}", file=sys.stderr)
+        return EXIT_UNFINISHED
+    print(json.dumps(bundle, indent=2) if args.json else human(bundle))
+    return EXIT_OK
 
 
 def evals_main(argv: list[str] | None = None) -> int:
@@ -308,6 +405,8 @@ def evals_main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("evals").setLevel(logging.INFO)  # our progress lines; lm-eval's own INFO stays quiet
+    if args.command == "load":
+        return load_main(args)
     try:
         if args.command == "import-tau2":
             result = import_tau2(args.results, args.out)

@@ -23,12 +23,18 @@ from evals.gate import accuracy_gate, load_policy
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
 
 
-def load(candidate=None, reference=None, checkpoint=None, report=None) -> dict:
+def load(candidate=None, reference=None, checkpoint=None, report=None, load_candidate=None,
+         load_reference=None) -> dict:
     """Everything the dashboard shows: from a gate report.json, or computed from the bundles."""
     data: dict = {"candidate": candidate, "reference": reference, "checkpoint": checkpoint}
+    if load_candidate and load_reference:
+        from evals.knee import load_gate
+
+        data["load"] = load_gate(Path(load_candidate), Path(load_reference))
     if report:
         saved = json.loads(Path(report).read_text())
         data["accuracy"], data["structure"] = saved["accuracy"], saved.get("structure")
+        data["load"] = data.get("load") or saved.get("load")
         data["candidate"] = data["candidate"] or saved["accuracy"]["candidate"]
         data["reference"] = data["reference"] or saved["accuracy"]["reference"]
     elif candidate and reference:
@@ -135,8 +141,38 @@ def error_heatmap(data: dict):
     return fig
 
 
+def load_table(data: dict) -> pd.DataFrame:
+    """Both load sweeps, rate by rate (``evals load`` rows)."""
+    cols = ["rate", "achieved_rps", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "output_tok_s", "successful", "errored",
+            "incomplete", "success_fraction"]
+    return pd.DataFrame([{"run": name, **{c: row[c] for c in cols}} for name in ("reference", "candidate")
+                         for row in data["load"]["rates"][name]])
+
+
+def load_curves(data: dict):
+    """TTFT p95 against achieved RPS for both sweeps, with the SLO line and each knee circled."""
+    load_result = data["load"]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for name, colour in (("reference", "tab:blue"), ("candidate", "tab:red")):
+        rows = [r for r in sorted(load_result["rates"][name], key=lambda r: r["rate"]) if r["ttft_p95_s"] is not None]
+        ax.plot([r["achieved_rps"] for r in rows], [r["ttft_p95_s"] for r in rows], "o-", color=colour, label=name)
+        knee = load_result["knees"][name]
+        if knee["bracketed"]:
+            ax.plot([knee["rps"]], [knee["ttft_p95_s"]], "o", markersize=14, fillstyle="none", color=colour)
+    ax.axhline(load_result["ttft_slo_s"], linestyle="--", color="grey", label=f"SLO {load_result['ttft_slo_s']:g} s")
+    ax.set_xlabel("achieved requests per second")
+    ax.set_ylabel("TTFT p95 (s)")
+    ax.set_title(f"serving load: {load_result['verdict']} (circles: knees)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def figures(data: dict) -> dict:
     out = {"forest": forest_plot(data)} if data.get("accuracy") else {}
+    if data.get("load"):
+        out["load"] = load_curves(data)
     if data.get("manifest"):
         out["heatmap"] = error_heatmap(data)
     return out
@@ -151,6 +187,9 @@ def write_plots(data: dict, out_dir: Path) -> list[Path]:
         html += [seed_table(data).to_html(index=False)]
         for bench, table in discordance_tables(data).items():
             html += [f"<h3>{bench}: discordance</h3>", table.to_html()]
+    if data.get("load"):
+        html += [f"<h2>serving load: {data['load']['verdict']}</h2><p>{data['load']['why']}</p>",
+                 load_table(data).to_html(index=False)]
     if data.get("structure"):
         html += ["<h2>structure</h2>", structure_table(data).to_html(index=False)]
     for name, fig in figures(data).items():

@@ -47,11 +47,26 @@ def markdown(report: dict) -> str:
     if report.get("kernels"):
         kern = report["kernels"]
         lines += [f"## MoE kernels ({'blocking' if kern['blocking'] else 'warning'})", "", f"- {kern['summary']}", ""]
+    if report.get("load"):
+        lines += load_markdown(report["load"])
     problems = [f for e in report["structure"]["engines"].values() for f in e["findings"]]
     if problems:
         lines += ["## Structure problems", *[f"- [{f['check']}] `{f['module']}`: {f['why']} (fix: {f['fix']})"
                                              for f in problems], ""]
     return "\n".join(lines)
+
+
+def load_markdown(load: dict) -> list[str]:
+    """The serving-load section: each sweep's knee at the TTFT SLO and the ratio (``gate load``)."""
+    cell = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    lines = [f"## Serving load: {load['verdict']}", "",
+             f"SLO: TTFT p95 <= {load['ttft_slo_s']:g} s, success >= {load['min_success']:.0%}; margin {load['margin']:g}",
+             "", "| run | knee rate | RPS | output tok/s | TTFT p95 | bracket |", "|---|---|---|---|---|---|"]
+    for name in ("candidate", "reference"):
+        k = load["knees"][name]
+        lines.append(f"| {name} | {cell(k['rate'], 'g')} | {cell(k['rps'], '.3f')} | {cell(k['tok_s'], '.1f')} | "
+                     f"{cell(k['ttft_p95_s'], '.2f')} | {k['why']} |")
+    return lines + ["", f"{load['why']}", ""]
 
 
 def write(report: dict, out_dir: Path) -> tuple[Path, Path]:

@@ -14,6 +14,7 @@ from quant.convert import convert
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
 from tests.evals.test_gate import binary_pair, bundle
+from tests.evals.test_load import REFERENCE, load_bundle
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "dashboard.ipynb"
 
@@ -33,6 +34,8 @@ def runs(tmp_path_factory, glm_ckpt):
         (root / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (root / name / "run.json").write_text(json.dumps({"benchmarks": {
             "gsm8k": {"primary_filter": "flexible-extract"}, "gpqa_diamond": {"primary_filter": "flexible-extract"}}}))
+    load_bundle(root / "load-ref", REFERENCE)
+    load_bundle(root / "load-cand", [(1, 0.99, 1.1, 1), (2, 1.9, 6.0, 1), (3, 2.2, 9.0, 1)])  # knee at half the load
     ckpt = root / "mxfp4"
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), ckpt, show_progress=False)
     return root / "cand", root / "ref", ckpt
@@ -60,13 +63,27 @@ def test_figures_and_tables_are_not_empty(runs):
 def test_gate_release_plots(runs, tmp_path, capsys):
     cand, ref, ckpt = runs
     code = gate(["release", str(ckpt), "--candidate", str(cand), "--reference", str(ref), "--report-dir",
-                 str(tmp_path), "--plots", str(tmp_path / "plots")])
+                 str(tmp_path), "--plots", str(tmp_path / "plots"), "--load-candidate", str(cand.parent / "load-cand"),
+                 "--load-reference", str(cand.parent / "load-ref")])
     capsys.readouterr()
-    assert code in (0, 1)
-    for name in ("forest.png", "heatmap.png"):
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert code == 1 and report["verdict"] == "BLOCK" and report["load"]["verdict"] == "FAIL"  # load alone blocks
+    assert "## Serving load: FAIL" in (tmp_path / "report.md").read_text()
+    for name in ("forest.png", "heatmap.png", "load.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
     html = (tmp_path / "plots" / "dashboard.html").read_text()
-    assert "data:image/png;base64," in html and "gsm8k" in html
+    assert "data:image/png;base64," in html and "gsm8k" in html and "serving load: FAIL" in html
+
+
+def test_load_curves_for_both_sweeps(runs):
+    cand, ref, _ = runs
+    data = dashboard.load(cand, ref, load_candidate=cand.parent / "load-cand", load_reference=cand.parent / "load-ref")
+    assert set(dashboard.load_table(data)["run"]) == {"reference", "candidate"} and len(dashboard.load_table(data)) == 6
+    ax = dashboard.load_curves(data).axes[0]
+    curves = {line.get_label(): line for line in ax.lines}
+    assert list(curves["reference"].get_xdata()) == [0.99, 1.98, 2.5]
+    assert list(curves["candidate"].get_ydata()) == [1.1, 6.0, 9.0]
+    assert list(curves["SLO 5 s"].get_ydata()) == [5.0, 5.0]
 
 
 def test_notebook_executes_headless(runs, tmp_path):
@@ -74,10 +91,12 @@ def test_notebook_executes_headless(runs, tmp_path):
     cand, ref, ckpt = runs
     out = tmp_path / "executed.ipynb"
     papermill.execute_notebook(str(NOTEBOOK), str(out), parameters={
-        "candidate": str(cand), "reference": str(ref), "checkpoint": str(ckpt)}, kernel_name="python3",
+        "candidate": str(cand), "reference": str(ref), "checkpoint": str(ckpt),
+        "load_candidate": str(cand.parent / "load-cand"), "load_reference": str(cand.parent / "load-ref")},
+        kernel_name="python3",
         cwd=str(NOTEBOOK.parents[1]), progress_bar=False)
     executed = json.loads(out.read_text())
     outputs = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 2  # forest plot and heatmap
+    assert len(images) >= 3  # forest plot, load curves and heatmap

@@ -7,11 +7,7 @@ import hashlib
 import json
 import re
 import shutil
-import socket
-import subprocess
 import threading
-import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -20,6 +16,7 @@ import pytest
 from evals.bundle import BundleError, pair, read_bundle
 from evals.cli import evals_main
 from evals.data import BUNDLED_DATA_DIR, import_gpqa, import_gsm8k
+from tests.evals.conftest import free_port
 
 GSM8K = BUNDLED_DATA_DIR / "gsm8k"  # shipped with quantgate (MIT)
 GEN = ["--max-gen-toks", "8"]
@@ -56,40 +53,6 @@ def data_dir(tmp_path_factory) -> Path:
     import_gsm8k(synthetic_gsm8k(data / "source"), data)
     import_gpqa(synthetic_gpqa(data / "gpqa.csv"), data)
     return data
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc=None, seconds: float = 90) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {seconds} s")
-
-
-@pytest.fixture(scope="session")
-def served(glm_ckpt):
-    """`transformers serve` on 127.0.0.1 serving the tiny GLM-5-layout model, started and stopped here."""
-    port = free_port()
-    proc = subprocess.Popen(["transformers", "serve", str(glm_ckpt), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc)
-        yield f"http://127.0.0.1:{port}/v1/completions"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def run_cli(*args) -> int:

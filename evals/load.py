@@ -1,0 +1,348 @@
+"""``evals load``: a serving-load sweep on guidellm, one constant request rate at a time, into a load bundle.
+
+The load generator is guidellm 0.8.1 (the ``load`` extra), driven through its own CLI,
+``python -m guidellm run --scenario FILE`` (guidellm/cli/run.py, ``run``): the scenario file is a
+``BenchmarkScenario`` (guidellm/schemas/benchmark/entrypoints.py, ``BenchmarkScenario.create``
+reads a JSON file whose ``spec`` holds ``BenchmarkArgs`` fields). Each rate is one guidellm run:
+the results of finished rates are on disk whatever happens to the next one, a dead server is
+noticed between rates, and the sweep stops once a rate breaks the TTFT SLO (the knee is then
+bracketed; higher rates would only queue).
+
+The workload (seed: 20000 prompt tokens, 1000 output tokens, 60% prefix-cache hits) is
+guidellm's ``synthetic_text`` data (guidellm/data/deserializers/synthetic.py): every prompt is one
+shared prefix of ``prefix_hit x prompt_tokens`` tokens (``prefix_tokens``, ``prefix_count=1``),
+then unique text for the rest, so a server with a prefix cache hits that share of each prompt's
+tokens after the first request. For ``/v1/completions`` guidellm sends ``prefix + " " + text``
+(guidellm/backends/openai/request_handlers.py, ``TextCompletionsRequestHandler.format``); with
+``output_tokens`` set it also sends ``ignore_eos: true`` so every answer has exactly that many
+tokens (vLLM and sglang accept it; ``transformers serve`` rejects the field with HTTP 422:
+``--no-ignore-eos`` then sends only ``max_tokens``, which caps rather than fixes the length).
+
+Per rate the bundle keeps guidellm's own report (per-request timings; prompt and output text
+dropped, they are synthetic and large) and a summary row taken from guidellm's metrics
+(guidellm/benchmark/schemas/metrics.py, ``GenerativeMetrics``): achieved RPS = successful requests
+per second, output tok/s = tokens streamed per second over all requests, TTFT and inter-token
+latency percentiles over successful requests, and the success fraction = successful /
+(successful + errored); requests still running when the time limit cut the rate are counted as
+``incomplete``, not as failures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from evals.bundle import BundleError
+
+LOAD_JSON = "load.json"
+FORMAT = "quantgate-load/1"
+GUIDELLM = "guidellm"
+SEED_RATES = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+_PROGRESS = re.compile(r"successful=(\d+) errored=(\d+) incomplete=(\d+)")
+
+
+class LoadError(RuntimeError):
+    """The sweep could not start or measure anything (the CLI's exit 3)."""
+
+
+@dataclass
+class Workload:
+    prompt_tokens: int = 20000
+    output_tokens: int = 1000
+    prefix_hit: float = 0.6
+    ignore_eos: bool = True
+    api: str = "completions"
+    seed: int = 42
+
+    def __post_init__(self):
+        if self.prompt_tokens < 2 or self.output_tokens < 1:
+            raise ValueError("--prompt-tokens must be >= 2 and --output-tokens >= 1")
+        if not 0.0 <= self.prefix_hit < 1.0:
+            raise ValueError(f"--prefix-hit {self.prefix_hit}: expected a fraction in [0, 1)")
+
+    @property
+    def prefix_tokens(self) -> int:
+        return round(self.prompt_tokens * self.prefix_hit)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prefix_tokens": self.prefix_tokens,
+                "unique_tokens": self.prompt_tokens - self.prefix_tokens}
+
+
+@dataclass
+class LoadSpec:
+    base_url: str
+    model: str
+    tokenizer: str
+    out: Path
+    workload: Workload = field(default_factory=Workload)
+    rates: list[float] = field(default_factory=lambda: list(SEED_RATES))
+    max_seconds: float = 300.0
+    max_requests: int | None = None  # also stop a rate after this many requests (all of them finish)
+    ttft_slo_s: float = 5.0
+    stop_at_knee: bool = True
+
+
+def server_root(url: str) -> str:
+    """``http://host:port`` from any of the URL forms users paste (root, /v1, or a full endpoint)."""
+    url = url.rstrip("/")
+    for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+def served_models(root: str, timeout: float = 10.0) -> list[str]:
+    """Model ids the server reports at ``GET /v1/models``; raises LoadError when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{root}/v1/models", timeout=timeout) as resp:
+            return [m["id"] for m in json.loads(resp.read())["data"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoadError(f"{root}/v1/models did not answer ({exc}); is the server up?") from None
+
+
+def scenario(spec: LoadSpec, rate: float, report: Path) -> dict:
+    """The guidellm scenario for one constant rate (also the bundle's record of what was run)."""
+    w = spec.workload
+    data = {"kind": "synthetic_text", "prompt_tokens": w.prompt_tokens - w.prefix_tokens}
+    if w.prefix_tokens:
+        data |= {"prefix_tokens": w.prefix_tokens, "prefix_count": 1}
+    backend = {"kind": "openai_http", "target": server_root(spec.base_url), "model": spec.model,
+               "request_format": "/v1/completions" if w.api == "completions" else "/v1/chat/completions"}
+    if w.ignore_eos:
+        data["output_tokens"] = w.output_tokens  # guidellm then sends max_tokens + ignore_eos
+    else:
+        backend["max_tokens"] = w.output_tokens
+    # max_duration cancels requests still running at the limit; max_requests stops sending after N
+    # and waits for them (guidellm/scheduler/constraints/request.py, MaxNumberConstraint.__call__);
+    # max_error_rate ends a rate against a dead server instead of erroring for max_seconds
+    constraints = [{"kind": "max_duration", "seconds": spec.max_seconds},
+                   {"kind": "max_error_rate", "rate": 0.5, "window": 10}]
+    if spec.max_requests:
+        constraints.append({"kind": "max_requests", "count": spec.max_requests})
+    return {"metadata": {"labels": {"tool": "quantgate evals load", "rate": str(rate)}},
+            "spec": {"backend": backend,
+                     "profile": {"kind": "constant", "rate": [rate]},
+                     # the time limit; and a dead server ends the rate instead of erroring for max_seconds
+                     "constraints": constraints,
+                     "tokenizer": {"kind": "huggingface_auto", "model": str(spec.tokenizer)},
+                     "data": [data],
+                     "seed": {"kind": "static", "value": w.seed},
+                     "outputs": [{"kind": "json", "path": str(report)}]}}
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "unknown error").strip().splitlines()[0][:300]
+
+
+def summarize(report: dict, rate: float) -> dict:
+    """One sweep row from guidellm's report of one constant-rate benchmark."""
+    bench = report["benchmarks"][0]
+    m = bench["metrics"]
+    totals = m["request_totals"]
+    ok = lambda name, stat: m[name]["successful"]["percentiles"][stat] if totals["successful"] else None  # noqa: E731
+    errors: dict[str, int] = {}
+    for r in bench["requests"]["errored"]:
+        msg = _first_line(r["info"].get("error"))
+        errors[msg] = errors.get(msg, 0) + 1
+    finished = totals["successful"] + totals["errored"]
+    ttft = [ok("time_to_first_token_ms", p) for p in ("p50", "p95")]
+    return {"rate": rate,
+            "achieved_rps": m["requests_per_second"]["successful"]["mean"],
+            "output_tok_s": m["output_tokens_per_second"]["total"]["mean"],
+            "ttft_p50_s": None if ttft[0] is None else ttft[0] / 1000,
+            "ttft_p95_s": None if ttft[1] is None else ttft[1] / 1000,
+            "itl_p50_ms": ok("inter_token_latency_ms", "p50"), "itl_p95_ms": ok("inter_token_latency_ms", "p95"),
+            "prompt_tokens_mean": m["prompt_token_count"]["successful"]["mean"] if totals["successful"] else None,
+            "output_tokens_mean": m["output_token_count"]["successful"]["mean"] if totals["successful"] else None,
+            "successful": totals["successful"], "errored": totals["errored"], "incomplete": totals["incomplete"],
+            "success_fraction": totals["successful"] / finished if finished else None,
+            "errors": errors, "duration_s": bench["duration"],
+            "guidellm_warnings": [w.get("message", "") for w in bench.get("warnings", [])]}
+
+
+def _strip_texts(report: dict) -> dict:
+    """guidellm's report without prompts and answers (synthetic, and ~prompt_tokens each); still loadable."""
+    for bench in report["benchmarks"]:
+        for requests in bench["requests"].values():
+            for r in requests if isinstance(requests, list) else []:
+                r["request_args"] = r["output"] = r["reasoning_output"] = None
+    return report
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def rate_folder(out: Path, rate: float) -> Path:
+    return out / "rates" / f"rate-{rate:g}"
+
+
+def _run_rate(spec: LoadSpec, rate: float, show_progress: bool) -> dict:
+    """One guidellm run at a constant rate; returns its summary row (raises LoadError if it produced none)."""
+    from tqdm import tqdm
+
+    folder = rate_folder(spec.out, rate)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "guidellm-report.partial.json"
+    raw.unlink(missing_ok=True)
+    (folder / "scenario.json").write_text(json.dumps(scenario(spec, rate, raw), indent=2))
+    log = folder / "guidellm.log"
+    cmd = [sys.executable, "-m", GUIDELLM, "run", "--scenario", str(folder / "scenario.json"), "--disable-console"]
+    limit = spec.max_seconds + 600  # startup (tokenizer, worker processes) and shutdown on a busy host
+    started = time.monotonic()
+    with log.open("w") as sink, tqdm(desc=f"{rate:g} req/s (up to {spec.max_seconds:g} s + startup)", unit="s",
+                                     bar_format="{desc}: {elapsed} {postfix}", disable=None if show_progress else True,
+                                     leave=False) as bar:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if time.monotonic() - started > limit:
+                    proc.kill()
+                    break
+                counts = _PROGRESS.findall(log.read_text(errors="replace")[-4000:])
+                if counts:
+                    s, e, i = counts[-1]
+                    bar.set_postfix_str(f"ok={s} err={e} running={i}")
+                bar.refresh()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    if not raw.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise LoadError(f"guidellm wrote no report at {rate:g} req/s (exit {proc.returncode}); "
+                        f"log {log}: {' | '.join(tail)}")
+    report = _strip_texts(json.loads(raw.read_text()))
+    _write_json(folder / "guidellm-report.json", report)
+    raw.unlink()
+    row = summarize(report, rate)
+    row |= {"wall_s": round(time.monotonic() - started, 1), "report": str((folder / "guidellm-report.json")
+                                                                          .relative_to(spec.out))}
+    return row
+
+
+def slo_breach(row: dict, ttft_slo_s: float, min_success: float) -> str | None:
+    """Why a rate is outside the SLO (None when within it: requests succeeded, TTFT p95 <= SLO, few failed)."""
+    if not row["successful"]:
+        return "no request succeeded"
+    if row["success_fraction"] < min_success:
+        return f"success {row['success_fraction']:.1%} < {min_success:.0%}"
+    if row["ttft_p95_s"] > ttft_slo_s:
+        return f"TTFT p95 {row['ttft_p95_s']:.2f} s > {ttft_slo_s:g} s"
+    return None
+
+
+def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.99) -> dict:
+    """The sweep. Returns the bundle (also in ``out/load.json``); raises LoadError when nothing was measured."""
+    try:
+        version = metadata.version(GUIDELLM)
+    except metadata.PackageNotFoundError:
+        raise LoadError("guidellm is not installed: pip install 'quantgate[load]'") from None
+    if (spec.out / LOAD_JSON).exists():
+        raise ValueError(f"{spec.out} already holds a load bundle; choose a new --out")
+    root = server_root(spec.base_url)
+    reported = served_models(root)
+    if spec.model not in reported:
+        raise ValueError(f"--model {spec.model!r} is not served at {root}; the server reports {reported}")
+    spec.out.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(timezone.utc)
+    bundle = {"format": FORMAT, "state": "running", "tool": {"name": GUIDELLM, "version": version},
+              "server": {"base_url": root, "model": spec.model, "reported_models": reported},
+              "tokenizer": str(spec.tokenizer), "workload": spec.workload.to_dict(), "ttft_slo_s": spec.ttft_slo_s,
+              "min_success": min_success, "max_seconds": spec.max_seconds,
+              "max_requests": spec.max_requests, "planned_rates": spec.rates,
+              "rates": [], "stopped": None, "timings": {"started": started.isoformat()}}
+    _write_json(spec.out / LOAD_JSON, bundle)
+    if show_progress:
+        print(f"sweeping {root}: one guidellm run per rate, logs under {spec.out / 'rates'}\n{TABLE_HEAD}",
+              file=sys.stderr)
+    try:
+        for n, rate in enumerate(spec.rates):
+            if n:
+                served_models(root)  # a dead server ends the sweep here, with what was measured
+            row = _run_rate(spec, rate, show_progress)
+            bundle["rates"].append(row)
+            _write_json(spec.out / LOAD_JSON, bundle)
+            if show_progress:
+                print(format_row(row), file=sys.stderr)
+            breach = slo_breach(row, spec.ttft_slo_s, min_success)
+            if spec.stop_at_knee and breach:  # higher rates only queue longer
+                met = [r["rate"] for r in bundle["rates"] if not slo_breach(r, spec.ttft_slo_s, min_success)]
+                bundle["stopped"] = (f"{rate:g} req/s broke the SLO ({breach}); " +
+                                     (f"the knee lies between {met[-1]:g} and {rate:g} req/s" if met else
+                                      "no lower rate met it: add lower --rates"))
+                break
+    except (LoadError, KeyboardInterrupt) as exc:
+        bundle["stopped"] = str(exc) or "interrupted"
+    finished = datetime.now(timezone.utc)
+    bundle["timings"] |= {"finished": finished.isoformat(), "wall_s": round((finished - started).total_seconds(), 1)}
+    bundle["state"] = "done"  # the sweep ended (``stopped`` says why, when early); the file is final
+    _write_json(spec.out / LOAD_JSON, bundle)
+    if not any(r["successful"] for r in bundle["rates"]):
+        raise LoadError(f"nothing measured ({bundle['stopped'] or 'no request succeeded'}); "
+                        f"see {spec.out / LOAD_JSON}")
+    return bundle
+
+
+def read_load_bundle(folder: Path) -> dict:
+    """``load.json`` of a finished sweep, validated."""
+    path = Path(folder) / LOAD_JSON
+    try:
+        bundle = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{folder}: not a load bundle ({LOAD_JSON} missing; made by `evals load`)") from None
+    except ValueError as exc:
+        raise BundleError(f"{path}: not JSON ({exc})") from None
+    if bundle.get("format") != FORMAT:
+        raise BundleError(f"{path}: format {bundle.get('format')!r}, expected {FORMAT!r}")
+    if bundle.get("state") != "done":
+        raise BundleError(f"{path}: the sweep did not finish (still running, or killed)")
+    keys = ("rate", "achieved_rps", "output_tok_s", "ttft_p95_s", "successful", "errored", "success_fraction")
+    for n, row in enumerate(bundle["rates"]):
+        missing = [k for k in keys if k not in row]
+        if missing:
+            raise BundleError(f"{path}: rates[{n}] lacks {missing}")
+    return bundle
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+TABLE_HEAD = (f"{'rate':>6} {'achieved':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'out tok/s':>10} "
+              f"{'ok':>5} {'err':>4} {'cut':>4} {'success':>8}")
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['rate']:>6g} {_num(row['achieved_rps'], '9.3f')} {_num(row['ttft_p50_s'], '8.3f')}s "
+            f"{_num(row['ttft_p95_s'], '8.3f')}s {_num(row['itl_p50_ms'], '6.1f')}ms {_num(row['output_tok_s'], '10.1f')} "
+            f"{row['successful']:>5} {row['errored']:>4} {row['incomplete']:>4} {_num(row['success_fraction'], '8.1%')}")
+
+
+def human(bundle: dict) -> str:
+    w = bundle["workload"]
+    lines = [f"{bundle['server']['model']} at {bundle['server']['base_url']} ({bundle['tool']['name']} "
+             f"{bundle['tool']['version']}): {w['prompt_tokens']} prompt tokens ({w['prefix_tokens']} shared prefix), "
+             f"{w['output_tokens']} output tokens{'' if w['ignore_eos'] else ' (max)'}, {bundle['max_seconds']:g} s per rate",
+             TABLE_HEAD, *map(format_row, bundle["rates"])]
+    for row in bundle["rates"]:
+        for msg, count in row["errors"].items():
+            lines.append(f"  {row['rate']:g} req/s: {count} x {msg}")
+    lines.append("rate: offered req/s; achieved: successful req/s; cut: still running at the time limit; "
+                 f"success: ok / (ok + err); SLO: TTFT p95 <= {bundle['ttft_slo_s']:g} s")
+    if bundle["stopped"]:
+        lines.append(f"stopped: {bundle['stopped']}")
+    return "\n".join(lines)
