@@ -78,9 +78,16 @@ def human_accuracy(result: dict) -> str:
              f"{'margin':>7}  verdict"]
     for b in result["benchmarks"]:
         ref, cand = b["reference"], b["candidate"]
-        lines.append(f"{b['benchmark']:<14} {b['n_items']:>5} {ref['score']:.4f} [{ref['ci_low']:.3f},{ref['ci_high']:.3f}] "
+        name = "tau2 macro" if b["benchmark"] == "tau2" else b["benchmark"]
+        lines.append(f"{name:<14} {b['n_items']:>5} {ref['score']:.4f} [{ref['ci_low']:.3f},{ref['ci_high']:.3f}] "
                      f"{cand['score']:.4f} [{cand['ci_low']:.3f},{cand['ci_high']:.3f}] {b['delta']:+.4f} "
                      f"[{b['lower']:+.3f},{b['upper']:+.3f}] {-b['margin']:+.3f}  {b['verdict']}")
+        if b["benchmark"] == "tau2":
+            for domain, d in (b["per_stratum"] or {}).items():
+                (rl, rh), (cl, ch) = d["reference_ci"], d["candidate_ci"]
+                lines.append(f"  {domain:<12} {d['n']:>5} {d['reference']:.4f} [{rl:.3f},{rh:.3f}] "
+                             f"{d['candidate']:.4f} [{cl:.3f},{ch:.3f}] {d['delta']:+.4f} "
+                             f"[{d['lower']:+.3f},{d['upper']:+.3f}]")
         notes = [b["rule"]]
         if b["mcnemar_p"] is not None:
             notes.append(f"b={b['discordant_ref_only']} c={b['discordant_cand_only']} McNemar p={b['mcnemar_p']:.4f}")
@@ -88,10 +95,21 @@ def human_accuracy(result: dict) -> str:
             notes.append(f"~{b['items_to_decide']} items would decide it")
         if b["noise"]:
             notes.append("within noise of the reference rerun" if b["noise"]["within_noise"] else "beyond noise")
+        if b.get("infra"):
+            notes.append("infrastructure errors: " + ", ".join(
+                f"{arm} {c['errors']}/{c['simulations']}" for arm, c in b["infra"].items()))
         lines.append("               " + "; ".join(notes))
-    lines.append("scores: mean over items, 95% normal interval; bounds: one-sided paired bootstrap at the policy's "
+    lines.append("scores: mean over items with a 95% Wilson interval (tau2: macro = mean of per-domain pass^1, 95% "
+                 "interval resampling tasks within domains); bounds: one-sided paired bootstrap at the policy's "
                  "confidence")
-    lines.append(f"verdict: {result['verdict']}" + (f" ({'; '.join(result['blocking'])})" if result["blocking"] else ""))
+    for u in result.get("unpaired") or []:
+        lines.append(f"UNPAIRED vs published {u['benchmark']}: {u['candidate']:.4f} vs {u['reference']:.4f}, delta "
+                     f"{u['delta']:+.4f}" + (f", 95% CI [{u['ci95'][0]:+.3f}, {u['ci95'][1]:+.3f}]"
+                                             if u["se"] == u["se"] else "") + " (summary scores only: weaker)")
+    each = ", ".join(f"{b['benchmark']} {b['verdict']}" + ("" if b["required"] else " (optional)")
+                     for b in result["benchmarks"])
+    lines.append(f"verdict: {result['verdict']} [{each}]"
+                 + (f" ({'; '.join(result['blocking'])})" if result["blocking"] else ""))
     return "\n".join(lines)
 
 
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from evals.bundle import BundleError
     from evals.gate import PASS, accuracy_gate, load_policy, unpaired_against_reference
     from evals.knee import INCONCLUSIVE, human as human_load, load_gate
-    from evals.report import write
+    from evals.report import strict_json, write
     from quant.verify import UnreadableCheckpoint, verify
 
     try:
@@ -213,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "accuracy":
             if args.reference_table:
                 result["unpaired"] = unpaired_against_reference(args.candidate, args.reference_table)
-            print(json.dumps(result, indent=2, default=float) if args.json else human_accuracy(result))
+            print(strict_json(result) if args.json else human_accuracy(result))
             return EXIT_OK if result["verdict"] == PASS else EXIT_BLOCK
         structure = verify(args.checkpoint, "all")
         kern = kernels.release_check(args, result["policy"])
@@ -235,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if load:
             sections.append(human_load(load))
         sections.append(f"release verdict: {verdict}\nreport: {md} and {js}")
-        print(json.dumps(report, indent=2, default=float) if args.json else "\n\n".join(sections))
+        print(strict_json(report) if args.json else "\n\n".join(sections))
         return EXIT_OK if verdict == "RELEASE" else EXIT_BLOCK
     except (UnreadableCheckpoint, BundleError, UnknownEngine) as exc:
         print(f"gate: error: {exc}", file=sys.stderr)

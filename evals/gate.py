@@ -14,7 +14,9 @@ import numpy as np
 import yaml
 
 from evals.bundle import BundleError, pair, read_bundle
-from evals.stats import discordance, items_to_decide, mcnemar_exact_p, mean_ci, paired_delta
+from evals import tau2_gate
+from evals.stats import discordance, items_to_decide, macro_interval, mcnemar_exact_p, mean_ci, paired_delta, \
+    wilson_interval
 from quant.layout import manifests_root
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -45,6 +47,8 @@ class BenchmarkResult:
     items_to_decide: int | None = None
     per_stratum: dict | None = None  # GPQA per seed, tau2 per domain
     noise: dict | None = None
+    decidable: bool = True  # False: too few items or too many infrastructure errors to judge at all
+    infra: dict | None = None  # tau2: infrastructure errors per arm
 
 
 def load_policy(path: Path | None = None) -> dict:
@@ -86,31 +90,48 @@ def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict
     p = paired_delta(ref_scores, cand_scores, confidence, int(boot.get("resamples", 10000)),
                      int(boot.get("seed", 0)), strata)
     repeats = len({a["repeat"] for a, _ in pairs})
-    floor = rules.get("floor")
-    cand_mean = float(cand_scores.mean())
-    if floor is not None and cand_mean < floor:
-        verdict, rule = FAIL, f"candidate score {cand_mean:.4f} is below the floor {floor}"
+    resamples, seed = int(boot.get("resamples", 10000)), int(boot.get("seed", 0))
+    if strata is not None:  # tau2: the macro over domains, as the benchmark reports it
+        ref_ci, cand_ci, per_domain = tau2_gate.macro_table(ref_scores, cand_scores, strata, confidence, resamples, seed)
+    else:
+        ref_ci, cand_ci = (dict(zip(("score", "ci_low", "ci_high"), wilson_interval(s, 0.95)))
+                           for s in (ref_scores, cand_scores))
+    floor, min_items = rules.get("floor"), int(rules.get("min_items") or 0)
+    max_infra = rules.get("max_infra_error_rate")
+    infra = {"reference": tau2_gate.infra_counts([a for a, _ in pairs]),
+             "candidate": tau2_gate.infra_counts([b for _, b in pairs])} if max_infra is not None else None
+    too_broken = [f"{arm}: {c['errors']}/{c['simulations']} simulations are infrastructure errors "
+                  f"({c['rate']:.1%} > the policy's {max_infra:.0%})" for arm, c in (infra or {}).items()
+                  if c["rate"] is not None and c["rate"] > max_infra]
+    if too_broken:
+        verdict, rule = INCONCLUSIVE, ("; ".join(too_broken) + ": the measurement failed, not the model; fix the "
+                                       "serving and rerun with `evals run --resume` (it runs them again)")
+    elif len(items) < min_items:
+        verdict, rule = INCONCLUSIVE, f"{len(items)} items, below the policy's minimum of {min_items} to judge"
+    elif floor is not None and cand_ci["score"] < floor:
+        verdict, rule = FAIL, f"candidate score {cand_ci['score']:.4f} is below the floor {floor}"
     elif p.lower > -margin:
         verdict, rule = PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin}"
     elif p.upper < -margin:
         verdict, rule = FAIL, f"one-sided {confidence:.0%} upper bound {p.upper:+.4f} < -{margin}"
     else:
         verdict, rule = INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin}"
-    ci = lambda s: dict(zip(("score", "ci_low", "ci_high"), mean_ci(s, 0.95)))  # noqa: E731
     result = BenchmarkResult(
         benchmark=benchmark, filter=pairs[0][0]["filter"], n_items=len(items), repeats=repeats,
-        reference=ci(ref_scores), candidate=ci(cand_scores), delta=p.delta, se=p.se, lower=p.lower, upper=p.upper,
+        reference=ref_ci, candidate=cand_ci, delta=p.delta, se=p.se, lower=p.lower, upper=p.upper,
         normal_lower=p.normal_lower, normal_upper=p.normal_upper, margin=margin, confidence=confidence,
-        verdict=verdict, rule=rule, required=bool(rules.get("required", True)))
+        verdict=verdict, rule=rule, required=bool(rules.get("required", True)),
+        decidable=not too_broken and len(items) >= min_items, infra=infra)
     binary = repeats == 1 and set(np.unique(np.concatenate([ref_scores, cand_scores]))) <= {0.0, 1.0}
     if binary:
         b, c = discordance(ref_scores, cand_scores)
         result.discordant_ref_only, result.discordant_cand_only, result.mcnemar_p = b, c, mcnemar_exact_p(b, c)
-    if verdict == INCONCLUSIVE:
+    if verdict == INCONCLUSIVE and not too_broken:
         result.items_to_decide = items_to_decide(p.sd, margin, confidence)
-    strat_key = "domain" if strata is not None else ("repeat" if repeats > 1 else None)
-    if strat_key:
-        result.per_stratum = _per_stratum(pairs, strat_key)
+    if strata is not None:
+        result.per_stratum = per_domain
+    elif repeats > 1:
+        result.per_stratum = _per_stratum(pairs, "repeat")
     if rerun_rows is not None:
         result.noise = noise_floor(ref_rows, rerun_rows, cand_rows)
     return result
@@ -154,6 +175,11 @@ def accuracy_gate(candidate: Path, reference: Path, policy: dict, margins: dict[
             mine, theirs = run["benchmarks"][bench].get("dataset"), other["benchmarks"][bench].get("dataset")
             if mine and theirs and mine["files"] != theirs["files"]:
                 raise BundleError(f"{bench}: the runs used different data files (sha256 differ); rerun on the same data")
+        if bench == "tau2":
+            differences = tau2_gate.arm_differences(ref_run["benchmarks"][bench], cand_run["benchmarks"][bench])
+            if differences:
+                raise BundleError("tau2: the arms were run with different settings, so their delta would not be the "
+                                  "model's: " + "; ".join(differences) + ". Rerun one arm with the other's settings")
         select = lambda rows: [r for r in rows if r["benchmark"] == bench and r["filter"] == primary]  # noqa: E731
         results.append(compare_benchmark(bench, select(ref_rows), select(cand_rows), policy,
                                          select(rerun_rows) if rerun_rows else None))
@@ -162,8 +188,9 @@ def accuracy_gate(candidate: Path, reference: Path, policy: dict, margins: dict[
         mode = policy["benchmarks"].get(r.benchmark, {}).get("inconclusive", "block")
         if r.verdict == FAIL and r.required:
             blocking.append(f"{r.benchmark}: FAIL ({r.rule})")
-        elif r.verdict == INCONCLUSIVE and r.required and mode == "block":
-            blocking.append(f"{r.benchmark}: INCONCLUSIVE ({r.rule}; ~{r.items_to_decide} items would decide it)")
+        elif r.verdict == INCONCLUSIVE and r.required and (mode == "block" or not r.decidable):
+            blocking.append(f"{r.benchmark}: INCONCLUSIVE ({r.rule}"
+                            + (f"; ~{r.items_to_decide} items would decide it)" if r.items_to_decide else ")"))
     verdict = FAIL if any(r.verdict == FAIL and r.required for r in results) else (
         INCONCLUSIVE if blocking else PASS)
     return {"verdict": verdict, "blocking": blocking, "candidate": str(candidate), "reference": str(reference),
@@ -179,8 +206,9 @@ def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[d
         if bench not in run["benchmarks"]:
             continue
         primary = run["benchmarks"][bench].get("primary_filter", "flexible-extract")
-        _, scores, _ = _item_scores([r for r in rows if r["benchmark"] == bench and r["filter"] == primary])
-        mean, low, high = mean_ci(scores)
+        _, scores, strata = _item_scores([r for r in rows if r["benchmark"] == bench and r["filter"] == primary])
+        # tau2: the macro over domains, the number the table reports; else the normal interval the seed used
+        mean, low, high = macro_interval(scores, strata) if strata is not None else mean_ci(scores)
         se_c = (high - low) / 2 / 1.959964 if np.isfinite(high) else float("nan")
         se = float(np.hypot(se_c, ref["se"])) if ref.get("se") else float("nan")
         out.append({"benchmark": bench, "kind": "UNPAIRED (weaker: summary scores only)", "reference": ref["score"],

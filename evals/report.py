@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% normal interval over "
-              "items. Delta: paired (candidate - reference, same items); bounds: one-sided paired bootstrap "
+CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
+              "macro (mean of per-domain pass^1) with a 95% interval from resampling tasks within domains. Delta: "
+              "paired (candidate - reference, same items); bounds: one-sided paired bootstrap "
               "(resampling items; tau2 within domains) at the policy's confidence.")
+
+
+def _finite(obj):
+    """NaN / inf -> None, numpy scalars -> Python numbers, recursively."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # numpy scalar
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def strict_json(obj) -> str:
+    """Strict JSON (RFC 8259): an undefined number (an interval over one item) is null, never NaN."""
+    return json.dumps(_finite(obj), indent=2, allow_nan=False)
 
 
 def _fmt(score: dict) -> str:
@@ -72,6 +92,6 @@ def load_markdown(load: dict) -> list[str]:
 def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / "report.md", out_dir / "report.json"
-    js.write_text(json.dumps(report, indent=2, default=float))
+    js.write_text(strict_json(report))
     md.write_text(markdown(report))
     return md, js

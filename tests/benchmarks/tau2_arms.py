@@ -4,7 +4,8 @@ server (tests/evals/scripted_server.py), then ``gate accuracy`` on the two bundl
     python -m tests.benchmarks.tau2_arms OUT [--tasks 4] [--concurrency 4]
 
 The reference model ("ref") solves every task the way tau2's own evaluation criteria say; the
-candidate ("cand") leaves one task per domain unsolved and, on top, misbehaves on purpose: an
+candidate ("cand") leaves one task per domain unsolved (airline, retail: it says it is done
+without acting; telecom: invalid tool arguments until tau2 stops it) and misbehaves on purpose: an
 unparsable tool call (airline), a context overflow (retail) and a dropped connection (telecom).
 Every simulation still ends as a row; the candidate's bundle counts one infrastructure error.
 Not a test: the demonstration for the closing note (prints each command and the gate's table).
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+EVALS = [sys.executable, "-c", "import sys; from evals.cli import evals_main; sys.exit(evals_main(sys.argv[1:]))"]
 
 
 def main() -> None:
@@ -35,16 +37,16 @@ def main() -> None:
 
     tasks = {d: get_tasks(d, "base", num_tasks=args.tasks) for d in ("airline", "retail", "telecom")}
     tag = lambda d, i: f"{d}/{tasks[d][i].id}"  # noqa: E731
-    cand = {tag("airline", 0): "wrong", tag("airline", 1): "malformed", tag("retail", 0): "wrong",
-            tag("retail", 1): "overflow", tag("telecom", 0): "wrong", tag("telecom", 1): "drop"}
+    cand = {tag("airline", 1): "malformed", tag("airline", 2): "wrong", tag("retail", 0): "wrong",
+            tag("retail", 1): "overflow", tag("telecom", 0): "toolerror", tag("telecom", 1): "drop"}
     server, _ = serve(script_for(tasks, {"ref": {}, "cand": cand}))
     base = f"http://127.0.0.1:{server.server_address[1]}/v1"
     for arm in ("ref", "cand"):
-        cmd = [sys.executable, "-m", "evals.cli", "run", "--benchmarks", "tau2", "--out", str(args.out / arm),
+        cmd = [*EVALS, "run", "--benchmarks", "tau2", "--out", str(args.out / arm),
                "--model", arm, "--base-url", f"{base}/chat/completions", "--limit", str(args.tasks),
                "--tau2-user-llm", "openai/user", "--tau2-user-llm-args", json.dumps({"api_base": base}),
                "--tau2-max-steps", "30", "--tau2-max-retries", "0", "--tau2-concurrency", str(args.concurrency)]
-        print("$", " ".join(cmd[2:]), flush=True)
+        print("$ evals", " ".join(cmd[3:]), flush=True)
         subprocess.run(cmd, check=True)
         summary = json.loads((args.out / arm / "run.json").read_text())["benchmarks"]["tau2"]
         print(json.dumps({k: summary[k] for k in ("macro_pass1", "simulations", "infra_errors", "infra_error_rate")}

@@ -8,7 +8,7 @@ Who is asking: tau2 26.3's agent prompt (``tau2/agent/llm_agent.py``, ``SYSTEM_P
 ``AGENT_INSTRUCTION`` "You are a customer service agent ...") versus the user simulator's
 (``tau2/user/user_simulator.py``, ``SYSTEM_PROMPT`` with the task's ``<scenario>``; its history is
 role-flipped by ``tau2/user/base.py`` ``flip_roles``). The user side recognises its task by a
-snippet of the scenario and introduces itself with a tag ``[qg:TAG]``; the agent side reads the
+snippet of the scenario and introduces itself with a tag ``<qg>TAG</qg>``; the agent side reads the
 tag and acts out the mode the script gives that task for the requested model:
 
 - ``solve``: call the task's expected tools (its ``evaluation_criteria.actions``) one by one, then
@@ -83,7 +83,7 @@ class Script:
         if tag is None:
             return "message", {"content": STOP}
         if not said:
-            return "message", {"content": f"Hello, I need help with my account. [qg:{tag}]"}
+            return "message", {"content": f"Hello, I need help with my account. <qg>{tag}</qg>"}
         if any("[done]" in _text(m) for m in turns if m.get("role") == "user"):
             actions = self.tasks[tag].get("user_actions", [])
             done = sum(_is_tool_call(m) for m in turns)
@@ -93,7 +93,7 @@ class Script:
         return "message", {"content": f"Thank you, that is all. {STOP}"}
 
     def _agent(self, model: str, turns: list[dict]) -> tuple[str, dict | None]:
-        found = re.search(r"\[qg:([^\]]+)\]", " ".join(_text(m) for m in turns if m.get("role") == "user"))
+        found = re.search(r"<qg>(.+?)</qg>", " ".join(_text(m) for m in turns if m.get("role") == "user"))
         tag = found.group(1) if found else None
         mode = self.modes.get(model, {}).get(tag, "solve") if tag else "wrong"
         self._log(side="agent", model=model, tag=tag, mode=mode)

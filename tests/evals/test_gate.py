@@ -115,7 +115,8 @@ def test_tau2_macro_is_the_mean_of_domain_deltas(tmp_path):
     bench = result["benchmarks"][0]
     assert bench["delta"] == pytest.approx((-0.5 + 0 - 0.2) / 3)  # not the pooled -0.15
     assert bench["per_stratum"]["airline"]["delta"] == pytest.approx(-0.5)
-    assert not bench["required"] and result["verdict"] == "PASS"  # optional: reported, not blocking
+    assert bench["candidate"]["score"] == pytest.approx((0.5 + 1.0 + 0.8) / 3)  # the macro, not the pooled 0.85
+    assert bench["required"] and result["verdict"] == "FAIL"  # tau2 is one of the seed's three numbers
 
 
 def test_noise_floor_from_a_reference_rerun(tmp_path, capsys):

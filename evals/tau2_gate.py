@@ -1,0 +1,61 @@
+"""What the accuracy gate does differently for tau2: arms must share their settings, the score is
+the macro over domains with its own interval, each domain gets a row, and infrastructure errors
+are held against an arm.
+
+- Comparable arms: the user simulator (model and sampling args; not its address), the agent's
+  sampling args (temperature, seed, generation budget), trials, step and error limits, tau2's run
+  seed, the task split, the domains and tau2's version, where both bundles record them. Any
+  difference is a refusal naming each one: a different user simulator or step limit changes what
+  a task asks of the model, so the delta would not be the quantization's.
+- The macro: unweighted mean of the per-domain pass^1 (as tau2-bench results are reported), with
+  a two-sided percentile interval from resampling tasks within each domain (stays inside [0, 1]);
+  per domain: Wilson intervals per arm, the paired delta and its one-sided bootstrap bounds.
+- Infrastructure errors (``infra_error`` on rows; see ``evals.tau2``) score 0 in both arms; an arm
+  above the policy's ``max_infra_error_rate`` makes the benchmark INCONCLUSIVE (the measurement,
+  not the model, failed): fix the serving, and ``evals run --resume`` runs them again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from evals.stats import macro_interval, paired_delta, wilson_interval
+
+COMPARED = ("user_llm", "user_llm_args", "agent_llm_args", "num_trials", "max_steps", "max_errors", "seed",
+            "task_split", "tau2_version", "domains")
+
+
+def arm_differences(reference: dict, candidate: dict) -> list[str]:
+    """Each setting that differs between two run.json ``tau2`` entries, as ``name: reference X, candidate Y``."""
+    out = []
+    for key in COMPARED:
+        if key not in reference or key not in candidate:
+            continue
+        ref, cand = reference[key], candidate[key]
+        if key == "domains":  # a list (settings) or a dict of per-domain summaries
+            ref, cand = sorted(ref), sorted(cand)
+        if ref != cand:
+            out.append(f"{key}: reference {ref!r}, candidate {cand!r}")
+    return out
+
+
+def infra_counts(rows: list[dict]) -> dict:
+    errors = sum(1 for r in rows if r.get("infra_error"))
+    return {"errors": errors, "simulations": len(rows), "rate": errors / len(rows) if rows else None}
+
+
+def macro_table(ref: np.ndarray, cand: np.ndarray, strata: np.ndarray, confidence: float, resamples: int,
+                seed: int) -> tuple[dict, dict, dict]:
+    """``(reference, candidate, per_domain)``: per-item scores (trials averaged) in, the macro scores
+    with 95% intervals and one row per domain out."""
+    score = lambda values: dict(zip(("score", "ci_low", "ci_high"),  # noqa: E731
+                                    macro_interval(values, strata, 0.95, resamples, seed)))
+    domains = {}
+    for domain in np.unique(strata):
+        mask = strata == domain
+        p = paired_delta(ref[mask], cand[mask], confidence, resamples, seed)
+        r, c = wilson_interval(ref[mask]), wilson_interval(cand[mask])
+        domains[str(domain)] = {"n": int(mask.sum()), "reference": r[0], "candidate": c[0], "delta": p.delta,
+                                "reference_ci": [r[1], r[2]], "candidate_ci": [c[1], c[2]],
+                                "lower": p.lower, "upper": p.upper}
+    return score(ref), score(cand), domains

@@ -1,0 +1,118 @@
+"""The gate on tau2 bundles imported from results files built with tau2's own models: the macro and
+its interval, per-domain rows, comparable arms only, infrastructure errors, tiny arms, strict JSON,
+and a verdict line that shows every benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evals.cli import evals_main
+from evals.cli import main as gate
+from tests.evals.test_gate import bundle
+from tests.evals.test_tau2 import results_file
+
+SEED_TABLE = Path(__file__).resolve().parents[2] / "manifests" / "references" / "glm-5.2-fp8-seed.yaml"
+
+
+def tau2_bundle(path: Path, domains: dict[str, list[float]], **kw) -> Path:
+    """``evals import-tau2`` of one results file per domain (task ids 0..n-1, one trial)."""
+    files = [results_file(path.parent / f"{path.name}-{d}.json", d, {str(i): [s] for i, s in enumerate(scores)}, **kw)
+             for d, scores in domains.items()]
+    assert evals_main(["import-tau2", *files, "--out", str(path)]) == 0
+    return path
+
+
+def strict(text: str) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def run_gate(capsys, *args, as_json=True) -> tuple[int, dict | str]:
+    code = gate([*map(str, args), *(["--json"] if as_json else [])])
+    out = capsys.readouterr()
+    if as_json and out.out.strip():
+        return code, strict(out.out)
+    return code, out.out + out.err
+
+
+def test_the_macro_with_its_interval_and_domain_rows(tmp_path, capsys):
+    """The issue's case: airline 1 task, retail 3; pooled means 0.75 vs 0.25 but both macros 0.5."""
+    ref = tau2_bundle(tmp_path / "ref", {"airline": [0], "retail": [1, 1, 1]})
+    cand = tau2_bundle(tmp_path / "cand", {"airline": [1], "retail": [0, 0, 0]})
+    capsys.readouterr()
+    code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref,
+                            "--reference-table", SEED_TABLE)
+    (bench,) = result["benchmarks"]
+    assert bench["reference"]["score"] == pytest.approx(0.5) and bench["candidate"]["score"] == pytest.approx(0.5)
+    assert bench["delta"] == pytest.approx(0.0)  # mean of domain deltas: (+1 - 1) / 2
+    for arm in ("reference", "candidate"):
+        assert 0.0 <= bench[arm]["ci_low"] <= bench[arm]["score"] <= bench[arm]["ci_high"] <= 1.0
+    rows = bench["per_stratum"]
+    assert rows["airline"]["n"] == 1 and rows["retail"]["n"] == 3 and rows["retail"]["delta"] == pytest.approx(-1.0)
+    assert all(0.0 <= x <= 1.0 for d in rows.values() for x in d["reference_ci"] + d["candidate_ci"])
+    # 4 tasks is below the policy's minimum: not evidence either way, and it blocks
+    assert bench["verdict"] == "INCONCLUSIVE" and "below the policy's minimum of 100" in bench["rule"]
+    assert code == 1 and result["verdict"] == "INCONCLUSIVE"
+    (unpaired,) = result["unpaired"]
+    assert unpaired["candidate"] == pytest.approx(0.5) and unpaired["reference"] == 0.819  # the macro, not 0.25
+    _, text = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref, "--reference-table", SEED_TABLE,
+                       as_json=False)
+    assert "tau2 macro" in text and "\n  airline " in text and "\n  retail " in text
+    assert "UNPAIRED vs published tau2: 0.5000 vs 0.8190" in text
+
+
+def test_one_task_per_arm_is_inconclusive_and_json_is_strict(tmp_path, capsys):
+    ref = tau2_bundle(tmp_path / "ref", {"airline": [1]})
+    cand = tau2_bundle(tmp_path / "cand", {"airline": [1]})
+    capsys.readouterr()
+    code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref,
+                            "--reference-table", SEED_TABLE)
+    assert code == 1 and result["benchmarks"][0]["verdict"] == "INCONCLUSIVE"  # not PASS on bounds [0, 0]
+    assert result["unpaired"][0]["se"] is None  # one item has no spread: null, not NaN
+
+
+@pytest.mark.parametrize("differ, named", [({"user_llm": "another-user-model"}, "user_llm"),
+                                          ({"max_steps": 30}, "max_steps")])
+def test_arms_run_with_different_settings_are_refused(tmp_path, capsys, differ, named):
+    ref = tau2_bundle(tmp_path / "ref", {"airline": [1, 0]})
+    cand = tau2_bundle(tmp_path / "cand", {"airline": [1, 0]}, **differ)
+    capsys.readouterr()
+    code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
+    assert code == 2
+    assert "tau2: the arms were run with different settings" in result
+    assert f"{named}: reference" in result and str(next(iter(differ.values()))) in result
+
+
+def test_an_arm_made_of_infrastructure_errors_does_not_pass(tmp_path, capsys):
+    scores = {"airline": [1.0] * 60, "retail": [1.0] * 60}
+    ref = tau2_bundle(tmp_path / "ref", scores)
+    # every candidate simulation raised with no recorded reason: infrastructure errors, reward 0
+    cand = tau2_bundle(tmp_path / "cand", scores, reasons={str(i): ("agent_error", True) for i in range(60)})
+    capsys.readouterr()
+    code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
+    (bench,) = result["benchmarks"]
+    assert bench["infra"]["candidate"] == {"errors": 120, "simulations": 120, "rate": 1.0}
+    assert bench["verdict"] == "INCONCLUSIVE" and "candidate: 120/120 simulations are infrastructure errors" in bench["rule"]
+    assert code == 1 and any("infrastructure errors" in b for b in result["blocking"])
+
+
+def test_a_tau2_collapse_blocks_and_the_verdict_line_shows_every_benchmark(tmp_path, capsys):
+    """40/40 -> 0/40 with GSM8K passing used to print "verdict: PASS" (tau2 was optional)."""
+    def arm(path, gsm8k, tau2):
+        g, t = bundle(path / "g", "gsm8k", gsm8k), bundle(path / "t", "tau2", tau2, domains=["airline"] * 40 +
+                                                          ["retail"] * 40 + ["telecom"] * 40)
+        path.joinpath("b").mkdir()
+        path.joinpath("b", "samples.jsonl").write_text((g / "samples.jsonl").read_text() + (t / "samples.jsonl").read_text())
+        path.joinpath("b", "run.json").write_text(json.dumps({"benchmarks": {
+            "gsm8k": {"primary_filter": "flexible-extract"}, "tau2": {"primary_filter": "flexible-extract"}}}))
+        return path / "b"
+    ref = arm(tmp_path / "r", [1] * 200, [1] * 120)
+    cand = arm(tmp_path / "c", [1] * 200, [1] * 80 + [0] * 40)  # telecom collapses
+    code, text = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref, as_json=False)
+    verdict = [line for line in text.splitlines() if line.startswith("verdict:")][0]
+    assert code == 1 and verdict.startswith("verdict: FAIL [gsm8k PASS, tau2 FAIL]")
+    assert "\n  telecom " in text
