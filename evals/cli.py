@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -385,6 +386,10 @@ def build_evals_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def load_main(args) -> int:
     from evals.load import LoadError, LoadSpec, Workload, human, rate_folder, run_load, scenario
 
@@ -399,6 +404,7 @@ def load_main(args) -> int:
         workload = Workload(args.prompt_tokens, args.output_tokens, args.prefix_hit, args.ignore_eos, args.api)
         spec = LoadSpec(args.base_url, args.model, args.tokenizer, args.out, workload, rates, args.max_seconds,
                         args.max_requests, args.ttft_slo, stop_at_knee=not args.all_rates)
+        signal.signal(signal.SIGTERM, _interrupt)  # a killed sweep still ends with what it measured
         if args.dry_run:
             report = rate_folder(args.out, rates[0]) / "guidellm-report.partial.json"
             print(json.dumps({"rates": rates, "scenario": scenario(spec, rates[0], report)}, indent=2))

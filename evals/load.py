@@ -279,6 +279,8 @@ def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.
             if show_progress:
                 print(format_row(row), file=sys.stderr)
             breach = slo_breach(row, spec.ttft_slo_s, min_success)
+            if not row["successful"]:
+                served_models(root)  # nothing succeeded: if the server is gone, say that rather than "the knee"
             if spec.stop_at_knee and breach:  # higher rates only queue longer
                 met = [r["rate"] for r in bundle["rates"] if not slo_breach(r, spec.ttft_slo_s, min_success)]
                 bundle["stopped"] = (f"{rate:g} req/s broke the SLO ({breach}); " +

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 from importlib import metadata
 
 import pytest
@@ -12,7 +15,7 @@ import pytest
 from evals.cli import evals_main
 from evals.cli import main as gate
 from evals.load import FORMAT, Workload, read_load_bundle
-from tests.evals.conftest import free_port
+from tests.evals.conftest import free_port, wait_healthy
 
 # The tiny profile: 64-token prompts (60% a shared prefix), 8 output tokens, two rates. --max-requests
 # lets every request finish, however slow the host; --no-ignore-eos because
@@ -102,6 +105,36 @@ def test_dead_server_ends_cleanly_with_nothing_measured(glm_ckpt, tmp_path, caps
     err = capsys.readouterr().err
     assert code == 3 and "could not finish" in err and "is the server up?" in err
     assert not (tmp_path / "dead" / "load.json").exists()
+
+
+def test_server_dying_mid_sweep_keeps_what_was_measured(glm_ckpt, tmp_path, monkeypatch, capsys):
+    """A second real server, stopped once the first rate's report is written: the sweep ends there, exit 0."""
+    monkeypatch.setenv("GUIDELLM__MAX_WORKER_PROCESSES", "1")
+    port = free_port()
+    with (tmp_path / "serve.log").open("w") as log:
+        server = subprocess.Popen(["transformers", "serve", str(glm_ckpt), "--host", "127.0.0.1", "--port", str(port),
+                                   "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    first = tmp_path / "out" / "rates" / "rate-1" / "guidellm-report.json"
+
+    def stop_after_first_rate():
+        while not first.exists() and server.poll() is None:
+            time.sleep(0.2)
+        server.terminate()
+
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", server, log=tmp_path / "serve.log")
+        threading.Thread(target=stop_after_first_rate, daemon=True).start()
+        code = sweep(f"http://127.0.0.1:{port}", glm_ckpt, tmp_path / "out", "--ttft-slo", 1000)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    bundle = read_load_bundle(tmp_path / "out")
+    assert code == 0 and bundle["rates"][0]["rate"] == 1.0 and bundle["rates"][0]["successful"] >= 1
+    # where the sweep notices depends on when the server went: the preflight before 2 req/s, guidellm's own
+    # backend check, or 2 req/s measured with every request refused; nothing past it is measured
+    assert bundle["stopped"] and all(r["successful"] == 0 for r in bundle["rates"][1:])
+    assert "stopped: " in capsys.readouterr().out
 
 
 def test_bad_input_is_refused_before_any_request(glm_ckpt, served, sweeps, tmp_path, capsys):
