@@ -79,6 +79,16 @@ def _per_stratum(pairs: list[tuple[dict, dict]], key: str) -> dict:
                 "delta": float(np.mean(v["candidate"]) - np.mean(v["reference"]))} for k, v in sorted(out.items())}
 
 
+def _fails_anyway(pairs: list[tuple[dict, dict]], margin: float, confidence: float, resamples: int,
+                  seed: int) -> bool:
+    """Would the candidate still fail with its infrastructure errors scored 1 and the reference's 0?
+    Then the errors did not cause the failure, and the gate may say FAIL despite them."""
+    favour = lambda rows, value: [{**r, "score": value} if r.get("infra_error") else r for r in rows]  # noqa: E731
+    _, ref, strata = _item_scores(favour([a for a, _ in pairs], 0.0))
+    _, cand, _ = _item_scores(favour([b for _, b in pairs], 1.0))
+    return paired_delta(ref, cand, confidence, resamples, seed, strata).upper < -margin
+
+
 def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict], policy: dict,
                       rerun_rows: list[dict] | None = None) -> BenchmarkResult:
     rules = policy["benchmarks"].get(benchmark, {"margin": 0.02, "required": True, "floor": None})
@@ -103,7 +113,11 @@ def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict
     too_broken = [f"{arm}: {c['errors']}/{c['simulations']} simulations are infrastructure errors "
                   f"({c['rate']:.1%} > the policy's {max_infra:.0%})" for arm, c in (infra or {}).items()
                   if c["rate"] is not None and c["rate"] > max_infra]
-    if too_broken:
+    if too_broken and len(items) >= min_items and _fails_anyway(pairs, margin, confidence, resamples, seed):
+        verdict, rule = FAIL, ("; ".join(too_broken) + f", yet even with every infrastructure error scored in the "
+                               f"candidate's favour the one-sided upper bound stays below -{margin}")
+        too_broken = []
+    elif too_broken:
         verdict, rule = INCONCLUSIVE, ("; ".join(too_broken) + ": the measurement failed, not the model; fix the "
                                        "serving and rerun with `evals run --resume` (it runs them again)")
     elif len(items) < min_items:

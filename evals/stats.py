@@ -55,7 +55,8 @@ def macro_interval(values: np.ndarray, strata: np.ndarray, confidence: float = 0
     rng = np.random.default_rng(seed)
     boot = np.mean([g[rng.integers(0, len(g), size=(resamples, len(g)))].mean(axis=1) for g in groups], axis=0)
     tail = (1 - confidence) / 2
-    return float(np.mean([g.mean() for g in groups])), float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
+    macro = float(np.mean([g.mean() for g in groups]))
+    return macro, float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,9 @@ def rows_from_results(files: list[Path]) -> tuple[list[dict], dict]:
     for summary in domains.values():
         seen.setdefault(json.dumps({k: summary[k] for k in SETTINGS}, sort_keys=True), []).append(summary["file"])
     if len(seen) > 1:
+        found = json.dumps([json.loads(k) | {"files": v} for k, v in seen.items()])
         raise Tau2Error("results files disagree on the user simulator / agent sampling / trials / limits / seed, so "
-                        f"their domains are not comparable: {json.dumps([json.loads(k) | {'files': v} for k, v in seen.items()])}")
+                        f"their domains are not comparable: {found}")
     keys = [(r["item_id"], r["repeat"]) for r in rows]
     if len(keys) != len(set(keys)):
         raise Tau2Error("duplicate (task, trial) simulations in the results files")

@@ -38,13 +38,13 @@ from pathlib import Path
 
 from evals.tau2 import Tau2Error, infra_simulations, load_results
 
-TAU2_VERSION = "26.3"
 DOMAINS = ("airline", "retail", "telecom")
 
 
 @dataclass(frozen=True)
 class Tau2Settings:
-    """One tau2 run's settings; everything but ``concurrency``/``max_retries`` must match across arms."""
+    """One tau2 run's settings. Across arms everything but the addresses, ``concurrency`` and
+    ``max_retries`` must match (``evals.tau2_gate``); to resume, everything but addresses and concurrency."""
 
     model: str  # the served model (the agent), a name the server knows
     api_base: str  # http://host:port/v1
@@ -103,7 +103,7 @@ def _without_addresses(settings: dict) -> dict:
     return out
 
 
-def _prepare_resume(files: dict[str, Path], settings: Tau2Settings, domain: str) -> int:
+def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
     """Check an existing domain may be resumed; drop its infrastructure-error simulations so tau2
     runs them again, and point its recorded endpoints at today's addresses (tau2 compares the whole
     ``Info`` before resuming). Returns how many simulations will be run again."""
@@ -119,11 +119,10 @@ def _prepare_resume(files: dict[str, Path], settings: Tau2Settings, domain: str)
     results = load_results(files["results"])
     drop = infra_simulations(results, files["events"])
     results["simulations"] = [s for s in results["simulations"] if s["id"] not in drop]
-    config = settings.run_config(domain, files["results"].parent)
     results["info"]["agent_info"]["llm_args"]["api_base"] = settings.api_base
     for key in ("api_base", "base_url"):
-        if key in config["llm_args_user"]:
-            results["info"]["user_info"]["llm_args"][key] = config["llm_args_user"][key]
+        if key in settings.user_llm_args:
+            results["info"]["user_info"]["llm_args"][key] = settings.user_llm_args[key]
     tmp = files["results"].with_name(files["results"].name + ".partial")
     tmp.write_text(json.dumps(results, indent=2))
     tmp.replace(files["results"])
@@ -154,7 +153,7 @@ def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: b
         raise Tau2Error(f"{', '.join(existing)} exist from an earlier run; pass --resume or choose a new --out")
     todo: dict[str, int] = {}
     for domain, f in files.items():
-        rerun = _prepare_resume(f, settings, domain) if resume else 0
+        rerun = _prepare_resume(f, settings) if resume else 0
         if resume and not rerun and _finished(f):
             continue
         f["settings"].write_text(json.dumps(settings.recorded(), indent=2))

@@ -176,10 +176,11 @@ def script_for(domain_tasks: dict[str, list], modes: dict[str, dict[str, str]]) 
     for domain, items in domain_tasks.items():
         for task in items:
             criteria = task.evaluation_criteria
-            actions = [a for a in (criteria.actions or [])] if criteria else []
+            actions = list(criteria.actions or []) if criteria else []
             tasks[f"{domain}/{task.id}"] = {
                 "key": str(task.user_scenario),
-                "agent_actions": [{"name": a.name, "arguments": a.arguments} for a in actions if a.requestor == "assistant"],
+                "agent_actions": [{"name": a.name, "arguments": a.arguments} for a in actions
+                                  if a.requestor == "assistant"],
                 "user_actions": [{"name": a.name, "arguments": a.arguments} for a in actions if a.requestor == "user"],
                 "say": list(criteria.communicate_info or []) if criteria else []}
     return {"tasks": tasks, "modes": modes}

@@ -41,7 +41,8 @@ def results_file(path, domain: str, rewards: dict[str, list[float]], user_llm: s
 
 
 def test_three_domains_macro_and_infra_errors(tmp_path, capsys):
-    files = [results_file(tmp_path / "a.json", "airline", {"1": [1, 0], "2": [0, 0]}, reasons={"2": ("agent_error", True)}),
+    files = [results_file(tmp_path / "a.json", "airline", {"1": [1, 0], "2": [0, 0]},
+                          reasons={"2": ("agent_error", True)}),
              results_file(tmp_path / "r.json", "retail", {"1": [0, 0], "2": [1, 0], "3": [1, 1]}),
              results_file(tmp_path / "t.json", "telecom", {"9": [1, 1]})]
     assert evals_main(["import-tau2", *files, "--out", str(tmp_path / "bundle")]) == 0
@@ -67,7 +68,7 @@ def test_classified_by_termination_reason_and_recorded_failure(tmp_path):
               {"event": "error", "task_id": "f", "seed": 0, "side": "user", "error_type": "APIConnectionError",
                "message": "Connection error."}]
     (tmp_path / "airline.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    rows, summary = rows_from_results([tmp_path / "airline.json"])
+    rows, summary = rows_from_results([path])
     infra = {r["item_id"].split("/")[1]: r["infra_error"] for r in rows}
     assert infra == {"a": False, "b": False, "c": False, "d": True, "e": False, "f": True}
     assert summary["domains"]["airline"]["errors"] == {

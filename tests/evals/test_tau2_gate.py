@@ -96,8 +96,21 @@ def test_an_arm_made_of_infrastructure_errors_does_not_pass(tmp_path, capsys):
     code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
     (bench,) = result["benchmarks"]
     assert bench["infra"]["candidate"] == {"errors": 120, "simulations": 120, "rate": 1.0}
-    assert bench["verdict"] == "INCONCLUSIVE" and "candidate: 120/120 simulations are infrastructure errors" in bench["rule"]
+    assert bench["verdict"] == "INCONCLUSIVE"
+    assert "candidate: 120/120 simulations are infrastructure errors" in bench["rule"]
     assert code == 1 and any("infrastructure errors" in b for b in result["blocking"])
+
+
+def test_a_failure_the_infrastructure_errors_cannot_explain_is_a_fail(tmp_path, capsys):
+    ref = tau2_bundle(tmp_path / "ref", {"airline": [1.0] * 60, "retail": [1.0] * 60})
+    # retail collapses; tasks 0-9 of each domain raised: 20/120 infrastructure errors, above the 5% allowed
+    cand = tau2_bundle(tmp_path / "cand", {"airline": [0.0] * 10 + [1.0] * 50, "retail": [0.0] * 60},
+                       reasons={str(i): ("agent_error", True) for i in range(10)})
+    capsys.readouterr()
+    code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
+    (bench,) = result["benchmarks"]
+    assert bench["infra"]["candidate"]["errors"] == 20
+    assert code == 1 and bench["verdict"] == "FAIL" and "in the candidate's favour" in bench["rule"]
 
 
 def test_a_tau2_collapse_blocks_and_the_verdict_line_shows_every_benchmark(tmp_path, capsys):
@@ -106,7 +119,8 @@ def test_a_tau2_collapse_blocks_and_the_verdict_line_shows_every_benchmark(tmp_p
         g, t = bundle(path / "g", "gsm8k", gsm8k), bundle(path / "t", "tau2", tau2, domains=["airline"] * 40 +
                                                           ["retail"] * 40 + ["telecom"] * 40)
         path.joinpath("b").mkdir()
-        path.joinpath("b", "samples.jsonl").write_text((g / "samples.jsonl").read_text() + (t / "samples.jsonl").read_text())
+        samples = (g / "samples.jsonl").read_text() + (t / "samples.jsonl").read_text()
+        path.joinpath("b", "samples.jsonl").write_text(samples)
         path.joinpath("b", "run.json").write_text(json.dumps({"benchmarks": {
             "gsm8k": {"primary_filter": "flexible-extract"}, "tau2": {"primary_filter": "flexible-extract"}}}))
         return path / "b"

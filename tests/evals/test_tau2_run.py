@@ -91,9 +91,10 @@ def test_existing_results_need_resume_and_the_same_settings(airline, tmp_path):
         run_domains(settings(api_base), out, resume=True, progress=False)
 
 
-def test_evals_run_three_domains_without_a_data_dir(tmp_path, capsys):
+def test_evals_run_three_domains_without_a_data_dir(tmp_path, capsys, monkeypatch):
     """`evals run --benchmarks tau2` end to end on airline, retail and telecom, one dropped connection
-    among them; run.json records the effective settings, the counts and the chat template's hash."""
+    among them, a relative --out; run.json records the effective settings, the counts and the chat
+    template's hash, and nothing lands inside the installed tau2."""
     tasks = {d: get_tasks(d, "base", num_tasks=2) for d in ("airline", "retail", "telecom")}
     dropped = f"retail/{tasks['retail'][1].id}"
     server, _ = serve(script_for(tasks, {"cand": {dropped: "drop"}}))
@@ -101,14 +102,17 @@ def test_evals_run_three_domains_without_a_data_dir(tmp_path, capsys):
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "chat_template.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    before = simulations_in_the_install()
     try:
-        code = evals_main(["run", "--benchmarks", "tau2", "--out", str(tmp_path / "b"), "--model", "cand",
+        code = evals_main(["run", "--benchmarks", "tau2", "--out", "b", "--model", "cand",
                            "--base-url", f"{base}/chat/completions", "--tokenizer", str(tokenizer), "--limit", "2",
                            "--tau2-user-llm", "openai/user", "--tau2-user-llm-args", json.dumps({"api_base": base}),
                            "--tau2-max-steps", "30", "--tau2-max-retries", "0", "--tau2-concurrency", "2"])
     finally:
         server.shutdown()
     assert code == 0, capsys.readouterr().err
+    assert simulations_in_the_install() == before and (tmp_path / "b" / "units" / "tau2" / "telecom.json").exists()
     run, rows = read_bundle(tmp_path / "b")
     tau2 = run["benchmarks"]["tau2"]
     assert set(tau2["domains"]) == {"airline", "retail", "telecom"} and len(rows) == 6
