@@ -4,7 +4,8 @@ Order of appearance in DST, each file under its final name only once complete: a
 shards (each written as ``<name>.partial`` and renamed; ``.quantgate-progress.json`` records each
 finished one with its size and sha256), the index, ``config.json``, and last the conversion
 manifest. A folder without ``conversion_manifest.json`` is unfinished; ``--resume`` completes it,
-re-checking every shard it keeps against the recorded size and hash.
+re-checking every shard it keeps against the recorded size and hash, and its source against the
+recorded identity (or, on any doubt, sha256). One run at a time holds DST (``DestinationLock``).
 """
 
 from __future__ import annotations
