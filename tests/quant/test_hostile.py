@@ -271,6 +271,40 @@ def test_resume_redoes_a_shard_whose_source_changed_even_with_mtime_restored(mul
     same_checkpoint(dst, fresh)
 
 
+def test_source_changed_during_conversion_is_never_kept(multi_shard_ckpt, tmp_path):
+    """The shard being read is rewritten mid-run: that run stops (exit 2, file named) or, if the
+    change landed after the read, --resume notices it; either way the result is the new source's."""
+    from tests.conftest import interrupt_midway
+
+    src = Path(shutil.copytree(multi_shard_ckpt, tmp_path / "src"))
+    dst = tmp_path / "out"
+    changed = []
+
+    def rewrite_in_flight():
+        partial = next(dst.glob("*" + PARTIAL_SUFFIX))
+        source = src / partial.name.removesuffix(PARTIAL_SUFFIX)
+        with source.open("r+b") as f:
+            f.seek(source.stat().st_size - 2)
+            byte = f.read(1)
+            f.seek(source.stat().st_size - 2)
+            f.write(bytes([byte[0] ^ 0x01]))
+        changed.append(source)
+
+    code, err = interrupt_midway(src, dst, signal.SIGSTOP, on_stop=rewrite_in_flight)
+    assert code in (0, 2), err
+    if code == 0:  # frozen after the shard's last read: its record names the bytes really converted
+        record = next(r for r in json.loads((dst / MANIFEST_NAME).read_text())["shards"]
+                      if r["file"] == changed[0].name)
+        assert record["source_sha256"] == hashlib.sha256((multi_shard_ckpt / changed[0].name).read_bytes()).hexdigest()
+        return
+    one_line_error(err, str(changed[0]), "changed while it was being converted", "--resume")
+    assert not list(dst.glob("*" + PARTIAL_SUFFIX))
+    subprocess.run(quantize_cmd(src, dst, "--resume"), check=True, capture_output=True)
+    fresh = tmp_path / "fresh"
+    subprocess.run(quantize_cmd(src, fresh), check=True, capture_output=True)
+    same_checkpoint(dst, fresh)
+
+
 def test_resume_refuses_a_progress_file_missing_a_field(glm_ckpt, tmp_path, capsys):
     dst = tmp_path / "dst"
     dst.mkdir()
