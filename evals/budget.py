@@ -26,13 +26,15 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from evals.errors import BadInput
+
 DEFAULT_MAX_GEN_TOKS = 16384  # reasoning models think long; lm-eval's own default of 256 cuts them off
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot seed (simple_evaluate's fewshot_random_seed), as the seed ran it
 CHAT_MARGIN_BYTES = 64  # room for a chat template's role markers when prompts are counted in bytes
 log = logging.getLogger(__name__)
 
 
-class BudgetError(ValueError):
+class BudgetError(BadInput):
     """The generation budget cannot fit the model's context; the message names both numbers and the flag."""
 
 

@@ -1,58 +1,182 @@
 """The run bundle: ``run.json`` (provenance) + ``samples.jsonl`` (one row per item x repeat x filter).
 
 Two bundles pair up when they hold the same (benchmark, item_id, repeat, filter) keys with equal
-``doc_hash``; the gate compares them row by row.
+``doc_hash``; the gate compares them row by row. Bundles are written only by ``BundleWriter``:
+finished units under ``units/`` (each with the identity it was produced under: settings, model,
+dataset sha256s), then ``samples.jsonl``, then ``run.json`` last, atomically: a folder with a
+``run.json`` is a finished bundle, one without is a run in progress.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-RUN_JSON, SAMPLES = "run.json", "samples.jsonl"
+from evals.errors import BadInput
+
+RUN_JSON, SAMPLES, UNITS = "run.json", "samples.jsonl", "units"
 REQUIRED = ("benchmark", "item_id", "repeat", "filter", "score", "doc_hash", "prompt_hash")
+log = logging.getLogger(__name__)
 
 
-class BundleError(ValueError):
-    pass
+class BundleError(BadInput):
+    """A bundle that cannot be read, or two that cannot be paired; the message names file and line."""
 
 
-def write_samples(path: Path, rows: list[dict]) -> None:
+def key_of(row: dict) -> tuple[str, str, int, str]:
+    return row["benchmark"], row["item_id"], row["repeat"], row["filter"]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` under ``path`` only once complete: a crash leaves the old file or none, never half."""
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    tmp.replace(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{path.parent}: not a finished run bundle ({path.name} missing)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path}: not JSON ({exc}); {what}") from None
+
+
+def _normalised(row, where: str) -> dict:
+    """A sample row with its key fields in one type each (item id ``0`` and ``"0"`` are one item)."""
+    if not isinstance(row, dict):
+        raise BundleError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise BundleError(f"{where}: missing {missing}")
+    score = row["score"]
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0 or math.isnan(score):
+        raise BundleError(f"{where}: score {score!r} is not a number in 0..1")
+    try:
+        repeat = int(row["repeat"])
+    except (TypeError, ValueError):
+        raise BundleError(f"{where}: repeat {row['repeat']!r} is not an integer") from None
+    return {**row, "item_id": str(row["item_id"]), "repeat": repeat, "filter": str(row["filter"]),
+            "score": float(score)}
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BundleError(f"{path}:{n}: not JSON ({exc.msg}); each line of {path.name} is one JSON object") from None
+        rows.append(_normalised(raw, f"{path}:{n}"))
+    return rows
+
+
+def check_rows(rows: list[dict], where: str) -> None:
+    """No duplicate keys, and one document per item (repeats of an item ran on the same data)."""
+    seen: set = set()
+    docs: dict[tuple[str, str], set[str]] = {}
+    for row in rows:
+        if key_of(row) in seen:
+            raise BundleError(f"{where}: duplicate (benchmark, item_id, repeat, filter) row {key_of(row)}")
+        seen.add(key_of(row))
+        docs.setdefault((row["benchmark"], row["item_id"]), set()).add(row["doc_hash"])
+    mixed = sorted(k for k, v in docs.items() if len(v) > 1)
+    if mixed:
+        raise BundleError(f"{where}: {len(mixed)} item(s) carry more than one doc_hash (e.g. {mixed[0]}): its units "
+                          "ran on different data; rerun them on one version of the data")
 
 
 def read_bundle(run_dir: Path) -> tuple[dict, list[dict]]:
-    """``(run.json, rows)`` of a finished bundle, validated."""
+    """``(run.json, rows)`` of a finished bundle, validated; every problem is a BundleError naming the file."""
     run_dir = Path(run_dir)
-    try:
-        run = json.loads((run_dir / RUN_JSON).read_text())
-        rows = [json.loads(line) for line in (run_dir / SAMPLES).read_text().splitlines() if line.strip()]
-    except FileNotFoundError as exc:
-        raise BundleError(f"{run_dir}: not a finished run bundle ({exc.filename} missing)") from None
-    for n, row in enumerate(rows, 1):
-        missing = [k for k in REQUIRED if k not in row]
-        if missing:
-            raise BundleError(f"{run_dir / SAMPLES}:{n}: missing {missing}")
-        if not 0.0 <= float(row["score"]) <= 1.0:
-            raise BundleError(f"{run_dir / SAMPLES}:{n}: score {row['score']} outside 0..1")
-    keys = [(r["benchmark"], r["item_id"], r["repeat"], r["filter"]) for r in rows]
-    if len(set(keys)) != len(keys):
-        raise BundleError(f"{run_dir / SAMPLES}: duplicate (benchmark, item_id, repeat, filter) rows")
+    if run_dir.is_file():
+        raise BundleError(f"{run_dir}: is a file; give the run bundle folder (it holds {RUN_JSON} and {SAMPLES})")
+    if not run_dir.is_dir():
+        raise BundleError(f"{run_dir}: no such run bundle folder")
+    run = _read_json(run_dir / RUN_JSON, "a run bundle's run.json is written by `evals run` / `evals import-tau2`")
+    if not isinstance(run, dict) or not isinstance(run.get("benchmarks"), dict):
+        raise BundleError(f"{run_dir / RUN_JSON}: no 'benchmarks' mapping; not a run.json written by `evals run`")
+    if not (run_dir / SAMPLES).exists():
+        raise BundleError(f"{run_dir}: not a finished run bundle ({SAMPLES} missing)")
+    rows = read_rows(run_dir / SAMPLES)
+    if not rows:
+        raise BundleError(f"{run_dir / SAMPLES}: no rows; the run scored nothing")
+    check_rows(rows, str(run_dir / SAMPLES))
     return run, rows
 
 
-def pair(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
-    """Rows of two bundles matched by key; refuses unequal item sets or documents."""
-    key = lambda r: (r["benchmark"], str(r["item_id"]), r["repeat"], r["filter"])  # noqa: E731
-    left, right = {key(r): r for r in a}, {key(r): r for r in b}
-    only_a, only_b = sorted(left.keys() - right.keys()), sorted(right.keys() - left.keys())
-    if only_a or only_b:
-        raise BundleError(f"item sets differ: {len(only_a)} rows only in the first (e.g. {only_a[:3]}), "
-                          f"{len(only_b)} only in the second (e.g. {only_b[:3]})")
-    changed = sorted(k for k in left if left[k]["doc_hash"] != right[k]["doc_hash"])
+def pair(reference: list[dict], candidate: list[dict]) -> list[tuple[dict, dict]]:
+    """(reference, candidate) rows matched by key; refuses unequal item sets or documents."""
+    ref, cand = {key_of(r): r for r in reference}, {key_of(r): r for r in candidate}
+    only_ref, only_cand = sorted(ref.keys() - cand.keys()), sorted(cand.keys() - ref.keys())
+    if only_ref or only_cand:
+        raise BundleError(f"item sets differ: {len(only_ref)} rows only in the reference (e.g. {only_ref[:3]}), "
+                          f"{len(only_cand)} only in the candidate (e.g. {only_cand[:3]})")
+    changed = sorted(k for k in ref if ref[k]["doc_hash"] != cand[k]["doc_hash"])
     if changed:
         raise BundleError(f"{len(changed)} items have different documents (doc_hash), e.g. {changed[:3]}: "
                           "the two runs did not see the same data")
-    return [(left[k], right[k]) for k in sorted(left)]
+    return [(ref[k], cand[k]) for k in sorted(ref)]
+
+
+class BundleWriter:
+    """The one place a bundle is written: units as they finish, then samples, then run.json.
+
+    A unit (a benchmark x repeat, a tau2 domain) is kept with the identity it was produced under
+    (settings, model, dataset sha256s). On ``resume`` a unit whose identity still matches is
+    reused, one that no longer matches is redone (and listed in ``redone`` with what changed);
+    without ``resume`` an existing unit is refused, so two runs never mix in one folder.
+    """
+
+    def __init__(self, out: Path, resume: bool = False):
+        self.out, self.resume = Path(out), resume
+        if self.out.is_file():
+            raise BadInput(f"{self.out}: is a file; --out names a folder for the run bundle")
+        if (self.out / RUN_JSON).exists() and not resume:
+            raise BadInput(f"{self.out} already holds a finished run; choose a new --out")
+        # A bundle being resumed is in progress again until finish() writes its new run.json.
+        (self.out / RUN_JSON).unlink(missing_ok=True)
+        self.units = self.out / UNITS
+        self.redone: dict[str, list[str]] = {}
+
+    def unit(self, name: str, identity: dict, produce: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
+        """``(rows, reused)``: the unit's rows, from disk when its identity matches, else produced now."""
+        self.units.mkdir(parents=True, exist_ok=True)
+        rows_path, meta_path = self.units / f"{name}.jsonl", self.units / f"{name}.json"
+        identity = json.loads(json.dumps(identity))  # as it reads back from disk (tuples become lists)
+        if rows_path.exists() or meta_path.exists():
+            recorded = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            if recorded == identity and rows_path.exists():
+                return read_rows(rows_path), True
+            if not self.resume:
+                raise BadInput(f"{rows_path} exists from another run; pass --resume or choose a new --out")
+            changed = sorted(k for k in identity.keys() | (recorded or {}).keys()
+                             if (recorded or {}).get(k) != identity.get(k)) if recorded else ["unfinished"]
+            self.redone[name] = changed
+            log.warning("unit %s no longer matches this run (%s): redoing it", name, ", ".join(changed))
+            meta_path.unlink(missing_ok=True)
+        rows = produce()
+        write_rows(rows_path, rows)
+        write_atomic(meta_path, json.dumps(identity, indent=2, sort_keys=True))  # the unit's completion marker
+        return rows, False
+
+    def finish(self, rows: list[dict], run: dict) -> dict:
+        """Validate and write ``samples.jsonl``, then ``run.json`` (the bundle's completion marker)."""
+        rows = [_normalised(r, f"{self.out / SAMPLES} row {n}") for n, r in enumerate(rows, 1)]
+        check_rows(rows, str(self.out / SAMPLES))
+        run = {**run, "rows": len(rows), **({"redone_on_resume": self.redone} if self.redone else {})}
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_rows(self.out / SAMPLES, rows)
+        write_atomic(self.out / RUN_JSON, json.dumps(run, indent=2, default=str))
+        return run

@@ -17,8 +17,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
 
-from evals.bundle import pair, read_bundle
-from evals.gate import accuracy_gate, load_policy
+from evals import render
+from evals.gate import accuracy_gate
+from evals.policy import load_policy
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
 
@@ -50,16 +51,7 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
 
 def seed_table(data: dict) -> pd.DataFrame:
     """The seed's table, with n, 95% intervals, the paired delta and bounds, and the verdict."""
-    rows = []
-    for b in data["accuracy"]["benchmarks"]:
-        rows.append({"eval": b["benchmark"], "filter": b["filter"], "items x repeats": f"{b['n_items']} x {b['repeats']}",
-                     "reference": f"{b['reference']['score']:.4f} [{b['reference']['ci_low']:.3f}, "
-                                  f"{b['reference']['ci_high']:.3f}]",
-                     "candidate": f"{b['candidate']['score']:.4f} [{b['candidate']['ci_low']:.3f}, "
-                                  f"{b['candidate']['ci_high']:.3f}]",
-                     "delta": round(b["delta"], 4), "one-sided bounds": f"[{b['lower']:+.4f}, {b['upper']:+.4f}]",
-                     "margin": -b["margin"], "verdict": b["verdict"]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(render.table(data["accuracy"]), columns=render.COLUMNS)
 
 
 def forest_plot(data: dict):
@@ -81,20 +73,14 @@ def forest_plot(data: dict):
     return fig
 
 
-def _pairs(data: dict, benchmark: str) -> list[tuple[dict, dict]]:
-    bench = next(b for b in data["accuracy"]["benchmarks"] if b["benchmark"] == benchmark)
-    select = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == bench["filter"]]  # noqa: E731
-    return pair(select(read_bundle(Path(data["reference"]))[1]), select(read_bundle(Path(data["candidate"]))[1]))
-
-
 def discordance_tables(data: dict) -> dict[str, pd.DataFrame]:
-    """2x2 per benchmark over (item, repeat) outcomes: reference right/wrong x candidate right/wrong."""
+    """2x2 per benchmark over the gate's paired (item, repeat) outcomes: reference right/wrong x
+    candidate right/wrong (from the gate's result, so a saved report.json is enough)."""
     out = {}
     for b in data["accuracy"]["benchmarks"]:
-        counts = np.zeros((2, 2), dtype=int)
-        for ref, cand in _pairs(data, b["benchmark"]):
-            counts[int(ref["score"] < 0.5), int(cand["score"] < 0.5)] += 1
-        out[b["benchmark"]] = pd.DataFrame(counts, index=["reference right", "reference wrong"],
+        a = b["agreement"]
+        out[b["benchmark"]] = pd.DataFrame([[a["both_right"], a["reference_only"]], [a["candidate_only"], a["both_wrong"]]],
+                                           index=["reference right", "reference wrong"],
                                            columns=["candidate right", "candidate wrong"])
     return out
 

@@ -16,7 +16,6 @@ Where a benchmark's files come from (``dataset_for``):
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import random
@@ -26,6 +25,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from evals.errors import BadInput
+from quant.hashing import sha256_of
+
 MANIFEST = "manifest.json"
 GPQA_FREEZE_SEED = 0
 BUNDLED_DATA_DIR = Path(str(resources.files("evals.benchmarks").joinpath("data")))
@@ -34,12 +36,8 @@ GSM8K_ANSWER = re.compile(r"####\s*-?[0-9][0-9.,]*\s*$")  # the official answer 
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     pass
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _update_manifest(data_dir: Path, benchmark: str, files: dict[str, Path], source: str) -> dict:

@@ -1,25 +1,39 @@
-"""The accuracy gate: paired candidate-vs-reference comparison per benchmark, a verdict per policy.
+"""The accuracy gate and the release verdict: every verdict of ``gate`` is made here.
 
-PASS: the one-sided lower bound of the paired delta is above -margin (and no absolute floor is
-broken). FAIL: the upper bound is below -margin, or the floor is broken. INCONCLUSIVE: anything
-else; the report says how many items would decide it at the observed per-item spread.
+Per benchmark, a paired candidate-vs-reference comparison judged against the policy
+(``evals.policy``): PASS when the one-sided lower bound of the paired delta is above -margin (and
+no absolute floor is broken); FAIL when the upper bound is below -margin or the floor is broken;
+INCONCLUSIVE otherwise, with how many items would decide it at the observed per-item spread.
+
+Only comparable runs are compared. Each benchmark entry of ``run.json`` carries ``settings``:
+everything that defines its measurement (API, generation budget, sampling, few-shot sampler and
+seed, stop sequences, request timeout, ...; a benchmark declares its own, e.g. tau2's user
+simulator). Two runs whose settings differ, or whose prompts differ item by item
+(``prompt_hash``), are refused naming each difference, unless the caller allows it; the result
+then says so. Different data, items or scoring filters are always refused.
+
+The overall verdict needs every required benchmark compared: one left out blocks.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from evals.bundle import BundleError, pair, read_bundle
 from evals import tau2_gate
-from evals.stats import discordance, items_to_decide, macro_interval, mcnemar_exact_p, mean_ci, paired_delta, \
-    wilson_interval
-from quant.layout import manifests_root
+from evals.bundle import BundleError, pair, read_bundle
+from evals.errors import BadInput, Refused
+from evals.policy import GatePolicy
+from evals.stats import (NOISE_ALPHA, discordance, items_to_decide, macro_interval, mcnemar_exact_p, mean_ci,
+                         noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+RELEASE, BLOCK = "RELEASE", "BLOCK"
+DEFAULT_FILTER = "flexible-extract"
 
 
 @dataclass
@@ -41,18 +55,16 @@ class BenchmarkResult:
     verdict: str
     rule: str
     required: bool
-    discordant_ref_only: int | None = None  # b: reference right, candidate wrong
+    agreement: dict  # (item, repeat) outcomes: both_right, reference_only, candidate_only, both_wrong
+    discordant_ref_only: int | None = None  # b: reference right, candidate wrong (per item, single repeat)
     discordant_cand_only: int | None = None  # c
     mcnemar_p: float | None = None
     items_to_decide: int | None = None
     per_stratum: dict | None = None  # GPQA per seed, tau2 per domain
     noise: dict | None = None
+    setting_differences: list[str] | None = None  # set only when compared despite them
     decidable: bool = True  # False: too few items or too many infrastructure errors to judge at all
     infra: dict | None = None  # tau2: infrastructure errors per arm
-
-
-def load_policy(path: Path | None = None) -> dict:
-    return yaml.safe_load((path or manifests_root() / "gates" / "release.yaml").read_text())
 
 
 def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | None]:
@@ -60,9 +72,9 @@ def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | 
     by_item: dict[str, list[float]] = {}
     strata: dict[str, str] = {}
     for r in rows:
-        by_item.setdefault(str(r["item_id"]), []).append(float(r["score"]))
+        by_item.setdefault(r["item_id"], []).append(r["score"])
         if "domain" in r:
-            strata[str(r["item_id"])] = r["domain"]
+            strata[r["item_id"]] = r["domain"]
     items = sorted(by_item)
     scores = np.array([np.mean(by_item[i]) for i in items])
     return items, scores, (np.array([strata[i] for i in items]) if strata else None)
@@ -79,6 +91,16 @@ def _per_stratum(pairs: list[tuple[dict, dict]], key: str) -> dict:
                 "delta": float(np.mean(v["candidate"]) - np.mean(v["reference"]))} for k, v in sorted(out.items())}
 
 
+def _agreement(pairs: list[tuple[dict, dict]]) -> dict:
+    """Outcome counts over paired (item, repeat) rows; a score of 0.5 or more counts as right."""
+    counts = {"both_right": 0, "reference_only": 0, "candidate_only": 0, "both_wrong": 0}
+    names = {(True, True): "both_right", (True, False): "reference_only", (False, True): "candidate_only",
+             (False, False): "both_wrong"}
+    for ref, cand in pairs:
+        counts[names[ref["score"] >= 0.5, cand["score"] >= 0.5]] += 1
+    return counts
+
+
 def _fails_anyway(pairs: list[tuple[dict, dict]], margin: float, confidence: float, resamples: int,
                   seed: int) -> bool:
     """Would the candidate still fail with its infrastructure errors scored 1 and the reference's 0?
@@ -89,41 +111,37 @@ def _fails_anyway(pairs: list[tuple[dict, dict]], margin: float, confidence: flo
     return paired_delta(ref, cand, confidence, resamples, seed, strata).upper < -margin
 
 
-def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict], policy: dict,
-                      rerun_rows: list[dict] | None = None) -> BenchmarkResult:
-    rules = policy["benchmarks"].get(benchmark, {"margin": 0.02, "required": True, "floor": None})
-    confidence, margin = float(policy["confidence"]), float(rules["margin"])
-    pairs = pair(ref_rows, cand_rows)
+def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: GatePolicy,
+                      rerun_pairs: list[tuple[dict, dict]] | None = None) -> BenchmarkResult:
+    """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy."""
+    rules = policy.of(benchmark)
+    confidence, margin = policy.confidence, rules.margin
     items, ref_scores, strata = _item_scores([a for a, _ in pairs])
     _, cand_scores, _ = _item_scores([b for _, b in pairs])
-    boot = policy.get("bootstrap", {})
-    p = paired_delta(ref_scores, cand_scores, confidence, int(boot.get("resamples", 10000)),
-                     int(boot.get("seed", 0)), strata)
+    resamples, seed = policy.bootstrap.resamples, policy.bootstrap.seed
+    p = paired_delta(ref_scores, cand_scores, confidence, resamples, seed, strata)
     repeats = len({a["repeat"] for a, _ in pairs})
-    resamples, seed = int(boot.get("resamples", 10000)), int(boot.get("seed", 0))
     if strata is not None:  # tau2: the macro over domains, as the benchmark reports it
         ref_ci, cand_ci, per_domain = tau2_gate.macro_table(ref_scores, cand_scores, strata, confidence, resamples, seed)
     else:
-        ref_ci, cand_ci = (dict(zip(("score", "ci_low", "ci_high"), wilson_interval(s, 0.95)))
-                           for s in (ref_scores, cand_scores))
-    floor, min_items = rules.get("floor"), int(rules.get("min_items") or 0)
-    max_infra = rules.get("max_infra_error_rate")
+        ref_ci, cand_ci = (dict(zip(("score", "ci_low", "ci_high"), wilson_interval(s))) for s in (ref_scores, cand_scores))
+    max_infra = rules.max_infra_error_rate
     infra = {"reference": tau2_gate.infra_counts([a for a, _ in pairs]),
              "candidate": tau2_gate.infra_counts([b for _, b in pairs])} if max_infra is not None else None
     too_broken = [f"{arm}: {c['errors']}/{c['simulations']} simulations are infrastructure errors "
                   f"({c['rate']:.1%} > the policy's {max_infra:.0%})" for arm, c in (infra or {}).items()
                   if c["rate"] is not None and c["rate"] > max_infra]
-    if too_broken and len(items) >= min_items and _fails_anyway(pairs, margin, confidence, resamples, seed):
+    if too_broken and len(items) >= rules.min_items and _fails_anyway(pairs, margin, confidence, resamples, seed):
         verdict, rule = FAIL, ("; ".join(too_broken) + f", yet even with every infrastructure error scored in the "
                                f"candidate's favour the one-sided upper bound stays below -{margin}")
         too_broken = []
     elif too_broken:
         verdict, rule = INCONCLUSIVE, ("; ".join(too_broken) + ": the measurement failed, not the model; fix the "
                                        "serving and rerun with `evals run --resume` (it runs them again)")
-    elif len(items) < min_items:
-        verdict, rule = INCONCLUSIVE, f"{len(items)} items, below the policy's minimum of {min_items} to judge"
-    elif floor is not None and cand_ci["score"] < floor:
-        verdict, rule = FAIL, f"candidate score {cand_ci['score']:.4f} is below the floor {floor}"
+    elif len(items) < rules.min_items:
+        verdict, rule = INCONCLUSIVE, f"{len(items)} items, below the policy's minimum of {rules.min_items} to judge"
+    elif rules.floor is not None and cand_ci["score"] < rules.floor:
+        verdict, rule = FAIL, f"candidate score {cand_ci['score']:.4f} is below the floor {rules.floor}"
     elif p.lower > -margin:
         verdict, rule = PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin}"
     elif p.upper < -margin:
@@ -134,8 +152,8 @@ def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict
         benchmark=benchmark, filter=pairs[0][0]["filter"], n_items=len(items), repeats=repeats,
         reference=ref_ci, candidate=cand_ci, delta=p.delta, se=p.se, lower=p.lower, upper=p.upper,
         normal_lower=p.normal_lower, normal_upper=p.normal_upper, margin=margin, confidence=confidence,
-        verdict=verdict, rule=rule, required=bool(rules.get("required", True)),
-        decidable=not too_broken and len(items) >= min_items, infra=infra)
+        verdict=verdict, rule=rule, required=rules.required, agreement=_agreement(pairs),
+        decidable=not too_broken and len(items) >= rules.min_items, infra=infra)
     binary = repeats == 1 and set(np.unique(np.concatenate([ref_scores, cand_scores]))) <= {0.0, 1.0}
     if binary:
         b, c = discordance(ref_scores, cand_scores)
@@ -146,86 +164,176 @@ def compare_benchmark(benchmark: str, ref_rows: list[dict], cand_rows: list[dict
         result.per_stratum = per_domain
     elif repeats > 1:
         result.per_stratum = _per_stratum(pairs, "repeat")
-    if rerun_rows is not None:
-        result.noise = noise_floor(ref_rows, rerun_rows, cand_rows)
+    if rerun_pairs is not None:
+        result.noise = noise_floor(rerun_pairs, pairs)
     return result
 
 
-def noise_floor(ref_rows: list[dict], rerun_rows: list[dict], cand_rows: list[dict]) -> dict:
+def noise_floor(rerun_pairs: list[tuple[dict, dict]], pairs: list[tuple[dict, dict]]) -> dict:
     """Reference-vs-reference discordance (a server's "greedy" is not bit-exact under batching)
-    against candidate-vs-reference discordance: with d_noise and d_cand discordant items, the
-    candidate is "within noise" when d_cand is not more than Binomial(d_noise + d_cand, 1/2) allows."""
-    rerun_pairs = pair(ref_rows, rerun_rows)
+    against candidate-vs-reference discordance, on the same items (``stats.noise_floor_p``)."""
     _, ref, _ = _item_scores([a for a, _ in rerun_pairs])
     _, rerun, _ = _item_scores([b for _, b in rerun_pairs])
-    _, cand, _ = _item_scores([b for _, b in pair(ref_rows, cand_rows)])
+    _, cand, _ = _item_scores([b for _, b in pairs])
     d_noise, d_cand = int((ref != rerun).sum()), int((ref != cand).sum())
-    from scipy.stats import binom
-
-    p = float(binom.sf(d_cand - 1, d_noise + d_cand, 0.5)) if d_noise + d_cand else 1.0
+    p = noise_floor_p(d_noise, d_cand)
     return {"reference_self_discordant": d_noise, "candidate_discordant": d_cand, "n": len(ref),
-            "p_more_than_noise": p, "within_noise": p > 0.05}
+            "p_more_than_noise": p, "within_noise": p > NOISE_ALPHA}
 
 
-def accuracy_gate(candidate: Path, reference: Path, policy: dict, margins: dict[str, float] | None = None,
-                  reference_rerun: Path | None = None) -> dict:
-    """Per-benchmark results and the overall verdict. Raises BundleError on mismatched bundles."""
-    policy = {**policy, "benchmarks": {k: dict(v) for k, v in policy["benchmarks"].items()}}
-    for bench, margin in (margins or {}).items():
-        policy["benchmarks"].setdefault(bench, {"required": True, "floor": None})["margin"] = margin
-    cand_run, cand_rows = read_bundle(candidate)
+def setting_differences(benchmark: str, reference: dict, candidate: dict,
+                        pairs: list[tuple[dict, dict]]) -> list[str]:
+    """Each way two runs of ``benchmark`` measured differently: the settings the benchmark declares
+    (lm-eval benchmarks: their recorded ``settings``, key by key; tau2: ``tau2_gate.COMPARED``), and
+    the prompts item by item (``prompt_hash``)."""
+    if benchmark == "tau2":
+        ref_s = cand_s = None
+        out = [f"tau2: {d}" for d in tau2_gate.arm_differences(reference, candidate)]
+    else:
+        ref_s, cand_s = reference.get("settings"), candidate.get("settings")
+        out = []
+    if benchmark != "tau2" and (ref_s is None) != (cand_s is None):
+        out.append(f"{benchmark}: settings recorded only in the {'reference' if ref_s is not None else 'candidate'} "
+                   "run (the other predates settings recording); rerun it")
+    for key in sorted((ref_s or {}).keys() | (cand_s or {}).keys()) if ref_s is not None and cand_s is not None else []:
+        if ref_s.get(key, "(unrecorded)") != cand_s.get(key, "(unrecorded)"):
+            out.append(f"{benchmark}: {key}: reference {json.dumps(ref_s.get(key, '(unrecorded)'))}, "
+                       f"candidate {json.dumps(cand_s.get(key, '(unrecorded)'))}")
+    differ = [a["item_id"] for a, b in pairs if a["prompt_hash"] != b["prompt_hash"]]
+    if differ:
+        items = len({a["item_id"] for a, _ in pairs})
+        out.append(f"{benchmark}: prompt_hash: the prompts differ on {len(set(differ))} of {items} items "
+                   f"(e.g. item {differ[0]})")
+    return out
+
+
+def _select(rows: list[dict], benchmark: str, filter_: str) -> list[dict]:
+    return [r for r in rows if r["benchmark"] == benchmark and r["filter"] == filter_]
+
+
+def _check_same_data(bench: str, ref_entry: dict, cand_entry: dict) -> str:
+    primary = ref_entry.get("primary_filter", DEFAULT_FILTER)
+    if cand_entry.get("primary_filter", DEFAULT_FILTER) != primary:
+        raise BundleError(f"{bench}: the runs score with different filters: reference {primary}, "
+                          f"candidate {cand_entry.get('primary_filter', DEFAULT_FILTER)}")
+    ref_data, cand_data = ref_entry.get("dataset"), cand_entry.get("dataset")
+    if ref_data and cand_data and ref_data["files"] != cand_data["files"]:
+        raise BundleError(f"{bench}: the runs used different data files (sha256 differ: reference "
+                          f"{ref_data['files']}, candidate {cand_data['files']}); rerun on the same data")
+    return primary
+
+
+def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, reference_rerun: Path | None = None, *,
+                  allow_setting_differences: bool = False, benchmarks: list[str] | None = None) -> dict:
+    """Per-benchmark results and the overall verdict.
+
+    ``benchmarks`` limits the comparison (and so the verdict) to those named; otherwise every
+    benchmark of the bundles is compared and every benchmark the policy requires must be among
+    them. Raises BundleError on bundles that cannot pair, Refused on runs measured differently.
+    """
     ref_run, ref_rows = read_bundle(reference)
-    rerun_rows = read_bundle(reference_rerun)[1] if reference_rerun else None
-    cand_b, ref_b = set(cand_run["benchmarks"]), set(ref_run["benchmarks"])
-    if cand_b != ref_b:
-        raise BundleError(f"the bundles cover different benchmarks: candidate {sorted(cand_b)}, reference {sorted(ref_b)}")
+    cand_run, cand_rows = read_bundle(candidate)
+    rerun = read_bundle(reference_rerun) if reference_rerun else None
+    ref_b, cand_b = set(ref_run["benchmarks"]), set(cand_run["benchmarks"])
+    if benchmarks:
+        missing = sorted(set(benchmarks) - (ref_b & cand_b))
+        if missing:
+            raise BadInput(f"--benchmarks {','.join(benchmarks)}: {missing} not in both runs (reference has "
+                           f"{sorted(ref_b)}, candidate {sorted(cand_b)})")
+        compared = sorted(set(benchmarks))
+    elif ref_b != cand_b:
+        raise BundleError(f"the bundles cover different benchmarks: reference {sorted(ref_b)}, candidate "
+                          f"{sorted(cand_b)}; compare the common ones with --benchmarks")
+    else:
+        compared = sorted(ref_b)
+    if rerun and not set(compared) <= set(rerun[0]["benchmarks"]):
+        raise BundleError(f"the reference rerun lacks {sorted(set(compared) - set(rerun[0]['benchmarks']))}")
+    all_pairs, differences = {}, {}
+    for bench in compared:
+        primary = _check_same_data(bench, ref_run["benchmarks"][bench], cand_run["benchmarks"][bench])
+        all_pairs[bench] = pair(_select(ref_rows, bench, primary), _select(cand_rows, bench, primary))
+        if not all_pairs[bench]:
+            raise BundleError(f"{bench}: no rows scored with the {primary} filter in either run")
+        found = setting_differences(bench, ref_run["benchmarks"][bench], cand_run["benchmarks"][bench],
+                                    all_pairs[bench])
+        if found:
+            differences[bench] = found
+    if differences and not allow_setting_differences:
+        lines = [d for found in differences.values() for d in found]
+        raise Refused("the runs are not comparable: they measured differently\n  " + "\n  ".join(lines) +
+                      "\nRerun one arm with the other's settings; or pass --allow-setting-differences to compare "
+                      "them anyway (the result is then labelled as such)")
     results = []
-    for bench in sorted(cand_b):
-        primary = ref_run["benchmarks"][bench].get("primary_filter", "flexible-extract")
-        if cand_run["benchmarks"][bench].get("primary_filter", primary) != primary:
-            raise BundleError(f"{bench}: the runs score with different filters")
-        for label, run in (("candidate", cand_run), ("reference", ref_run)):
-            other = ref_run if label == "candidate" else cand_run
-            mine, theirs = run["benchmarks"][bench].get("dataset"), other["benchmarks"][bench].get("dataset")
-            if mine and theirs and mine["files"] != theirs["files"]:
-                raise BundleError(f"{bench}: the runs used different data files (sha256 differ); rerun on the same data")
-        if bench == "tau2":
-            differences = tau2_gate.arm_differences(ref_run["benchmarks"][bench], cand_run["benchmarks"][bench])
-            if differences:
-                raise BundleError("tau2: the arms were run with different settings, so their delta would not be the "
-                                  "model's: " + "; ".join(differences) + ". Rerun one arm with the other's settings")
-        select = lambda rows: [r for r in rows if r["benchmark"] == bench and r["filter"] == primary]  # noqa: E731
-        results.append(compare_benchmark(bench, select(ref_rows), select(cand_rows), policy,
-                                         select(rerun_rows) if rerun_rows else None))
+    for bench in compared:
+        rerun_pairs = None
+        if rerun:
+            primary = all_pairs[bench][0][0]["filter"]
+            rerun_pairs = pair(_select(ref_rows, bench, primary), _select(rerun[1], bench, primary))
+        result = compare_benchmark(bench, all_pairs[bench], policy, rerun_pairs)
+        result.setting_differences = differences.get(bench)
+        results.append(result)
     blocking = []
     for r in results:
-        mode = policy["benchmarks"].get(r.benchmark, {}).get("inconclusive", "block")
         if r.verdict == FAIL and r.required:
             blocking.append(f"{r.benchmark}: FAIL ({r.rule})")
-        elif r.verdict == INCONCLUSIVE and r.required and (mode == "block" or not r.decidable):
+        elif r.verdict == INCONCLUSIVE and r.required and (policy.of(r.benchmark).inconclusive == "block"
+                                                           or not r.decidable):
             blocking.append(f"{r.benchmark}: INCONCLUSIVE ({r.rule}"
                             + (f"; ~{r.items_to_decide} items would decide it)" if r.items_to_decide else ")"))
+    not_compared = [] if benchmarks else [b for b in policy.required if b not in compared]
+    blocking += [f"{b}: required by the policy but not compared (the runs do not hold it)" for b in not_compared]
     verdict = FAIL if any(r.verdict == FAIL and r.required for r in results) else (
         INCONCLUSIVE if blocking else PASS)
     return {"verdict": verdict, "blocking": blocking, "candidate": str(candidate), "reference": str(reference),
-            "policy": policy, "benchmarks": [asdict(r) for r in results]}
+            "scope": compared if benchmarks else None, "not_compared": not_compared,
+            "setting_differences": differences or None, "policy": policy.to_dict(),
+            "benchmarks": [asdict(r) for r in results]}
+
+
+def release_verdict(structure: dict, accuracy: dict, kernels: dict | None = None,
+                    load: dict | None = None) -> tuple[str, list[str]]:
+    """RELEASE only when the checkpoint loads correctly in every engine, the accuracy gate passes on
+    every required benchmark, (when the policy makes kernels blocking) every MoE shape has a tuned
+    kernel, and (when load sweeps are given) the serving-load gate passes; otherwise BLOCK with the
+    reasons."""
+    reasons = [f"structure: {engine} would not load it correctly ({len(e['findings'])} problem(s))"
+               for engine, e in structure["engines"].items() if not e["ok"]]
+    if accuracy["scope"]:
+        reasons.append("accuracy: a release verdict needs every benchmark of the policy compared, not a scope")
+    if accuracy["verdict"] != PASS:
+        reasons += [f"accuracy: {b}" for b in accuracy["blocking"]] or [f"accuracy: {accuracy['verdict']}"]
+    if kernels and kernels["blocking"] and not kernels["ok"]:
+        reasons.append(f"kernels: {kernels['summary']}")
+    if load and load["verdict"] != PASS:
+        reasons.append(f"load: {load['verdict']} ({load['why']})")
+    return (BLOCK if reasons else RELEASE), reasons
+
+
+def release_report(checkpoint: Path, structure: dict, accuracy: dict, kernels: dict | None = None,
+                   load: dict | None = None) -> dict:
+    verdict, reasons = release_verdict(structure, accuracy, kernels, load)
+    return {"verdict": verdict, "reasons": reasons, "checkpoint": str(checkpoint), "structure": structure,
+            "accuracy": accuracy, "kernels": kernels, "load": load}
 
 
 def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[dict]:
     """The weaker comparison against published summary scores (no per-item pairing possible)."""
-    table = yaml.safe_load(Path(reference_table).read_text())
+    try:
+        table = yaml.safe_load(Path(reference_table).read_text())
+        published = table["benchmarks"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
+        raise BadInput(f"{reference_table}: not a reference table with a 'benchmarks' mapping ({exc})") from None
     run, rows = read_bundle(candidate)
     out = []
-    for bench, ref in table["benchmarks"].items():
+    for bench, ref in published.items():
         if bench not in run["benchmarks"]:
             continue
-        primary = run["benchmarks"][bench].get("primary_filter", "flexible-extract")
-        _, scores, strata = _item_scores([r for r in rows if r["benchmark"] == bench and r["filter"] == primary])
+        primary = run["benchmarks"][bench].get("primary_filter", DEFAULT_FILTER)
+        _, scores, strata = _item_scores(_select(rows, bench, primary))
         # tau2: the macro over domains, the number the table reports; else the normal interval the seed used
         mean, low, high = macro_interval(scores, strata) if strata is not None else mean_ci(scores)
-        se_c = (high - low) / 2 / 1.959964 if np.isfinite(high) else float("nan")
-        se = float(np.hypot(se_c, ref["se"])) if ref.get("se") else float("nan")
+        se = (high - low) / 2 / z_two_sided() if np.isfinite(high) else float("nan")
+        u = unpaired_delta(mean, se, ref["score"], ref.get("se"))
         out.append({"benchmark": bench, "kind": "UNPAIRED (weaker: summary scores only)", "reference": ref["score"],
-                    "candidate": mean, "delta": mean - ref["score"], "se": se,
-                    "ci95": [mean - ref["score"] - 1.96 * se, mean - ref["score"] + 1.96 * se]})
+                    "candidate": mean, "delta": u.delta, "se": u.se, "ci95": [u.low, u.high]})
     return out

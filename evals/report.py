@@ -1,4 +1,4 @@
-"""report.md / report.json for ``gate release``: the seed's table, with CIs, verdicts and structure."""
+"""report.md / report.json for ``gate release``: the verdict, why, the accuracy table and structure."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import json
 import math
 from pathlib import Path
 
-CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
-              "macro (mean of per-domain pass^1) with a 95% interval from resampling tasks within domains. Delta: "
-              "paired (candidate - reference, same items); bounds: one-sided paired bootstrap "
-              "(resampling items; tau2 within domains) at the policy's confidence.")
+from evals import render
+from evals.bundle import write_atomic
 
 
 def _finite(obj):
@@ -30,46 +28,21 @@ def strict_json(obj) -> str:
     return json.dumps(_finite(obj), indent=2, allow_nan=False)
 
 
-def _fmt(score: dict) -> str:
-    return f"{score['score']:.4f} [{score['ci_low']:.4f}, {score['ci_high']:.4f}]"
-
-
 def markdown(report: dict) -> str:
-    acc = report["accuracy"]
+    acc, structure = report["accuracy"], report["structure"]
+    loads = ("loads correctly in " + ", ".join(structure["engines"])) if structure["ok"] else "WOULD NOT LOAD"
     lines = [f"# Release gate: {report['verdict']}", "",
-             f"- checkpoint: `{report['checkpoint']}` - structure: "
-             f"{'loads correctly in ' + ', '.join(report['structure']['engines']) if report['structure']['ok'] else 'WOULD NOT LOAD'}",
+             f"- checkpoint: `{report['checkpoint']}` - structure: {loads}",
              f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`", "",
-             "| eval | n items x repeats | reference | candidate | delta | one-sided bounds | margin | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
-    for b in acc["benchmarks"]:
-        lines.append(f"| {b['benchmark']} ({b['filter']}) | {b['n_items']} x {b['repeats']} | {_fmt(b['reference'])} | "
-                     f"{_fmt(b['candidate'])} | {b['delta']:+.4f} | [{b['lower']:+.4f}, {b['upper']:+.4f}] | "
-                     f"-{b['margin']} | **{b['verdict']}** |")
-    lines += ["", CONVENTION, ""]
-    for b in acc["benchmarks"]:
-        extra = [f"rule: {b['rule']}"]
-        if b["mcnemar_p"] is not None:
-            extra.append(f"discordant: reference-only {b['discordant_ref_only']}, candidate-only "
-                         f"{b['discordant_cand_only']}, exact McNemar p = {b['mcnemar_p']:.4f}")
-        if b["items_to_decide"]:
-            extra.append(f"about {b['items_to_decide']} items would decide it at this per-item spread (80% power)")
-        if b["noise"]:
-            extra.append(f"noise floor: reference rerun differs on {b['noise']['reference_self_discordant']} items, "
-                         f"candidate on {b['noise']['candidate_discordant']}: "
-                         f"{'within noise' if b['noise']['within_noise'] else 'beyond noise'}")
-        if b["per_stratum"]:
-            extra.append("per " + ("domain" if b["benchmark"] == "tau2" else "seed (repeat)") + ": " + ", ".join(
-                f"{k}: {v['reference']:.3f} -> {v['candidate']:.3f}" for k, v in b["per_stratum"].items()))
-        lines += [f"**{b['benchmark']}**: " + "; ".join(extra), ""]
-    if acc["blocking"]:
-        lines += ["## Blocking", *[f"- {x}" for x in acc["blocking"]], ""]
+             *render.markdown(acc)]
+    if report["reasons"]:
+        lines += ["## Blocking", *[f"- {x}" for x in report["reasons"]], ""]
     if report.get("kernels"):
         kern = report["kernels"]
         lines += [f"## MoE kernels ({'blocking' if kern['blocking'] else 'warning'})", "", f"- {kern['summary']}", ""]
     if report.get("load"):
         lines += load_markdown(report["load"])
-    problems = [f for e in report["structure"]["engines"].values() for f in e["findings"]]
+    problems = [f for e in structure["engines"].values() for f in e["findings"]]
     if problems:
         lines += ["## Structure problems", *[f"- [{f['check']}] `{f['module']}`: {f['why']} (fix: {f['fix']})"
                                              for f in problems], ""]
@@ -92,6 +65,6 @@ def load_markdown(load: dict) -> list[str]:
 def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / "report.md", out_dir / "report.json"
-    js.write_text(strict_json(report))
-    md.write_text(markdown(report))
+    write_atomic(js, strict_json(report))
+    write_atomic(md, markdown(report))
     return md, js

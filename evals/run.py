@@ -9,7 +9,6 @@ against the same endpoint, with a fixed user simulator) when asked for.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
@@ -18,10 +17,14 @@ from dataclasses import dataclass, replace
 from importlib import metadata, resources
 from pathlib import Path
 
+import yaml
+
 from evals import budget
-from evals.bundle import RUN_JSON, SAMPLES, write_samples
+from evals.bundle import BundleWriter
 from evals.data import Dataset, dataset_for
+from evals.errors import RunFailed
 from evals.tau2_run import Tau2Settings
+from quant.hashing import sha256_of
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -32,10 +35,11 @@ PROTOCOLS = {
     "gpqa_diamond": {"task": "quantgate_gpqa_diamond", "limit": None, "seeds": [0, 1],
                      "primary_filter": "flexible-extract"},
 }
+DEFAULT_REQUEST_TIMEOUT_S = 600  # per request; a 16384-token answer from a slow server takes minutes
 log = logging.getLogger(__name__)
 
 
-class RunError(RuntimeError):
+class RunError(RunFailed):
     pass
 
 
@@ -51,6 +55,7 @@ class RunSpec:
     limit: int | None = None
     concurrency: int = 1
     max_gen_toks: int | None = None  # None: the largest budget that fits the model (evals.budget)
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     seeds: list[int] | None = None
     keep_text: bool = False
     tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
@@ -90,7 +95,7 @@ def _model(spec: RunSpec, seed: int) -> tuple[str, dict]:
         # Text prompts (not token ids): every OpenAI-compatible server takes them, and the server's
         # own tokenizer is the one the served model was exported with.
         args = {"base_url": spec.base_url, "model": spec.model, "seed": seed, "num_concurrent": spec.concurrency,
-                "max_retries": 5, "max_gen_toks": spec.max_gen_toks, "timeout": 600, "tokenized_requests": False,
+                "max_retries": 5, "max_gen_toks": spec.max_gen_toks, "timeout": spec.request_timeout, "tokenized_requests": False,
                 "tokenizer_backend": "huggingface" if spec.tokenizer else None}
         if spec.tokenizer:
             args["tokenizer"] = spec.tokenizer
@@ -98,11 +103,34 @@ def _model(spec: RunSpec, seed: int) -> tuple[str, dict]:
     return "hf", {"pretrained": spec.model, "device": "cpu", "dtype": "float32"}
 
 
-def _hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def task_config(benchmark: str) -> dict:
+    """The benchmark's lm-eval task YAML as shipped (``evals/benchmarks/<benchmark>.yaml``)."""
+    return yaml.safe_load(resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text())
 
 
-def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path) -> list[dict]:
+def _eos(spec: RunSpec) -> str | None:
+    """The end-of-sequence string lm-eval adds to the stop list: the model's own for a local model
+    (``HFLM.generate_until``), the tokenizer's for a server when ``--tokenizer`` is given."""
+    path = spec.tokenizer if spec.base_url else spec.model
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).eos_token
+
+
+def stop_sequences(spec: RunSpec, benchmark: str, eos: str | None) -> list[str]:
+    """The stop list every request of this benchmark carries, the same whatever ``--concurrency``:
+    lm-eval 0.4.13 appends the EOS string only on its one-at-a-time path (``TemplateAPI.model_call``
+    passes ``eos``, ``amodel_call`` does not), so it is put in the list here, before either path sees it.
+    The chat endpoint sends at most four (``LocalChatCompletion._create_payload``: ``stop[:4]``)."""
+    until = list(task_config(benchmark)["generation_kwargs"].get("until") or [])
+    if eos and eos not in until:
+        until.append(eos)
+    return until[:4] if spec.base_url and spec.api == "chat" else until
+
+
+def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path, stop: list[str]) -> list[dict]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -112,7 +140,7 @@ def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path)
         model=model, model_args=model_args, tasks=[PROTOCOLS[benchmark]["task"]],
         task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         limit=spec.limit_for(benchmark), log_samples=True, apply_chat_template=spec.api == "chat" and bool(spec.base_url),
-        gen_kwargs={"max_gen_toks": spec.max_gen_toks}, random_seed=seed, numpy_random_seed=seed,
+        gen_kwargs={"max_gen_toks": spec.max_gen_toks, "until": stop}, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=budget.FEWSHOT_SEED, batch_size=1)
     samples = results["samples"][PROTOCOLS[benchmark]["task"]]
     rows = []
@@ -144,22 +172,44 @@ def _checkpoint_provenance(spec: RunSpec) -> dict:
     path = Path(spec.tokenizer or spec.model)
     manifest = Path(spec.model) / "conversion_manifest.json"
     if manifest.exists():
-        out["checkpoint_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
+        out["checkpoint_manifest_sha256"] = sha256_of(manifest)
     config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
     # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
     # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)
     template = (jinja.read_text() if jinja.exists() else
                 json.loads(config.read_text()).get("chat_template") if config.exists() else None)
     if template:
-        out["chat_template_sha256"] = _hash(template if isinstance(template, str) else json.dumps(template))
+        out["chat_template_sha256"] = sha256_of(template)
     return out
 
 
-def settings_of(spec: RunSpec, benchmark: str) -> dict:
-    """What must be equal for two runs of a benchmark to be comparable (and for --resume)."""
-    return {"benchmark": benchmark, "limit": spec.limit_for(benchmark), "seeds": spec.seeds_for(benchmark),
-            "max_gen_toks": spec.max_gen_toks, "api": spec.api if spec.base_url else "hf",
-            "primary_filter": PROTOCOLS[benchmark]["primary_filter"], "model": spec.model}
+def settings_of(spec: RunSpec, benchmark: str, eos: str | None) -> dict:
+    """Everything that defines the measurement of ``benchmark`` (not the model measured): the gate
+    refuses to pair two runs whose settings differ, and ``--resume`` redoes units recorded under others."""
+    task = task_config(benchmark)
+    gen = task["generation_kwargs"]
+    shots = task.get("num_fewshot", 0)
+    served = bool(spec.base_url)
+    return {
+        "task": task["task"], "task_version": task.get("metadata", {}).get("version"),
+        "api": spec.api if served else "hf", "apply_chat_template": served and spec.api == "chat",
+        "limit": spec.limit_for(benchmark), "seeds": spec.seeds_for(benchmark), "primary_filter":
+        PROTOCOLS[benchmark]["primary_filter"], "max_gen_toks": spec.max_gen_toks,
+        "do_sample": gen.get("do_sample", False), "temperature": gen.get("temperature", 0.0),
+        "stop": stop_sequences(spec, benchmark, eos), "num_fewshot": shots,
+        "fewshot": {"split": task.get("fewshot_split"), "seed": budget.FEWSHOT_SEED,
+                    "sampler": f"lm-eval 0.4.13 default ContextSampler: one Random({budget.FEWSHOT_SEED}) stream, "
+                               f"rnd.sample(train, {shots}) drawn for each item in document order"} if shots else None,
+        "request_timeout_s": spec.request_timeout if served else None,
+    }
+
+
+def tau2_measurement(settings: Tau2Settings) -> dict:
+    """What defines a tau2 measurement: its recorded settings less the model measured, the servers'
+    addresses and the throughput knobs (concurrency, retries), which differ between arms by design."""
+    addresses = ("api_base", "api_key", "base_url", "num_retries")
+    out = {k: v for k, v in settings.recorded().items() if k not in ("model", "api_base", "concurrency", "max_retries")}
+    return {**out, "user_llm_args": {k: v for k, v in out["user_llm_args"].items() if k not in addresses}}
 
 
 def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict], dict]:
@@ -174,61 +224,59 @@ def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict],
     except Tau2Error as exc:
         raise RunError(f"{exc}\nfinished simulations are kept: rerun with --resume") from exc
     rows, summary = rows_from_results(files)
-    return rows, {"benchmark": "tau2", "model": spec.model, **spec.tau2.recorded(), **summary}
+    return rows, {"benchmark": "tau2", "model": spec.model, **spec.tau2.recorded(), **summary,
+                  "settings": tau2_measurement(spec.tau2)}
 
 
 def run(spec: RunSpec, resume: bool = False) -> dict:
-    if (spec.out / RUN_JSON).exists() and not resume:
-        raise RunError(f"{spec.out} already holds a finished run; choose a new --out")
-    spec.out.mkdir(parents=True, exist_ok=True)
+    """Run every unit not already finished under the same identity, then write the bundle."""
+    writer = BundleWriter(spec.out, resume)
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
     datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}
-    units_dir = spec.out / "units"
-    units_dir.mkdir(exist_ok=True)
     tasks = _task_dir(spec, datasets)
     generation = fit_budget(spec, tasks, lm_eval_benchmarks) if lm_eval_benchmarks else None
     if generation:
         spec = replace(spec, max_gen_toks=generation.max_gen_toks)
         log.info("max_gen_toks %d (%s)", generation.max_gen_toks, generation.how)
+    eos = _eos(spec) if lm_eval_benchmarks else None
     started, timings = time.time(), {}
     rows: list[dict] = []
+    benchmarks: dict[str, dict] = {}
     for benchmark in lm_eval_benchmarks:
-        settings = settings_of(spec, benchmark)
+        settings = settings_of(spec, benchmark, eos)
+        benchmarks[benchmark] = {"settings": settings, "primary_filter": settings["primary_filter"],
+                                 "dataset": datasets[benchmark].entry}
         for repeat, seed in enumerate(spec.seeds_for(benchmark)):
-            unit = units_dir / f"{benchmark}-r{repeat}.jsonl"
-            meta = unit.with_suffix(".json")
-            if unit.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
-                rows += [json.loads(line) for line in unit.read_text().splitlines()]
-                continue
-            if unit.exists() and not resume:
-                raise RunError(f"{unit} exists from another run; pass --resume or choose a new --out")
-            t0 = time.time()
-            try:
-                unit_rows = run_unit(spec, benchmark, repeat, seed, tasks)
-            except Exception as exc:  # dead server, bad model: the finished units stay for --resume
-                raise RunError(f"{benchmark} repeat {repeat} failed ({type(exc).__name__}: {exc}); finished units "
-                               f"are kept in {units_dir}: fix the cause and rerun with --resume") from exc
-            write_samples(unit, unit_rows)
-            meta.write_text(json.dumps(settings))
-            timings[f"{benchmark}-r{repeat}"] = round(time.time() - t0, 2)
+            name, t0 = f"{benchmark}-r{repeat}", time.time()
+            # A unit is reused only if measured the same way, of the same model, on the same data.
+            identity = {"settings": settings, "seed": seed, "model": spec.model,
+                        "dataset_sha256": datasets[benchmark].entry["files"]}
+
+            def produce(benchmark=benchmark, repeat=repeat, seed=seed, settings=settings):
+                try:
+                    return run_unit(spec, benchmark, repeat, seed, tasks, settings["stop"])
+                except Exception as exc:  # dead server, bad model: the finished units stay for --resume
+                    raise RunError(f"{benchmark} repeat {repeat} failed ({type(exc).__name__}: {exc}); finished "
+                                   f"units are kept in {writer.units}: fix the cause and rerun with --resume") from exc
+
+            unit_rows, reused = writer.unit(name, identity, produce)
+            if not reused:
+                timings[name] = round(time.time() - t0, 2)
             rows += unit_rows
-    benchmarks = {b: {**settings_of(spec, b), "dataset": datasets[b].entry} for b in lm_eval_benchmarks}
     if "tau2" in spec.benchmarks:
         t0 = time.time()
-        tau2_rows, benchmarks["tau2"] = _run_tau2(spec, units_dir, resume)
+        tau2_rows, benchmarks["tau2"] = _run_tau2(spec, writer.units, resume)
         rows += tau2_rows
         timings["tau2"] = round(time.time() - t0, 2)
-    write_samples(spec.out / SAMPLES, rows)
     run_json = {
         "model": spec.model, "endpoint": spec.base_url, "api": spec.api if spec.base_url else "hf-local",
-        "tokenizer": spec.tokenizer, "benchmarks": benchmarks,
+        "tokenizer": spec.tokenizer, "benchmarks": benchmarks, "eos": eos,
         "max_gen_toks": spec.max_gen_toks, "generation_budget": generation.to_dict() if generation else None,
         "concurrency": spec.concurrency, "versions": _versions(),
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
-        "created_unix": int(started), "rows": len(rows), "keep_text": spec.keep_text,
+        "created_unix": int(started), "keep_text": spec.keep_text,
     }
-    (spec.out / RUN_JSON).write_text(json.dumps(run_json, indent=2))
-    return run_json
+    return writer.finish(rows, run_json)
 
 
 __all__ = ["PROTOCOLS", "RunError", "RunSpec", "run"]

@@ -1,7 +1,10 @@
-"""Paired statistics for the accuracy gate (docs/reference.md §7).
+"""All statistics of the accuracy gate (docs/reference.md §7); nothing else in the package computes a
+p-value or a bound.
 
 Items are the unit: repeats (GPQA seeds, tau2 trials) are averaged per item first, so a question
 asked twice is one observation, not two. Everything is deterministic given the bootstrap seed.
+Known values (tests/evals/test_gate.py): exact McNemar p for 8 vs 0 discordant items is 0.0078,
+for 7 vs 1 it is 0.070; 200 items with 4 + 4 discordant have a paired se of 0.0141.
 """
 
 from __future__ import annotations
@@ -12,25 +15,43 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
+REPORTED_CONFIDENCE = 0.95  # two-sided, for every score's interval and the unpaired comparison
+NOISE_ALPHA = 0.05  # a candidate is "beyond noise" when its excess discordance has p <= this
+POWER = 0.8  # of the non-inferiority test, for "items that would decide it"
+
+
+def z_two_sided(confidence: float = REPORTED_CONFIDENCE) -> float:
+    """The normal quantile of a two-sided interval (1.959964 at 95%)."""
+    return float(sps.norm.ppf(0.5 + confidence / 2))
+
 
 def mcnemar_exact_p(b: int, c: int) -> float:
-    """Two-sided exact McNemar: Binomial(min(b, c); b + c, 1/2), doubled, capped at 1."""
+    """Two-sided exact McNemar: the binomial test of b successes in b + c trials at 1/2."""
     if b + c == 0:
         return 1.0
-    return float(min(1.0, 2 * sps.binom.cdf(min(b, c), b + c, 0.5)))
+    return float(sps.binomtest(b, b + c, 0.5, alternative="two-sided").pvalue)
 
 
-def mean_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
+def noise_floor_p(d_noise: int, d_cand: int) -> float:
+    """p that the candidate's ``d_cand`` discordant items exceed what a reference rerun's ``d_noise``
+    allows: under "the candidate differs no more than noise", each of the ``d_noise + d_cand``
+    discordances is equally likely to come from either comparison (one-sided binomial test at 1/2)."""
+    if d_noise + d_cand == 0:
+        return 1.0
+    return float(sps.binomtest(d_cand, d_noise + d_cand, 0.5, alternative="greater").pvalue)
+
+
+def mean_ci(values: np.ndarray, confidence: float = REPORTED_CONFIDENCE) -> tuple[float, float, float]:
     """``(mean, low, high)``: two-sided normal interval over items, ``mean +/- z * sd / sqrt(n)``."""
     n = len(values)
     mean = float(values.mean()) if n else float("nan")
     if n < 2:
         return mean, float("nan"), float("nan")
-    half = sps.norm.ppf(0.5 + confidence / 2) * float(values.std(ddof=1)) / math.sqrt(n)
+    half = z_two_sided(confidence) * float(values.std(ddof=1)) / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
-def wilson_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
+def wilson_interval(values: np.ndarray, confidence: float = REPORTED_CONFIDENCE) -> tuple[float, float, float]:
     """``(mean, low, high)``: the Wilson score interval for a mean of per-item scores in [0, 1].
 
     Exact for 0/1 items, conservative for items averaged over repeats (their variance is below
@@ -39,13 +60,13 @@ def wilson_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[float
     if n == 0:
         return float("nan"), float("nan"), float("nan")
     p = float(values.mean())
-    z = sps.norm.ppf(0.5 + confidence / 2)
+    z = z_two_sided(confidence)
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return p, float(max(0.0, center - half)), float(min(1.0, center + half))
 
 
-def macro_interval(values: np.ndarray, strata: np.ndarray, confidence: float = 0.95, resamples: int = 10000,
+def macro_interval(values: np.ndarray, strata: np.ndarray, confidence: float = REPORTED_CONFIDENCE, resamples: int = 10000,
                    seed: int = 0) -> tuple[float, float, float]:
     """``(macro, low, high)``: the unweighted mean of stratum means (tau2's macro over domains) and
     its two-sided percentile interval from resampling items within each stratum."""
@@ -99,7 +120,7 @@ def paired_delta(ref: np.ndarray, cand: np.ndarray, confidence: float, resamples
                   normal_upper=float(delta + z * se), sd=sd)
 
 
-def items_to_decide(sd: float, margin: float, confidence: float, power: float = 0.8) -> int | None:
+def items_to_decide(sd: float, margin: float, confidence: float, power: float = POWER) -> int | None:
     """Items a non-inferiority test needs at this per-item sd to certify ``margin`` with ``power``
     when the true delta is 0: ``((z_conf + z_power) * sd / margin)^2``."""
     if margin <= 0 or not math.isfinite(sd):
@@ -112,3 +133,21 @@ def items_to_decide(sd: float, margin: float, confidence: float, power: float = 
 def discordance(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int]:
     """``(b, c)`` over binary items: b = reference right and candidate wrong, c = the reverse."""
     return int(((ref == 1) & (cand == 0)).sum()), int(((ref == 0) & (cand == 1)).sum())
+
+
+@dataclass(frozen=True)
+class Unpaired:
+    delta: float
+    se: float
+    low: float  # two-sided interval at REPORTED_CONFIDENCE
+    high: float
+
+
+def unpaired_delta(candidate: float, candidate_se: float, reference_score: float,
+                   reference_se: float | None) -> Unpaired:
+    """A candidate score against a published summary score (no pairing possible): the standard
+    errors add in quadrature, so per-question difficulty does not cancel and the interval is wide."""
+    se = float(np.hypot(candidate_se, reference_se)) if reference_se else float("nan")
+    delta = float(candidate) - reference_score
+    half = z_two_sided() * se
+    return Unpaired(delta=delta, se=se, low=delta - half, high=delta + half)

@@ -28,13 +28,14 @@ whose infrastructure-error rate is above the policy's threshold.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
-from evals.bundle import RUN_JSON, SAMPLES, write_samples
+from evals.bundle import BundleWriter
+from evals.errors import BadInput
+from quant.hashing import sha256_of
 
 MODEL_OUTPUT_ERRORS = {"JSONDecodeError", "ContextWindowExceededError"}
 INFRA_TERMINATIONS = {"user_error"}
@@ -42,7 +43,7 @@ INFRA_TERMINATIONS = {"user_error"}
 SETTINGS = ("user_llm", "user_llm_args", "agent_llm_args", "num_trials", "max_steps", "max_errors", "seed")
 
 
-class Tau2Error(ValueError):
+class Tau2Error(BadInput):
     pass
 
 
@@ -90,10 +91,6 @@ def infra_simulations(results: dict, events: Path) -> set[str]:
     return {s["id"] for s in results["simulations"] if classify(s, errors)[0]}
 
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
 def _settings(info: dict) -> dict:
     user, agent = info.get("user_info") or {}, info.get("agent_info") or {}
     # where a model is served and with what key is not what it is: addresses differ between arms
@@ -125,14 +122,14 @@ def domain_rows(path: Path) -> tuple[str, list[dict], dict]:
         rows.append({"benchmark": "tau2", "domain": domain, "item_id": f"{domain}/{sim['task_id']}",
                      "repeat": int(sim["trial"]), "seed": sim.get("seed"), "filter": "reward",
                      "score": float((sim.get("reward_info") or {}).get("reward") or 0.0),
-                     "doc_hash": _digest(tasks[sim["task_id"]]),
-                     "prompt_hash": _digest(info["environment_info"].get("policy")),
+                     "doc_hash": sha256_of(tasks[sim["task_id"]]),
+                     "prompt_hash": sha256_of(info["environment_info"].get("policy")),
                      "termination_reason": termination, "infra_error": infra, "error": reason})
     per_task: dict[str, list[float]] = {}
     for r in rows:
         per_task.setdefault(r["item_id"], []).append(r["score"])
     infra_rows = [r for r in rows if r["infra_error"]]
-    summary = {"file": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+    summary = {"file": str(path), "sha256": sha256_of(Path(path)),
                "tasks": len(per_task), "simulations": len(rows), "infra_errors": len(infra_rows),
                "model_errors": sum(1 for r in rows if r["error"] and not r["infra_error"]),
                "terminations": dict(sorted(terminations.items())),
@@ -175,13 +172,8 @@ def rows_from_results(files: list[Path]) -> tuple[list[dict], dict]:
 
 
 def import_tau2(files: list[Path], out: Path) -> dict:
-    out = Path(out)
-    if (out / RUN_JSON).exists():
-        raise Tau2Error(f"{out} already holds a run bundle; choose a new --out")
+    writer = BundleWriter(out)
     rows, summary = rows_from_results(files)
-    out.mkdir(parents=True, exist_ok=True)
-    write_samples(out / SAMPLES, rows)
-    run = {"model": None, "endpoint": None, "api": "tau2", "created_unix": int(time.time()), "rows": len(rows),
+    run = {"model": None, "endpoint": None, "api": "tau2", "created_unix": int(time.time()),
            "benchmarks": {"tau2": summary}}
-    (out / RUN_JSON).write_text(json.dumps(run, indent=2))
-    return run
+    return writer.finish(rows, run)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evals.stats import macro_interval, paired_delta, wilson_interval
+from evals.stats import REPORTED_CONFIDENCE, macro_interval, paired_delta, wilson_interval
 
 COMPARED = ("user_llm", "user_llm_args", "agent_llm_args", "num_trials", "max_steps", "max_errors", "seed",
             "task_split", "tau2_version", "domains")
@@ -49,7 +49,7 @@ def macro_table(ref: np.ndarray, cand: np.ndarray, strata: np.ndarray, confidenc
     """``(reference, candidate, per_domain)``: per-item scores (trials averaged) in, the macro scores
     with 95% intervals and one row per domain out."""
     score = lambda values: dict(zip(("score", "ci_low", "ci_high"),  # noqa: E731
-                                    macro_interval(values, strata, 0.95, resamples, seed)))
+                                    macro_interval(values, strata, REPORTED_CONFIDENCE, resamples, seed)))
     domains = {}
     for domain in np.unique(strata):
         mask = strata == domain

@@ -1,4 +1,12 @@
-"""Errors of the conversion step, importable without loading the converter's numeric kernels."""
+"""Errors of the conversion step, importable without loading the converter's numeric kernels,
+and the project's error base, which carries the exit code a command returns for it."""
+
+
+class QuantgateError(Exception):
+    """A user-facing error: the message says what is wrong and what to do; ``exit_code`` is what a
+    command returns for it (2: bad input or a refused request, unless a subclass says otherwise)."""
+
+    exit_code = 2
 
 
 class ConvertError(RuntimeError):

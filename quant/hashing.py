@@ -9,6 +9,7 @@ buffers wait, which bounds memory (callers hand over views, not copies).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,3 +50,15 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_of(value: Path | bytes | str | object) -> str:
+    """The one hex sha256 helper: a file (streamed), bytes, text (UTF-8), or any JSON-able object
+    (canonical JSON, sorted keys, so equal objects hash equal whatever their key order)."""
+    if isinstance(value, Path):
+        return sha256_file(value)
+    if isinstance(value, str):
+        value = value.encode()
+    elif not isinstance(value, (bytes, bytearray)):
+        value = json.dumps(value, sort_keys=True).encode()
+    return hashlib.sha256(value).hexdigest()

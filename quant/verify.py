@@ -18,14 +18,14 @@ from quant.engines.config import model_findings, quark_findings
 from quant.formats.codecs import Codec, codec_for_config
 from quant.layout import UnknownFamilyError, family_for
 from quant.checkpoint import INDEX_NAME, Checkpoint
-from quant.errors import CheckpointError
+from quant.errors import CheckpointError, QuantgateError
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 GLOB_CHARS = set("*?[")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 
 
-class UnreadableCheckpoint(ValueError):
+class UnreadableCheckpoint(QuantgateError, ValueError):
     """Not a checkpoint, or one that cannot be read (exit code 2)."""
 
 

@@ -12,12 +12,13 @@ from functools import cache
 import yaml
 from packaging.version import InvalidVersion, Version
 
+from quant.errors import QuantgateError
 from quant.layout import manifests_root
 
 ENGINES = ("sglang", "vllm")
 
 
-class UnknownEngine(ValueError):
+class UnknownEngine(QuantgateError, ValueError):
     """An ``--engine`` the rules do not cover (exit code 2)."""
 
 

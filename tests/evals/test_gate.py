@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from evals.cli import main as gate
-from evals.gate import accuracy_gate, load_policy
+from evals.gate import accuracy_gate
+from evals.policy import load_policy
 from evals.stats import items_to_decide, mcnemar_exact_p, paired_delta
 from quant.convert import convert
 from quant.plan import make_plan
@@ -29,6 +30,12 @@ def bundle(path, benchmark: str, scores, repeats: int = 1, domains=None, doc="d"
             rows.append(row)
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "run.json").write_text(json.dumps({"benchmarks": {benchmark: {"primary_filter": primary}}}))
+    return path
+
+
+def gsm8k_policy(path: Path) -> Path:
+    """The release policy with GSM8K the only required benchmark (for single-benchmark bundles)."""
+    path.write_text("benchmarks:\n  gsm8k: {margin: 0.02, required: true, floor: 0.80}\n")
     return path
 
 
@@ -62,7 +69,7 @@ def test_pass_fail_inconclusive(tmp_path, capsys):
     for name, (ref, cand) in cases.items():
         r = bundle(tmp_path / name / "ref", "gsm8k", ref)
         c = bundle(tmp_path / name / "cand", "gsm8k", cand)
-        code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r)
+        code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--benchmarks", "gsm8k")
         verdicts[name] = (code, result["verdict"], result["benchmarks"][0])
     assert verdicts["pass"][:2] == (0, "PASS")
     assert verdicts["fail"][:2] == (1, "FAIL") and verdicts["fail"][2]["mcnemar_p"] < 1e-5
@@ -75,11 +82,12 @@ def test_pass_fail_inconclusive(tmp_path, capsys):
 def test_margin_override_and_floor(tmp_path, capsys):
     ref, cand = binary_pair(200, 4, 4)
     r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
-    code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--margin", "gsm8k=0.05")
+    code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--margin", "gsm8k=0.05",
+                            "--benchmarks", "gsm8k")
     assert code == 0 and result["verdict"] == "PASS"
     ref, cand = binary_pair(200, 0, 0, wrong_both=60)  # identical, but both at 0.70 < floor 0.80
     r, c = bundle(tmp_path / "r2", "gsm8k", ref), bundle(tmp_path / "c2", "gsm8k", cand)
-    code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r)
+    code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--benchmarks", "gsm8k")
     assert code == 1 and "below the floor" in result["benchmarks"][0]["rule"]
 
 
@@ -88,6 +96,7 @@ def test_mismatched_bundles_are_refused(tmp_path, capsys):
     r = bundle(tmp_path / "r", "gsm8k", ref)
     code, out = run_gate(capsys, "accuracy", "--candidate", bundle(tmp_path / "c", "gsm8k", cand[:40]), "--reference", r)
     assert code == 2 and "item sets differ" in out["error"] and "('gsm8k', '40'" in out["error"]
+    assert "only in the reference" in out["error"]
     code, out = run_gate(capsys, "accuracy", "--candidate", bundle(tmp_path / "d", "gsm8k", cand, doc="x"),
                          "--reference", r)
     assert code == 2 and "different documents" in out["error"]
@@ -117,6 +126,7 @@ def test_tau2_macro_is_the_mean_of_domain_deltas(tmp_path):
     assert bench["per_stratum"]["airline"]["delta"] == pytest.approx(-0.5)
     assert bench["candidate"]["score"] == pytest.approx((0.5 + 1.0 + 0.8) / 3)  # the macro, not the pooled 0.85
     assert bench["required"] and result["verdict"] == "FAIL"  # tau2 is one of the seed's three numbers
+    assert result["not_compared"] == ["gpqa_diamond", "gsm8k"]  # and a verdict needs the other two as well
 
 
 def test_noise_floor_from_a_reference_rerun(tmp_path, capsys):
@@ -127,7 +137,7 @@ def test_noise_floor_from_a_reference_rerun(tmp_path, capsys):
         rerun[i] = 1 - rerun[i]
     code, result = run_gate(capsys, "accuracy", "--candidate", bundle(tmp_path / "c", "gsm8k", cand),
                             "--reference", bundle(tmp_path / "r", "gsm8k", ref),
-                            "--reference-rerun", bundle(tmp_path / "rr", "gsm8k", rerun))
+                            "--reference-rerun", bundle(tmp_path / "rr", "gsm8k", rerun), "--benchmarks", "gsm8k")
     noise = result["benchmarks"][0]["noise"]
     assert noise["reference_self_discordant"] == 10 and noise["candidate_discordant"] == 12
     assert noise["within_noise"]
@@ -144,16 +154,17 @@ def test_release_writes_reports_and_blocks_on_structure(glm_ckpt, tmp_path, caps
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(1000, 3, 3)
     r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
-    code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r)
+    policy = gsm8k_policy(tmp_path / "policy.yaml")
+    code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r, "--policy", policy)
     assert code == 0 and report["verdict"] == "RELEASE"
     text = (c / "report.md").read_text()
-    assert "# Release gate: RELEASE" in text and "| gsm8k (flexible-extract) | 1000 x 1 |" in text
+    assert "# Release gate: RELEASE" in text and "| gsm8k | flexible-extract | 1000 x 1 |" in text
     assert json.loads((c / "report.json").read_text())["accuracy"]["verdict"] == "PASS"
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"]["exclude"] = [e for e in config["quantization_config"]["exclude"]
                                                 if not e.startswith("model.decoder.")]
     (ckpt / "config.json").write_text(json.dumps(config))
-    code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r)
+    code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r, "--policy", policy)
     assert code == 1 and report["verdict"] == "BLOCK"
     assert "model.decoder.mlp.shared_experts.gate_up_proj" in (c / "report.md").read_text()
 

@@ -83,7 +83,7 @@ def test_arms_run_with_different_settings_are_refused(tmp_path, capsys, differ, 
     capsys.readouterr()
     code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
     assert code == 2
-    assert "tau2: the arms were run with different settings" in result
+    assert "the runs are not comparable" in result and "--allow-setting-differences" in result
     assert f"{named}: reference" in result and str(next(iter(differ.values()))) in result
 
 

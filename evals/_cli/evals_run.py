@@ -1,0 +1,114 @@
+"""``evals run``: benchmarks against a server or a local checkpoint, into a run bundle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from evals.errors import EXIT_PASS
+
+
+def register(sub) -> None:
+    from evals.budget import DEFAULT_MAX_GEN_TOKS
+    from evals.run import DEFAULT_REQUEST_TIMEOUT_S
+
+    p = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle")
+    p.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
+                   help="comma list of gsm8k, gpqa_diamond, tau2 (tau2 drives `tau2 run` per domain; or run it "
+                        "yourself and use `evals import-tau2`)")
+    tau2_flags(p)
+    p.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
+    p.add_argument("--data-dir", type=Path,
+                   help="benchmark data: a folder prepared by `evals data`, or GSM8K's own files "
+                        "(DIR/gsm8k/{train,test}.jsonl, hashed at run time); default: the GSM8K copy shipped "
+                        "with quantgate (GPQA always needs a folder from `evals data`)")
+    p.add_argument("--model", required=True,
+                   help="served model name (with --base-url) or a local HF checkpoint path (e.g. from quantize --to bf16)")
+    p.add_argument("--base-url", help="full endpoint URL of an OpenAI-compatible server, e.g. "
+                                      "http://127.0.0.1:30000/v1/completions (sglang, vLLM)")
+    p.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
+    p.add_argument("--limit", type=int,
+                   help="items per benchmark (default: the protocol's, GSM8K 200, GPQA all; tau2: tasks per domain)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight against the server")
+    p.add_argument("--max-gen-toks", type=int,
+                   help=f"generation budget per answer (default: {DEFAULT_MAX_GEN_TOKS}, reasoning models need it, "
+                        "capped to the model's context minus the longest prompt: a local model's config, a "
+                        "server's max_model_len on /v1/models; the value used is printed and kept in run.json; given, also "
+                        "the tau2 agent's budget per turn)")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="SECONDS",
+                   help=f"per-request timeout against the server (default {DEFAULT_REQUEST_TIMEOUT_S}; recorded). "
+                        "Long budgets on a slow server need more: a timed-out answer is generated again")
+    p.add_argument("--seeds", help="comma list of request seeds, one repeat each (default: GSM8K 0; GPQA 0,1)")
+    p.add_argument("--keep-text", action="store_true", help="also keep GPQA responses in the bundle (never commit it)")
+    p.add_argument("--resume", action="store_true",
+                   help="complete an interrupted run: finished units recorded with the same settings, model and "
+                        "data sha256s are kept; units that no longer match are redone (run.json lists them)")
+    p.set_defaults(func=run)
+
+
+def tau2_flags(run: argparse.ArgumentParser) -> None:
+    from evals.tau2_run import DOMAINS, Tau2Settings
+
+    d = Tau2Settings(model="", api_base="", user_llm="")
+    g = run.add_argument_group("tau2 (drives tau2-bench's `tau2 run` per domain against --base-url; README: tau2)")
+    g.add_argument("--tau2-domains", default=",".join(DOMAINS), help="comma list of tau2 domains (default: %(default)s)")
+    g.add_argument("--tau2-user-llm", help="the fixed user simulator, a litellm model name (e.g. openai/NAME for an "
+                                           "OpenAI-compatible server); must be the same for both arms")
+    g.add_argument("--tau2-user-llm-args", default=json.dumps(d.user_llm_args),
+                   help='JSON args for the user simulator, e.g. \'{"api_base": "http://127.0.0.1:30001/v1", '
+                        '"temperature": 0.0}\' (default: %(default)s)')
+    g.add_argument("--tau2-trials", type=int, default=d.trials, help="trials per task (default: %(default)s)")
+    g.add_argument("--tau2-max-steps", type=int, default=d.max_steps, help="step limit per simulation (default: %(default)s)")
+    g.add_argument("--tau2-max-errors", type=int, default=d.max_errors,
+                   help="tool errors in a row before tau2 ends a simulation (default: %(default)s)")
+    g.add_argument("--tau2-seed", type=int, default=d.seed, help="tau2's run seed (default: %(default)s)")
+    g.add_argument("--tau2-task-split", default=d.task_split, help="tau2 task split (default: %(default)s)")
+    g.add_argument("--tau2-concurrency", type=int, default=d.concurrency,
+                   help="simulations in flight per domain (tau2's max_concurrency; default: %(default)s)")
+    g.add_argument("--tau2-max-retries", type=int, default=d.max_retries,
+                   help="litellm retries per LLM call before a simulation counts as failed (default: %(default)s)")
+
+
+def tau2_settings(args: argparse.Namespace):
+    from evals.tau2 import Tau2Error
+    from evals.tau2_run import Tau2Settings
+
+    try:
+        user_args = json.loads(args.tau2_user_llm_args)
+    except json.JSONDecodeError as exc:
+        raise Tau2Error(f"--tau2-user-llm-args is not JSON ({exc}): {args.tau2_user_llm_args!r}") from None
+    return Tau2Settings(model=args.model, api_base=args.base_url.rsplit("/v1", 1)[0] + "/v1",
+                        user_llm=args.tau2_user_llm, user_llm_args=user_args,
+                        domains=tuple(d for d in args.tau2_domains.split(",") if d), trials=args.tau2_trials,
+                        max_steps=args.tau2_max_steps, max_errors=args.tau2_max_errors, seed=args.tau2_seed,
+                        num_tasks=args.limit, task_split=args.tau2_task_split, concurrency=args.tau2_concurrency,
+                        max_retries=args.tau2_max_retries, agent_max_tokens=args.max_gen_toks)
+
+
+def run(args: argparse.Namespace) -> int:
+    from evals.data import DataError
+    from evals.run import PROTOCOLS, RunSpec
+    from evals.run import run as run_benchmarks
+
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    unknown = [b for b in benchmarks if b not in PROTOCOLS and b != "tau2"]
+    if "tau2" in benchmarks and not (args.base_url and args.tau2_user_llm):
+        raise DataError("tau2 needs a served model (--base-url) and a fixed user simulator (--tau2-user-llm, the "
+                        "same for both arms); or run `tau2 run` yourself and use `evals import-tau2`")
+    if unknown:
+        raise DataError(f"unknown benchmarks {unknown}; known: {sorted(PROTOCOLS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        raise DataError(f"--seeds {args.seeds!r}: expected a comma list of integers, e.g. 0,1") from None
+    spec = RunSpec(benchmarks=benchmarks, out=args.out, data_dir=args.data_dir, model=args.model,
+                   base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
+                   concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
+                   request_timeout=args.request_timeout, seeds=seeds,
+                   tau2=tau2_settings(args) if "tau2" in benchmarks else None)
+    result = run_benchmarks(spec, resume=args.resume)
+    print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"],
+                      "redone_on_resume": result.get("redone_on_resume")}, indent=2))
+    return EXIT_PASS

@@ -1,0 +1,78 @@
+"""``gate checkpoint``: prove a checkpoint loads correctly in sglang and vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
+
+HELP = """\
+Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
+FP8), from headers and config alone: layout (every quantized weight has a fitting scale, index and
+shards agree, tokenizer present), config (the Quark schema, router keys, MTP layer count), and per
+engine release the module each tensor loads into (fused gate_up_proj / fused_qkv_a_proj*, the
+FusedMoE ...mlp.experts, sglang's model.decoder.* names for the MTP draft) with that release's
+exclude matching, compared with the dtypes on disk. The rules are data read from each release's
+source (manifests/engines/*.yaml, with file and function); --list-engines shows them.
+
+  gate checkpoint DIR                         every known release of both engines
+  gate checkpoint DIR --engine sglang         every known sglang release, reported per rule set
+  gate checkpoint DIR --engine sglang==0.5.23 the one rule set covering that release
+
+exit codes: 0 loads correctly in every engine asked for; 1 it would not (or would load wrong);
+2 the input is unreadable or not a checkpoint"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("checkpoint", help="prove a checkpoint loads correctly in sglang and vLLM", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path, nargs="?", help="checkpoint folder (config.json, shards, index)")
+    p.add_argument("--engine", default="all", metavar="ENGINE[==VERSION]",
+                   help="all (default), sglang, vllm, or one release such as sglang==0.5.23")
+    p.add_argument("--list-engines", action="store_true",
+                   help="list the engine releases whose rules are known, with each rule's source, and exit")
+    p.add_argument("--deep", action="store_true",
+                   help="also read tensor data: scale bytes in range, no all-zero scale rows, no NaN/Inf in bf16")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.set_defaults(func=run)
+
+
+def human(report) -> str:
+    lines = [f"checkpoint  {report.checkpoint}  ({report.modules_checked} Linear modules checked)"]
+    for engine in report.engines:
+        findings = report.for_engine(engine)
+        lines.append(f"\n{engine}: {'OK' if not findings else f'{len(findings)} problem(s)'}")
+        for f in findings:
+            lines += [f"  PROBLEM  [{f.check}] {f.module}", f"           why: {f.why}", f"           fix: {f.fix}"]
+    lines.append("\nverdict: " + ("loads correctly" if report.ok else "would NOT load correctly"))
+    return "\n".join(lines)
+
+
+def list_engines(spec: str, as_json: bool) -> str:
+    from quant.engines import select
+
+    rule_sets = select(spec)
+    if as_json:
+        return json.dumps([{"id": r.id, "engine": r.engine, "first": r.first, "last": r.last,
+                            "rules": {k: {"value": r.values[k], "cite": r.cites[k]} for k in r.values}}
+                           for r in rule_sets], indent=2)
+    lines = []
+    for r in rule_sets:
+        lines.append(f"{r.id}")
+        lines += [f"  {name:<20} {json.dumps(r.values[name])}\n  {'':<20} {r.cites[name]}" for name in r.values]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quant.verify import verify
+
+    if args.list_engines:
+        print(list_engines(args.engine, args.json))
+        return EXIT_PASS
+    if args.dir is None:
+        raise BadInput("give a checkpoint folder (or --list-engines)")
+    report = verify(args.dir, args.engine, args.deep)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else human(report))
+    return EXIT_PASS if report.ok else EXIT_BLOCK

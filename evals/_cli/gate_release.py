@@ -1,0 +1,70 @@
+"""``gate release``: ``gate checkpoint`` + ``gate accuracy`` in one verdict, with report.md and report.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from evals._cli.common import accuracy_of, add_comparison_args, dumps
+from evals._cli.gate_load import add_load_args
+from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
+
+HELP = """\
+gate checkpoint + gate accuracy (+ gate load with --load-candidate/--load-reference) in one
+verdict; writes report.md and report.json. RELEASE needs the checkpoint to load correctly in every
+engine, every benchmark the policy requires to be compared and to pass, and the load gate (when
+given) to pass.
+
+exit codes: 0 release; 1 block; 2 bad input or refused (runs that are not comparable)"""
+
+
+def register(sub) -> None:
+    from quant import kernels
+
+    p = sub.add_parser("release", help="gate checkpoint + gate accuracy: one verdict, report.md and report.json",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="the quantized checkpoint folder")
+    add_comparison_args(p)
+    p.add_argument("--load-candidate", type=Path, help="candidate load bundle: the release also needs gate load")
+    p.add_argument("--load-reference", type=Path, help="reference load bundle for --load-candidate")
+    add_load_args(p, prefix="load-")
+    p.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
+    p.add_argument("--plots", type=Path, metavar="DIR",
+                   help="also write the dashboard's figures (PNG) and an HTML page with tables and figures to DIR")
+    kernels.add_arguments(p, release=True)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from evals import render
+    from evals._cli.gate_checkpoint import human
+    from evals.gate import RELEASE, release_report
+    from evals.report import write
+    from quant.verify import verify
+
+    accuracy = accuracy_of(args)
+    from evals.knee import human as human_load
+    from evals.knee import load_gate
+    from quant import kernels
+
+    if bool(args.load_candidate) != bool(args.load_reference):
+        raise BadInput("give both --load-candidate and --load-reference, or neither")
+    structure = verify(args.checkpoint, "all")
+    kern = kernels.release_check(args, accuracy["policy"])
+    load = load_gate(args.load_candidate, args.load_reference, args.load_margin, args.load_ttft_slo,
+                     args.load_min_success) if args.load_candidate else None
+    report = release_report(args.checkpoint, structure.to_dict(), accuracy, kern, load)
+    md, js = write(report, args.report_dir or args.candidate)
+    if args.plots:
+        from evals import dashboard
+
+        dashboard.write_plots(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
+    sections = [human(structure), render.text(accuracy)]
+    if kern:
+        sections.append(f"{kern['summary']} ({'BLOCKING' if kern['blocking'] else 'warning'})")
+    if load:
+        sections.append(human_load(load))
+    sections.append(f"release verdict: {report['verdict']}" + "".join(f"\n  {r}" for r in report["reasons"])
+                    + f"\nreport: {md} and {js}")
+    print(dumps(report) if args.json else "\n\n".join(sections))
+    return EXIT_PASS if report["verdict"] == RELEASE else EXIT_BLOCK
