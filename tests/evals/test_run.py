@@ -88,7 +88,7 @@ def test_gpqa_two_seeds_and_no_text_unless_asked(glm_ckpt, data_dir, served, tmp
     args = ["--benchmarks", "gpqa_diamond", "--data-dir", data_dir, "--model", glm_ckpt, "--base-url", served, *GEN]
     assert run_cli("--out", tmp_path / "g", *args) == 0
     run, rows = read_bundle(tmp_path / "g")
-    assert run["benchmarks"]["gpqa_diamond"]["seeds"] == [0, 1]
+    assert run["benchmarks"]["gpqa_diamond"]["settings"]["seeds"] == [0, 1]
     assert sorted({(r["repeat"], r["seed"]) for r in rows}) == [(0, 0), (1, 1)]
     assert {r["item_id"] for r in rows} == {f"synthetic-{i}" for i in range(4)}
     assert not any("response" in r for r in rows)
