@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evals.gate import accuracy_gate, load_policy
+from evals.gate import accuracy_gate
+from evals.policy import load_policy
 from tests.evals.test_gate import bundle
 
 SETTINGS = {"gsm8k": (200, 1, 0.965, 0.04), "gpqa_diamond": (198, 2, 0.92, 0.10)}  # n, repeats, ref acc, discordance

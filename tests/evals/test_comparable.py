@@ -51,7 +51,7 @@ def test_runs_that_measured_differently_are_refused_naming_each_difference(tmp_p
 
 
 def test_equal_settings_pair_and_a_missing_record_is_a_difference(tmp_path, capsys):
-    ref, cand = binary_pair(100, 1, 1)
+    ref, cand = binary_pair(1000, 1, 1)
     r = with_settings(bundle(tmp_path / "r", "gsm8k", ref), "gsm8k", COMPLETIONS_16K)
     c = with_settings(bundle(tmp_path / "c", "gsm8k", cand), "gsm8k", COMPLETIONS_16K)
     code, result, _ = gate_json(capsys, "accuracy", "--candidate", c, "--reference", r, "--benchmarks", "gsm8k")

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from evals.cli import main as gate
-from evals.gate import load_policy
 from quant import kernels
 from quant.convert import convert
 from quant.example import glm5_config
@@ -23,7 +22,7 @@ from quant.plan import make_plan
 from quant.recipe import load_recipe
 from quant.quark_config import fp8_config
 from tests.conftest import write_sparse_checkpoint
-from tests.evals.test_gate import binary_pair, bundle
+from tests.evals.test_gate import binary_pair, bundle, gsm8k_policy
 
 AITER = Path(__file__).parent / "data" / "aiter_configs"
 HEADER = ("gfx,cu_num,token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,q_type,use_g1u1,"
@@ -272,14 +271,14 @@ def test_release_reports_kernels_as_a_warning_unless_the_policy_blocks(glm_ckpt,
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(1000, 3, 3)
     r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
+    policy = gsm8k_policy(tmp_path / "policy.yaml")  # the bundles hold GSM8K only
     args = ["release", str(ckpt), "--candidate", str(c), "--reference", str(r), "--gpu", "mi355x", "--tp", "1",
             "--aiter-configs", str(AITER)]
-    assert gate([*args, "--json"]) == 0
+    assert gate([*args, "--policy", str(policy), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "RELEASE" and not report["kernels"]["ok"] and not report["kernels"]["blocking"]
     assert "## MoE kernels (warning)" in (c / "report.md").read_text()
-    policy = load_policy() | {"kernels": {"blocking": True}}
-    (tmp_path / "policy.yaml").write_text(json.dumps(policy))  # JSON is YAML
-    assert gate([*args, "--policy", str(tmp_path / "policy.yaml")]) == 1
+    (tmp_path / "blocking.yaml").write_text(policy.read_text() + "kernels: {blocking: true}\n")
+    assert gate([*args, "--policy", str(tmp_path / "blocking.yaml")]) == 1
     out = capsys.readouterr().out
     assert "aiter token buckets tuned; untuned:" in out and "(BLOCKING)" in out and "release verdict: BLOCK" in out
