@@ -136,7 +136,7 @@ class BundleWriter:
     A unit (a benchmark x repeat, a tau2 domain) is kept with the identity it was produced under
     (settings, model, dataset sha256s). On ``resume`` a unit whose identity still matches is
     reused, one that no longer matches is redone (and listed in ``redone`` with what changed);
-    without ``resume`` an existing unit is refused, so two runs never mix in one folder.
+    without ``resume`` a folder holding units is refused, so two runs never mix in one folder.
     """
 
     def __init__(self, out: Path, resume: bool = False):
@@ -145,9 +145,12 @@ class BundleWriter:
             raise BadInput(f"{self.out}: is a file; --out names a folder for the run bundle")
         if (self.out / RUN_JSON).exists() and not resume:
             raise BadInput(f"{self.out} already holds a finished run; choose a new --out")
+        self.units = self.out / UNITS
+        if not resume and self.units.is_dir() and any(self.units.iterdir()):
+            raise BadInput(f"{self.out} holds an unfinished run ({self.units}); pass --resume to complete it, or "
+                           "choose a new --out")
         # A bundle being resumed is in progress again until finish() writes its new run.json.
         (self.out / RUN_JSON).unlink(missing_ok=True)
-        self.units = self.out / UNITS
         self.redone: dict[str, list[str]] = {}
 
     def unit(self, name: str, identity: dict, produce: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
@@ -159,8 +162,6 @@ class BundleWriter:
             recorded = json.loads(meta_path.read_text()) if meta_path.exists() else None
             if recorded == identity and rows_path.exists():
                 return read_rows(rows_path), True
-            if not self.resume:
-                raise BadInput(f"{rows_path} exists from another run; pass --resume or choose a new --out")
             changed = sorted(k for k in identity.keys() | (recorded or {}).keys()
                              if (recorded or {}).get(k) != identity.get(k)) if recorded else ["unfinished"]
             self.redone[name] = changed

@@ -108,8 +108,21 @@ def _read_gpqa_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def stock_preprocess(text: str | None) -> str:
+    """lm-eval 0.4.13's ``preprocess`` of a GPQA choice (``lm_eval/tasks/gpqa/cot_zeroshot/utils.py``),
+    so the prompt text is stock's: the question is left as it is, each choice goes through this."""
+    if text is None:
+        return " "
+    return text.strip().replace(" [title]", ". ").replace("  ", " ")
+
+
 def import_gpqa(source: Path, data_dir: Path, seed: int = GPQA_FREEZE_SEED) -> dict:
-    """GPQA-Diamond from the official CSV (or JSONL with the same columns), choice order frozen."""
+    """GPQA-Diamond from the official CSV (or JSONL with the same columns), choice order frozen.
+
+    The prompt text is lm-eval's ``gpqa_diamond_cot_zeroshot``'s (question untouched, choices through
+    its ``preprocess``); only the order of the choices differs: stock shuffles at load time with the
+    global ``random``, here each question's order is drawn once from ``Random(f"{seed}:{record id}")``.
+    """
     rows = _read_gpqa_rows(Path(source))
     needed = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
     out_rows = []
@@ -118,13 +131,13 @@ def import_gpqa(source: Path, data_dir: Path, seed: int = GPQA_FREEZE_SEED) -> d
         if missing:
             raise DataError(f"{source}: row {n} lacks {missing}; expected GPQA's official columns")
         rng = random.Random(f"{seed}:{row.get('Record ID', n)}")  # per-question, order-independent
-        choices = [row["Incorrect Answer 1"], row["Incorrect Answer 2"], row["Incorrect Answer 3"], row["Correct Answer"]]
-        choices = [c.strip() for c in choices]
+        choices = [stock_preprocess(row[k]) for k in
+                   ("Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3", "Correct Answer")]
         rng.shuffle(choices)
-        out_rows.append({"id": row.get("Record ID") or f"q{n}", "Question": row["Question"].strip(),
+        out_rows.append({"id": row.get("Record ID") or f"q{n}", "Question": row["Question"],
                          "choice1": choices[0], "choice2": choices[1], "choice3": choices[2], "choice4": choices[3],
                          "choices": choices,
-                         "answer": f"({'ABCD'[choices.index(row['Correct Answer'].strip())]})"})
+                         "answer": f"({'ABCD'[choices.index(stock_preprocess(row['Correct Answer']))]})"})
     out = data_dir / "gpqa_diamond"
     out.mkdir(parents=True, exist_ok=True)
     (out / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out_rows))

@@ -95,11 +95,12 @@ def _model(spec: RunSpec, seed: int) -> tuple[str, dict]:
         # Text prompts (not token ids): every OpenAI-compatible server takes them, and the server's
         # own tokenizer is the one the served model was exported with.
         args = {"base_url": spec.base_url, "model": spec.model, "seed": seed, "num_concurrent": spec.concurrency,
-                "max_retries": 5, "max_gen_toks": spec.max_gen_toks, "timeout": spec.request_timeout, "tokenized_requests": False,
+                "max_gen_toks": spec.max_gen_toks, "timeout": spec.request_timeout, "tokenized_requests": False,
                 "tokenizer_backend": "huggingface" if spec.tokenizer else None}
         if spec.tokenizer:
             args["tokenizer"] = spec.tokenizer
-        return ("local-chat-completions" if spec.api == "chat" else "local-completions"), args
+        # evals.endpoint: lm-eval's clients, retrying only what may succeed (not a 400, say)
+        return ("quantgate-local-chat-completions" if spec.api == "chat" else "quantgate-local-completions"), args
     return "hf", {"pretrained": spec.model, "device": "cpu", "dtype": "float32"}
 
 
@@ -132,6 +133,8 @@ def stop_sequences(spec: RunSpec, benchmark: str, eos: str | None) -> list[str]:
 
 def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path, stop: list[str]) -> list[dict]:
     import lm_eval
+
+    import evals.endpoint  # noqa: F401  (registers the quantgate-local-* models with lm-eval)
     from lm_eval.tasks import TaskManager
 
     model, model_args = _model(spec, seed)
