@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-import yaml
-
 from evals.errors import BadInput
-from quant.layout import manifests_root
+from quant.layout import manifests_root, read_yaml_mapping
 
 INCONCLUSIVE_MODES = ("block", "warn")  # block: the release waits for more data; warn: reported only
 
@@ -93,13 +91,7 @@ def _typed(cls, raw, where: str):
 def load_policy(path: Path | None = None) -> GatePolicy:
     """The policy at ``path`` (default: ``manifests/gates/release.yaml``), validated."""
     path = Path(path) if path else manifests_root() / "gates" / "release.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"gate policy {path} not found") from None
-    except (yaml.YAMLError, IsADirectoryError) as exc:
-        raise BadInput(f"gate policy {path} is not YAML: {exc}") from None
-    raw = dict(raw or {})
+    raw = dict(read_yaml_mapping(path, "gate policy", BadInput))  # one line naming file and line, or BadInput
     benchmarks = {}
     for bench, rules in (raw.pop("benchmarks", None) or {}).items():
         rules = _typed(BenchmarkPolicy, rules, f"{path}: benchmarks.{bench}")

@@ -77,7 +77,8 @@ def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
         raise error(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc}); check the {what} file") \
             from None
     if not isinstance(data, dict):
-        raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; see the {what}s in {manifests_root()}")
+        raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; compare it with the {what} files under "
+                    f"{manifests_root()}")
     return data
 
 

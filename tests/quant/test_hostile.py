@@ -576,6 +576,15 @@ def test_gate_on_a_file_or_a_missing_folder(mxfp4_ckpt, tmp_path, capsys):
     assert code == 2 and "no such folder" in err
 
 
+@pytest.mark.parametrize("text, says", [("rules: [1\n", ":2: not valid YAML"), ("- 1\n", "a YAML list, not a mapping")])
+def test_gate_accuracy_policy_not_a_yaml_mapping(text, says, tmp_path, capsys):
+    (tmp_path / "policy.yaml").write_text(text)
+    code = gate_main(["accuracy", "--candidate", str(tmp_path), "--reference", str(tmp_path),
+                      "--policy", str(tmp_path / "policy.yaml")])
+    assert code == 2
+    one_line_error(capsys.readouterr().err, str(tmp_path / "policy.yaml"), says)
+
+
 # ---- 8. NaN/Inf in a tensor the recipe keeps --------------------------------------------------------
 
 def test_non_finite_kept_weight_warns_and_strict_refuses(tmp_path):
