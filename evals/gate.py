@@ -3,7 +3,9 @@
 Per benchmark, a paired candidate-vs-reference comparison judged against the policy
 (``evals.policy``): PASS when the one-sided lower bound of the paired delta is above -margin (and
 no absolute floor is broken); FAIL when the upper bound is below -margin or the floor is broken;
-INCONCLUSIVE otherwise, with how many items would decide it at the observed per-item spread.
+INCONCLUSIVE otherwise, with what would decide it at the observed per-item spread: more items
+while the benchmark has them, else more repeats at the same temperature, and the margin the
+current data certifies (``stats.guidance``).
 
 Only comparable runs are compared. Each benchmark entry of ``run.json`` carries ``settings``:
 everything that defines its measurement (API, generation budget, sampling, few-shot sampler and
@@ -24,16 +26,19 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from evals import tau2_gate
+from evals import render, tau2_gate
 from evals.bundle import BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
 from evals.policy import GatePolicy
-from evals.stats import (NOISE_ALPHA, discordance, items_to_decide, macro_interval, mcnemar_exact_p, mean_ci,
+from evals.stats import (NOISE_ALPHA, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
                          noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 RELEASE, BLOCK = "RELEASE", "BLOCK"
 DEFAULT_FILTER = "flexible-extract"
+# Items each benchmark has at most, so the gate never asks for more than exist: GPQA-Diamond's
+# questions, GSM8K's test split, tau2-bench's tasks (airline 50 + retail 114 + telecom 114).
+BENCHMARK_ITEMS = {"gpqa_diamond": 198, "gsm8k": 1319, "tau2": 278}
 
 
 @dataclass
@@ -60,6 +65,7 @@ class BenchmarkResult:
     discordant_cand_only: int | None = None  # c
     mcnemar_p: float | None = None
     items_to_decide: int | None = None
+    guidance: dict | None = None  # stats.Guidance of an INCONCLUSIVE result: items, repeats or a margin
     per_stratum: dict | None = None  # GPQA per seed, tau2 per domain
     noise: dict | None = None
     setting_differences: list[str] | None = None  # set only when compared despite them
@@ -78,6 +84,17 @@ def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | 
     items = sorted(by_item)
     scores = np.array([np.mean(by_item[i]) for i in items])
     return items, scores, (np.array([strata[i] for i in items]) if strata else None)
+
+
+def _delta_matrix(pairs: list[tuple[dict, dict]]) -> np.ndarray:
+    """Items x repeats of paired deltas (candidate - reference, same item and repeat); items with
+    a missing repeat are left out (the repeats of the others still show the between-repeat noise)."""
+    by_item: dict[str, dict[int, float]] = {}
+    for ref, cand in pairs:
+        by_item.setdefault(ref["item_id"], {})[ref["repeat"]] = cand["score"] - ref["score"]
+    repeats = sorted({r for d in by_item.values() for r in d})
+    rows = [[d[r] for r in repeats] for d in by_item.values() if len(d) == len(repeats)]
+    return np.array(rows, dtype=float).reshape(len(rows), len(repeats))
 
 
 def _per_stratum(pairs: list[tuple[dict, dict]], key: str) -> dict:
@@ -159,7 +176,9 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
         b, c = discordance(ref_scores, cand_scores)
         result.discordant_ref_only, result.discordant_cand_only, result.mcnemar_p = b, c, mcnemar_exact_p(b, c)
     if verdict == INCONCLUSIVE and not too_broken:
-        result.items_to_decide = items_to_decide(p.sd, margin, confidence)
+        g = guidance(_delta_matrix(pairs), p.sd, p.lower, margin, confidence, BENCHMARK_ITEMS.get(benchmark))
+        result.items_to_decide = g.items_needed
+        result.guidance = {**asdict(g), "exceeds_benchmark": g.exceeds_benchmark}
     if strata is not None:
         result.per_stratum = per_domain
     elif repeats > 1:
@@ -279,7 +298,7 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
         elif r.verdict == INCONCLUSIVE and r.required and (policy.of(r.benchmark).inconclusive == "block"
                                                            or not r.decidable):
             blocking.append(f"{r.benchmark}: INCONCLUSIVE ({r.rule}"
-                            + (f"; ~{r.items_to_decide} items would decide it)" if r.items_to_decide else ")"))
+                            + (f"; {render.guidance(r.guidance)})" if r.guidance else ")"))
     not_compared = [] if benchmarks else [b for b in policy.required if b not in compared]
     blocking += [f"{b}: required by the policy but not compared (the runs do not hold it)" for b in not_compared]
     verdict = FAIL if any(r.verdict == FAIL and r.required for r in results) else (

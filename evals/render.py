@@ -38,8 +38,8 @@ def notes(b: dict) -> list[str]:
     if b["mcnemar_p"] is not None:
         out.append(f"discordant: reference-only {b['discordant_ref_only']}, candidate-only "
                    f"{b['discordant_cand_only']}, exact McNemar p = {b['mcnemar_p']:.4f}")
-    if b["items_to_decide"]:
-        out.append(f"about {b['items_to_decide']} items would decide it at this per-item spread (80% power)")
+    if b.get("guidance"):
+        out.append(guidance(b["guidance"]))
     if b["noise"]:
         out.append(f"noise floor: the reference rerun differs on {b['noise']['reference_self_discordant']} items, "
                    f"the candidate on {b['noise']['candidate_discordant']}: "
@@ -54,6 +54,26 @@ def notes(b: dict) -> list[str]:
         out.append("COMPARED ACROSS DIFFERENT SETTINGS (--allow-setting-differences): " +
                    "; ".join(d.split(": ", 1)[1] for d in b["setting_differences"]))
     return out
+
+
+def guidance(g: dict) -> str:
+    """What would decide an INCONCLUSIVE result, never more items than the benchmark has
+    (``stats.guidance``): the items, else the repeats, and the margin the data certifies."""
+    size = g["benchmark_items"]
+    if not g["exceeds_benchmark"]:
+        return (f"about {g['items_needed']} items would decide it at this per-item spread (80% power)"
+                + (f"; the benchmark has {size}" if size else ""))
+    out = f"more items than the benchmark's {size} would be needed at this spread; "
+    if g["repeats"] < 2:
+        out += ("with one repeat the noise between repeats is unknown: run a second repeat (another seed, same "
+                "temperature) to learn whether repeats would decide it")
+    elif g["repeats_needed"]:
+        out += (f"{g['repeats_needed']} repeats per item at the same temperature (now {g['repeats']}) would reach the "
+                f"same power on all {size} (estimated from the disagreement between repeats)")
+    else:
+        out += (f"no number of repeats would: the items differ beyond the noise between repeats (at best a margin of "
+                f"{g['floor_margin']:.3f} with many repeats)")
+    return out + f"; the current data certifies a margin of {g['certifiable_margin']:.3f} (one-sided lower bound)"
 
 
 def caveats(accuracy: dict) -> list[str]:

@@ -130,6 +130,62 @@ def items_to_decide(sd: float, margin: float, confidence: float, power: float = 
     return math.ceil(((sps.norm.ppf(confidence) + sps.norm.ppf(power)) * sd / margin) ** 2)
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """What would decide an INCONCLUSIVE comparison, within what the benchmark can give.
+
+    The per-item mean delta of R repeats has variance ``between + within / R``: ``between`` is the
+    spread of the items' true deltas (only more items lower it), ``within`` the sampling noise of
+    one repeat's delta (more repeats at the same temperature lower it). ``within`` is estimated from
+    the disagreement between an item's repeats, ``between`` as the rest of the observed variance."""
+    items_needed: int | None  # at the current repeats (``items_to_decide``)
+    benchmark_items: int | None  # the benchmark's size; None when unknown
+    repeats: int  # now
+    between: float
+    within: float
+    repeats_needed: int | None  # at the benchmark's size, to reach the same power; None: none would
+    certifiable_margin: float  # the margin the current data certifies: the one-sided lower bound's magnitude
+    floor_margin: float  # the smallest margin any number of repeats could certify at the benchmark's size
+
+    @property
+    def exceeds_benchmark(self) -> bool:
+        return bool(self.items_needed and self.benchmark_items and self.items_needed > self.benchmark_items)
+
+
+def variance_components(deltas: np.ndarray) -> tuple[float, float]:
+    """``(between, within)`` from an items x repeats array of paired deltas (candidate - reference,
+    repeat r of one arm against repeat r of the other): ``within`` is the mean over items of the
+    variance across an item's repeats; ``between`` is the variance of the per-item mean delta less
+    ``within / R``, floored at 0. With one repeat, nothing separates them: all of it is ``between``."""
+    n, repeats = deltas.shape
+    total = float(deltas.mean(axis=1).var(ddof=1)) if n > 1 else 0.0
+    if repeats < 2:
+        return total, 0.0
+    within = float(deltas.var(axis=1, ddof=1).mean())
+    return max(0.0, total - within / repeats), within
+
+
+def guidance(deltas: np.ndarray, sd: float, lower: float, margin: float, confidence: float,
+             benchmark_items: int | None, power: float = POWER) -> Guidance:
+    """How to decide at ``margin`` with ``power``: more items when the benchmark has them; else
+    the repeats that reach the same power on all of its items, ``within / (N * target - between)``
+    with ``target = (margin / (z_conf + z_power))^2`` the variance of the mean delta that decides
+    it; else (and always) the margin the current data certifies, ``-lower``."""
+    between, within = variance_components(deltas)
+    items_needed = items_to_decide(sd, margin, confidence, power)  # sd: of the per-item mean delta
+    z = sps.norm.ppf(confidence) + sps.norm.ppf(power)
+    repeats_needed = floor_margin = None
+    if benchmark_items:
+        slack = benchmark_items * (margin / z) ** 2 - between
+        if slack > 0:
+            repeats_needed = max(1, math.ceil(within / slack)) if within > 0 else 1
+        floor_margin = z * math.sqrt(between / benchmark_items)
+    return Guidance(items_needed=items_needed, benchmark_items=benchmark_items, repeats=deltas.shape[1],
+                    between=between, within=within,
+                    repeats_needed=repeats_needed, certifiable_margin=max(0.0, -lower),
+                    floor_margin=float("nan") if floor_margin is None else float(floor_margin))
+
+
 def discordance(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int]:
     """``(b, c)`` over binary items: b = reference right and candidate wrong, c = the reverse."""
     return int(((ref == 1) & (cand == 0)).sum()), int(((ref == 0) & (cand == 1)).sum())

@@ -14,7 +14,8 @@ with n and a 95% interval, the paired delta, one-sided paired-bootstrap bounds (
 repeats averaged per item; tau2 resampled within domains, macro = mean of domain deltas), exact
 McNemar p for single-repeat binary scores, and a verdict against the policy's margin:
 PASS (lower bound > -margin), FAIL (upper bound < -margin, or an absolute floor broken),
-INCONCLUSIVE (anything else; says how many items would decide it).
+INCONCLUSIVE (anything else; says what would decide it: more items, else more repeats, and the margin
+the data certifies).
 
 Only like is compared with like: runs whose recorded settings (API, generation budget, sampling,
 few-shot sampler, stop sequences, timeout, ...) or prompts differ are refused, naming each
