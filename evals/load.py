@@ -5,8 +5,8 @@ The load generator is guidellm 0.8.1 (the ``load`` extra), driven through its ow
 ``BenchmarkScenario`` (guidellm/schemas/benchmark/entrypoints.py, ``BenchmarkScenario.create``
 reads a JSON file whose ``spec`` holds ``BenchmarkArgs`` fields). Each rate is one guidellm run:
 the results of finished rates are on disk whatever happens to the next one, a dead server is
-noticed between rates, and the sweep stops once a rate breaks the TTFT SLO (the knee is then
-bracketed; higher rates would only queue).
+noticed between rates, Ctrl-C or SIGTERM keep what was measured, and the sweep stops once a rate
+breaks the TTFT SLO (the knee is then bracketed; higher rates would only queue).
 
 The workload (seed: 20000 prompt tokens, 1000 output tokens, 60% prefix-cache hits) is
 guidellm's ``synthetic_text`` data (guidellm/data/deserializers/synthetic.py): every prompt is one
@@ -34,7 +34,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -132,7 +131,6 @@ def scenario(spec: LoadSpec, rate: float, report: Path) -> dict:
     return {"metadata": {"labels": {"tool": "quantgate evals load", "rate": str(rate)}},
             "spec": {"backend": backend,
                      "profile": {"kind": "constant", "rate": [rate]},
-                     # the time limit; and a dead server ends the rate instead of erroring for max_seconds
                      "constraints": constraints,
                      "tokenizer": {"kind": "huggingface_auto", "model": str(spec.tokenizer)},
                      "data": [data],
@@ -274,13 +272,17 @@ def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.
             if n:
                 served_models(root)  # a dead server ends the sweep here, with what was measured
             row = _run_rate(spec, rate, show_progress)
+            if not row["successful"]:  # a dead server is not the knee: check before counting the rate
+                try:
+                    served_models(root)
+                except LoadError as exc:
+                    raise LoadError(f"{exc}; it went during {rate:g} req/s, not counted (guidellm's report: "
+                                    f"{row['report']})") from None
             bundle["rates"].append(row)
             _write_json(spec.out / LOAD_JSON, bundle)
             if show_progress:
                 print(format_row(row), file=sys.stderr)
             breach = slo_breach(row, spec.ttft_slo_s, min_success)
-            if not row["successful"]:
-                served_models(root)  # nothing succeeded: if the server is gone, say that rather than "the knee"
             if spec.stop_at_knee and breach:  # higher rates only queue longer
                 met = [r["rate"] for r in bundle["rates"] if not slo_breach(r, spec.ttft_slo_s, min_success)]
                 bundle["stopped"] = (f"{rate:g} req/s broke the SLO ({breach}); " +
