@@ -1,8 +1,8 @@
 """Model families as data: which checkpoint tensor plays which role.
 
-A family manifest (``manifests/models/<family>.yaml``) lists roles by regex, the fused modules
-the engines build, and which MTP-layer parts sglang lifts to the top level. Adding a family is
-a new manifest, not new code.
+A family manifest (``manifests/models/<family>.yaml``) lists roles by regex; how each engine
+names, fuses and quantizes them is engine knowledge (``quant/engines/``). Adding a family is a new
+manifest, not new code.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ class Family:
     num_layers_key: str
     num_mtp_layers_key: str
     roles: tuple[Role, ...]
-    fused: dict[str, tuple[str, ...]]
-    mtp_top_level: tuple[str, ...]
     source: str
 
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
@@ -96,8 +94,6 @@ def load_family(path: Path) -> Family:
             num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
             num_mtp_layers_key=data.get("num_mtp_layers_key", "num_nextn_predict_layers"),
             roles=roles,
-            fused={k: tuple(v) for k, v in (data.get("fused") or {}).items()},
-            mtp_top_level=tuple(data.get("mtp_top_level") or ()),
             source=str(path),
         )
     except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
@@ -118,5 +114,5 @@ def family_for(config: dict, manifest: Path | None = None) -> Family:
     known = sorted(t for p in models_dir.glob("*.yaml") for t in load_family(p).model_types)
     raise UnknownFamilyError(
         f"no model-family manifest for model_type {model_type!r} (known: {', '.join(known)}). "
-        f"Write one like {models_dir / 'glm_moe_dsa.yaml'} (tensor roles by regex, fused modules, "
-        f"MTP top-level parts) and pass it with --family-manifest FILE.")
+        f"Write one like {models_dir / 'glm_moe_dsa.yaml'} (tensor roles by regex) "
+        f"and pass it with --family-manifest FILE.")

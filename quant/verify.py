@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quant.checkpoint import INDEX_NAME, Checkpoint
 from quant.engines import Finding, Module, UnknownEngine, replay, select
-from quant.engines.config import model_findings, quark_findings
+from quant.engines.config import model_findings, quark_findings, router_tensors
+from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config
 from quant.layout import UnknownFamilyError, family_for
-from quant.checkpoint import INDEX_NAME, Checkpoint
-from quant.errors import CheckpointError, QuantgateError
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 GLOB_CHARS = set("*?[")
@@ -238,8 +238,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
     kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
+    routers = router_tensors(tensors)
     for rules in rule_sets:
-        report.findings += model_findings(rules, config, set(tensors), num_hidden_layers, mtp_layers)
+        report.findings += model_findings(rules, config, routers, num_hidden_layers, mtp_layers)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
         if kind == "fp8" or (kind == "quark" and exclude is not None):

@@ -31,9 +31,16 @@ def quark_findings(rules: RuleSet, qconfig: dict) -> list[Finding]:
     return findings
 
 
-def model_findings(rules: RuleSet, config: dict, tensors: set[str], num_hidden_layers: int,
+def router_tensors(tensors) -> tuple[list[str], list[str]]:
+    """The checkpoint's router bias and router weight tensors (computed once, checked per release)."""
+    return (sorted(t for t in tensors if t.endswith(".mlp.gate.e_score_correction_bias")),
+            sorted(t for t in tensors if t.endswith(".mlp.gate.weight")))
+
+
+def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,
                    mtp_layers: set[int]) -> list[Finding]:
-    """Router keys and the tensors they imply; the MTP layers the config promises."""
+    """Router keys and the tensors they imply (``routers`` from ``router_tensors``); the MTP layers
+    the config promises."""
     findings = []
 
     def finding(where: str, why: str, fix: str) -> None:
@@ -45,8 +52,7 @@ def model_findings(rules: RuleSet, config: dict, tensors: set[str], num_hidden_l
             finding(f"config.json {key}", f"{rules.engine}'s model code reads config.{key} as an attribute "
                     "(AttributeError at load unless the config class supplies it)", f"add {key!r} (the source "
                     "checkpoint's value; DeepSeek-V3 and GLM-5 use topk_method 'noaux_tc')")
-    biases = sorted(t for t in tensors if t.endswith(".mlp.gate.e_score_correction_bias"))
-    routers = sorted(t for t in tensors if t.endswith(".mlp.gate.weight"))
+    biases, routers = routers
     noaux = config.get("topk_method") == router["bias_when"]
     if biases and not noaux:
         finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but topk_method is "

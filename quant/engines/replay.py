@@ -89,9 +89,16 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
                    whole_draft_bf16: bool = False) -> dict[str, EngineModule]:
     """The modules the engine builds from the checkpoint's Linear modules."""
     built: dict[str, EngineModule] = {}
+    experts: dict[str, EngineModule] = {}  # checkpoint "<layer>.mlp.experts" -> its FusedMoE (the common case, fast)
     fused_of = {shard: fused for fused, shards in rules["built_fused"].items() for shard in shards}
     max_draft = rules["mtp_naming"]["max_layers"]
     for module, info in modules.items():
+        moe = info.role == "routed_expert"
+        if moe:
+            group = experts.get(module[:module.rindex(".experts.") + len(".experts")])
+            if group is not None:
+                group.members.append(module)
+                continue
         match = _LAYER.match(module)
         draft = bool(match) and int(match.group(1)) >= num_hidden_layers
         if draft and max_draft is not None and int(match.group(1)) >= num_hidden_layers + max_draft:
@@ -100,14 +107,17 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
         if name is None:
             continue
         parent, _, leaf = name.rpartition(".")
-        moe = info.role == "routed_expert"
         if moe:
             name = name[:name.rindex(".experts.") + len(".experts")]
-        elif leaf in fused_of and info.role not in ("indexer",):
+        elif leaf in fused_of and info.role != "indexer":
             name = f"{parent}.{fused_of[leaf]}"
-        entry = built.setdefault(name, EngineModule(name, draft=draft, moe=moe, role=info.role))
+        entry = built.get(name)
+        if entry is None:
+            entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
+                                               build=_build(info.role, leaf, rules, kind, draft and whole_draft_bf16))
+            if moe:
+                experts[module[:module.rindex(".experts.") + len(".experts")]] = entry
         entry.members.append(module)
-        entry.build = _build(info.role, leaf, rules, kind, draft and whole_draft_bf16)
     return built
 
 
