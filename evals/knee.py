@@ -62,7 +62,7 @@ def load_gate(candidate: Path, reference: Path, margin: float = 0.05, ttft_slo_s
               "rps_ratio": None, "tok_s_ratio": None}
     if not (kc["bracketed"] and kr["bracketed"]):
         why = "; ".join(f"{name}: {k['why']}" for name, k in (("candidate", kc), ("reference", kr)) if not k["bracketed"])
-        return result | {"verdict": INCONCLUSIVE, "why": f"no bracketed knee ({why})"}
+        return result | {"verdict": INCONCLUSIVE, "why": f"no bracketed knee: {why}"}
     rps, tok = kc["rps"] / kr["rps"], kc["tok_s"] / kr["tok_s"]
     result |= {"rps_ratio": rps, "tok_s_ratio": tok}
     worst = min(rps, tok)
@@ -74,12 +74,12 @@ def load_gate(candidate: Path, reference: Path, margin: float = 0.05, ttft_slo_s
 
 
 def human(result: dict) -> str:
-    lines = [f"{'':<10} {'knee rate':>10} {'RPS':>8} {'tok/s':>9} {'TTFT p95':>9}  bracket"]
+    lines = [f"{'':<10} {'knee rate':>10} {'RPS':>8} {'tok/s':>9} {'TTFT p95 s':>10}  bracket"]
+    cell = lambda x, f, width: format("-" if x is None else format(x, f), f">{width}")  # noqa: E731
     for name in ("candidate", "reference"):
         k = result["knees"][name]
-        cell = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"{name:<10} {cell(k['rate'], '10g')} {cell(k['rps'], '8.3f')} {cell(k['tok_s'], '9.1f')} "
-                     f"{cell(k['ttft_p95_s'], '8.2f')}s  {k['why']}")
+        lines.append(f"{name:<10} {cell(k['rate'], 'g', 10)} {cell(k['rps'], '.3f', 8)} {cell(k['tok_s'], '.1f', 9)} "
+                     f"{cell(k['ttft_p95_s'], '.2f', 10)}  {k['why']}")
     if result["rps_ratio"] is not None:
         lines.append(f"ratio (candidate / reference): RPS {result['rps_ratio']:.3f}, tok/s {result['tok_s_ratio']:.3f}; "
                      f"margin {result['margin']:g}")
