@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.patches import Rectangle
 from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
 
 from evals import render
 from evals.gate import accuracy_gate
 from evals.policy import load_policy
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
+_LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.(?=(?:shared_)?experts\.))?(.+)\.weight$")
+_EXPERT_INDEX = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def load(candidate=None, reference=None, checkpoint=None, report=None, load_candidate=None,
@@ -46,6 +48,9 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
         data["structure"] = data.get("structure") or verify(Path(checkpoint)).to_dict()
         manifest = Path(checkpoint) / "conversion_manifest.json"
         data["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
+        config = Path(checkpoint) / "config.json"
+        # layers from num_hidden_layers on are the MTP (next-n) draft's: model.layers.{num_hidden_layers + i}
+        data["num_hidden_layers"] = json.loads(config.read_text()).get("num_hidden_layers") if config.exists() else None
     return data
 
 
@@ -102,28 +107,45 @@ def structure_table(data: dict) -> pd.DataFrame:
 
 
 def error_matrix(manifest: dict) -> pd.DataFrame:
-    """Relative RMS quantization error, layer x projection (routed experts averaged per layer)."""
+    """Relative RMS quantization error, layer x projection kind (``experts.gate_proj``,
+    ``shared_experts.up_proj``, ``self_attn.q_b_proj``, ...; routed experts averaged per layer)."""
     cells: dict[tuple[int, str], list[float]] = defaultdict(list)
     for shard in manifest["shards"]:
         for name, info in shard["quantized"].items():
-            match = _EXPERT.match(name)
+            match = _LAYER_WEIGHT.match(name)
             if match:
-                group = "experts" if match.group(2).startswith("experts") else "shared_experts"
-                cells[(int(match.group(1)), f"{group}.{match.group(3)}_proj")].append(info["rel_rms_error"])
+                cells[(int(match.group(1)), _EXPERT_INDEX.sub(r"\1experts.", match.group(2)))].append(info["rel_rms_error"])
     frame = pd.Series({k: float(np.mean(v)) for k, v in cells.items()}).unstack()
-    return frame.sort_index()
+    return frame.sort_index()[sorted(frame.columns, key=_kind_order)]
+
+
+def _kind_order(kind: str) -> tuple:
+    """Grouped by module (experts, mlp, shared_experts, self_attn...), gate/up/down in data-flow order."""
+    group, _, projection = kind.rpartition(".")
+    return group, {"gate_proj": 0, "up_proj": 1, "down_proj": 2}.get(projection, 3), projection
 
 
 def error_heatmap(data: dict):
-    matrix = error_matrix(data["manifest"])
-    fig = Figure(figsize=(1.5 + 1.2 * matrix.shape[1], 1 + 0.25 * matrix.shape[0]))
+    """Layers across, projection kinds down, one cell per (layer, kind); the figure grows with the
+    model (GLM-5: 78 layers + the MTP layer) so every label stays readable, and the MTP draft's
+    layers (from ``num_hidden_layers`` on) are labelled and framed in red."""
+    matrix = error_matrix(data["manifest"]).T  # kinds x layers
+    kinds, layers = list(matrix.index), list(matrix.columns)
+    first_mtp = data.get("num_hidden_layers")
+    mtp = [i for i, layer in enumerate(layers) if first_mtp is not None and layer >= first_mtp]
+    fig = Figure(figsize=(max(6.0, 3.0 + 0.17 * len(layers)), 2.0 + 0.32 * len(kinds)), layout="constrained")
     ax = fig.subplots()
-    image = ax.imshow(matrix.to_numpy(), aspect="auto", cmap="viridis")
-    ax.set_xticks(range(matrix.shape[1]), matrix.columns, rotation=30, ha="right")
-    ax.set_yticks(range(matrix.shape[0]), [f"layer {i}" for i in matrix.index])
-    fig.colorbar(image, ax=ax, label="relative RMS error")
-    ax.set_title("MXFP4 quantization error per layer x projection")
-    fig.tight_layout()
+    image = ax.imshow(np.ma.masked_invalid(matrix.to_numpy(dtype=float)), aspect="auto", cmap="viridis",
+                      interpolation="nearest")
+    ax.set_xticks(range(len(layers)), [f"{layer} MTP" if i in mtp else str(layer) for i, layer in enumerate(layers)],
+                  rotation=90, fontsize=7)
+    for i in mtp:
+        ax.get_xticklabels()[i].set_color("tab:red")
+        ax.add_patch(Rectangle((i - 0.5, -0.5), 1, len(kinds), fill=False, edgecolor="tab:red", linewidth=2))
+    ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
+    ax.set_xlabel("decoder layer" + (" (red: the MTP draft's layers)" if mtp else ""))
+    fig.colorbar(image, ax=ax, label="relative RMS error", fraction=0.03, pad=0.01)
+    ax.set_title("MXFP4 quantization error per layer and projection (routed experts averaged)")
     return fig
 
 
