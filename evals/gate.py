@@ -175,7 +175,7 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
     if binary:
         b, c = discordance(ref_scores, cand_scores)
         result.discordant_ref_only, result.discordant_cand_only, result.mcnemar_p = b, c, mcnemar_exact_p(b, c)
-    if verdict == INCONCLUSIVE and not too_broken:
+    if verdict == INCONCLUSIVE and result.decidable:  # the bounds straddle the margin: what would settle it
         g = guidance(_delta_matrix(pairs), p.sd, p.lower, margin, confidence, BENCHMARK_ITEMS.get(benchmark))
         result.items_to_decide = g.items_needed
         result.guidance = {**asdict(g), "exceeds_benchmark": g.exceeds_benchmark}
