@@ -8,6 +8,7 @@ Schemes covered (anything else is refused, naming the scheme, never evaluated as
   bit-exact with Quark's own ``DynamicScaledFakeQuantize``.
 - Block FP8 (``quant_method: fp8``, DeepSeek-V3 style): weights e4m3 with 128x128 float32 scales;
   activations dynamic per token in groups of 128, e4m3 (``quant.formats.fp8.quantize_dequantize``).
+The rules, and the Quark and vLLM functions they come from: docs/reference.md §2.
 
 Which modules are quantized is read from the shards themselves (a weight with its scale tensor):
 that is what an engine multiplies. transformers' extension points used (transformers 5.24):
@@ -33,7 +34,9 @@ from pathlib import Path
 
 import torch
 
+from evals.errors import BadInput
 from quant.checkpoint import Checkpoint
+from quant.errors import CheckpointError
 from quant.formats import fp8, mx
 from quant.formats.codecs import CODECS, Codec, get_codec
 from quant.formats.constants import BLOCK, ScaleRule
@@ -42,12 +45,12 @@ METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
 # Quark algorithms whose effect is baked into the stored weights (nothing left to emulate at run time).
 BAKED_ALGORITHMS = {"smooth", "autosmoothquant", "awq", "gptq", "gptaq", "autoround", "qronos"}
-EXPERT_PROJ = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?:gate_proj|up_proj|down_proj)$")
+EXPERT_PROJ = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class EmulationRefused(ValueError):
-    """The checkpoint's quantization scheme is not one this emulation reproduces; says which."""
+class EmulationRefused(BadInput):
+    """The checkpoint's quantization scheme is not one this emulation reproduces; says which (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -308,10 +311,13 @@ def _register() -> None:
 def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
 
-    Raises ``CheckpointError`` (unreadable folder) or ``EmulationRefused`` (a scheme not covered)."""
+    Raises ``BadInput`` (an unreadable folder) or ``EmulationRefused`` (a scheme not covered)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    checkpoint = Checkpoint.open(folder)
+    try:
+        checkpoint = Checkpoint.open(folder)
+    except CheckpointError as exc:
+        raise BadInput(str(exc)) from None
     emulation = emulation_of(checkpoint.config)
     if emulation is None:
         model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device)

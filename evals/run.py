@@ -59,12 +59,20 @@ class RunSpec:
     seeds: list[int] | None = None
     keep_text: bool = False
     tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
+    device: str | None = None  # local model: cuda when present, else cpu
+    dtype: str | None = None  # local model: bfloat16 on cuda, float32 on cpu
 
     def seeds_for(self, benchmark: str) -> list[int]:
         return self.seeds or PROTOCOLS[benchmark]["seeds"]
 
     def limit_for(self, benchmark: str) -> int | None:
         return self.limit if self.limit is not None else PROTOCOLS[benchmark]["limit"]
+
+    def local_device(self) -> tuple[str, str]:
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return device, self.dtype or ("bfloat16" if device == "cuda" else "float32")
 
 
 def _task_dir(spec: RunSpec, datasets: dict[str, Dataset]) -> Path:
@@ -101,7 +109,25 @@ def _model(spec: RunSpec, seed: int) -> tuple[str, dict]:
             args["tokenizer"] = spec.tokenizer
         # evals.endpoint: lm-eval's clients, retrying only what may succeed (not a 400, say)
         return ("quantgate-local-chat-completions" if spec.api == "chat" else "quantgate-local-completions"), args
-    return "hf", {"pretrained": spec.model, "device": "cpu", "dtype": "float32"}
+    return "hf", {"pretrained": _local_model(spec)[0], "tokenizer": spec.tokenizer or spec.model}
+
+
+_LOADED: dict[tuple, tuple] = {}
+
+
+def _local_model(spec: RunSpec):
+    """``(model, emulation record or None)``, loaded once per run: a quantized checkpoint's weights
+    decoded and its activations quantize-dequantized as served (``evals.emulation``)."""
+    import torch
+
+    from evals.emulation import load_model
+
+    device, dtype = spec.local_device()
+    key = (str(Path(spec.model).resolve()), device, dtype)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_model(Path(spec.model), device, getattr(torch, dtype))
+    return _LOADED[key]
 
 
 def task_config(benchmark: str) -> dict:
@@ -204,6 +230,7 @@ def settings_of(spec: RunSpec, benchmark: str, eos: str | None) -> dict:
                     "sampler": f"lm-eval 0.4.13 default ContextSampler: one Random({budget.FEWSHOT_SEED}) stream, "
                                f"rnd.sample(train, {shots}) drawn for each item in document order"} if shots else None,
         "request_timeout_s": spec.request_timeout if served else None,
+        "local_dtype": None if served else spec.local_device()[1],
     }
 
 
@@ -242,6 +269,10 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         spec = replace(spec, max_gen_toks=generation.max_gen_toks)
         log.info("max_gen_toks %d (%s)", generation.max_gen_toks, generation.how)
     eos = _eos(spec) if lm_eval_benchmarks else None
+    local = None
+    if not spec.base_url and lm_eval_benchmarks:  # load (or refuse) a local checkpoint before any unit runs
+        device, dtype = spec.local_device()
+        local = {"device": device, "dtype": dtype, "emulation": _local_model(spec)[1]}
     started, timings = time.time(), {}
     rows: list[dict] = []
     benchmarks: dict[str, dict] = {}
@@ -278,6 +309,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         "concurrency": spec.concurrency, "versions": _versions(),
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
         "created_unix": int(started), "keep_text": spec.keep_text,
+        "local": local,  # device, dtype and, for a quantized checkpoint, what was emulated (evals.emulation)
     }
     return writer.finish(rows, run_json)
 

@@ -24,7 +24,9 @@ def register(sub) -> None:
                         "(DIR/gsm8k/{train,test}.jsonl, hashed at run time); default: the GSM8K copy shipped "
                         "with quantgate (GPQA always needs a folder from `evals data`)")
     p.add_argument("--model", required=True,
-                   help="served model name (with --base-url) or a local HF checkpoint path (e.g. from quantize --to bf16)")
+                   help="served model name (with --base-url), or a local HF checkpoint folder: bf16, or MXFP4 / MXFP6 "
+                        "(Quark) or block FP8 evaluated as served (weights decoded exactly, each quantized "
+                        "module's input activations quantize-dequantized as the engines do; run.json records it)")
     p.add_argument("--base-url", help="full endpoint URL of an OpenAI-compatible server, e.g. "
                                       "http://127.0.0.1:30000/v1/completions (sglang, vLLM)")
     p.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
@@ -45,6 +47,10 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="complete an interrupted run: finished units recorded with the same settings, model and "
                         "data sha256s are kept; units that no longer match are redone (run.json lists them)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="local checkpoint only: where it runs (default cuda when present, else cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"],
+                   help="local checkpoint only: compute dtype (default bfloat16 on cuda, float32 on cpu)")
     p.set_defaults(func=run)
 
 
@@ -103,11 +109,18 @@ def run(args: argparse.Namespace) -> int:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
         raise DataError(f"--seeds {args.seeds!r}: expected a comma list of integers, e.g. 0,1") from None
+    if args.base_url and (args.device or args.dtype):
+        raise DataError("--device/--dtype apply to a local checkpoint; with --base-url the server decides")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
     spec = RunSpec(benchmarks=benchmarks, out=args.out, data_dir=args.data_dir, model=args.model,
                    base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                    request_timeout=args.request_timeout, seeds=seeds,
-                   tau2=tau2_settings(args) if "tau2" in benchmarks else None)
+                   tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype)
     result = run_benchmarks(spec, resume=args.resume)
     print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"],
                       "redone_on_resume": result.get("redone_on_resume")}, indent=2))

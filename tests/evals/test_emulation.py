@@ -4,15 +4,19 @@ through transformers' quantizer and experts hooks, checked module by module agai
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from evals.bundle import pair, read_bundle
+from evals.cli import main as gate
 from evals.emulation import EmulationRefused, emulation_of, load_model
 from quant.cli import main as quantize
 from quant.formats.constants import E2M1, E3M2, ScaleRule
 from quant.quark_config import fp8_config, quantization_config
+from tests.evals.test_run import GEN, data_dir, run_cli  # noqa: F401  (data_dir is a fixture)
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
 TOKENS = torch.randint(3, 380, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -130,3 +134,33 @@ def test_covered_schemes():
     e = emulation_of({"quantization_config": weight_only})
     assert (e.scheme, e.weights, e.weight_scale_rule, e.activations) == ("W6A16", "mxfp6_e2m3", "floor", None)
     assert emulation_of({"quantization_config": fp8_config([])}).scheme == "W8A8"
+
+
+def test_evals_run_evaluates_mxfp4_and_fp8_as_served_and_pairs_with_bf16(glm_ckpt, data_dir, tmp_path):
+    """The CI check: the example's MXFP4 (W4A4) and FP8 (W8A8) conversions evaluated locally with
+    emulation; run.json says what was emulated; the bundles pair with the bf16 reference run."""
+    common = ["--benchmarks", "gsm8k", "--data-dir", data_dir, "--limit", 2, *GEN]
+    assert run_cli("--out", tmp_path / "bf16", "--model", glm_ckpt, *common) == 0
+    reference, reference_rows = read_bundle(tmp_path / "bf16")
+    assert reference["local"] == {"device": "cpu", "dtype": "float32", "emulation": None}
+    for fmt, scheme in (("mxfp4", "W4A4"), ("fp8", "W8A8")):
+        out = tmp_path / f"run-{fmt}"
+        assert run_cli("--out", out, "--model", convert(glm_ckpt, tmp_path / fmt, fmt), *common) == 0
+        run, rows = read_bundle(out)
+        emulation = run["local"]["emulation"]
+        assert emulation["scheme"] == scheme and emulation["weights"] == fmt
+        assert emulation["modules"]["experts"] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+        assert len(pair(reference_rows, rows)) == 4  # 2 items x 2 filters
+        assert gate(["accuracy", "--candidate", str(out), "--reference", str(tmp_path / "bf16")]) in (0, 1)
+
+
+def test_evals_run_refuses_an_uncovered_scheme_by_name(glm_ckpt, data_dir, tmp_path, capsys):
+    ckpt = convert(glm_ckpt, tmp_path / "mxfp4", "mxfp4")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["kv_cache_quant_config"] = {"*k_proj": {"dtype": "fp8_e4m3"}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "refused"
+    assert run_cli("--out", out, "--model", ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir, "--limit", 1) == 2
+    assert "kv_cache_quant_config" in capsys.readouterr().err and not (out / "run.json").exists()
+    assert run_cli("--out", out, "--model", glm_ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir,
+                   "--device", "cuda") == (0 if torch.cuda.is_available() else 2)
