@@ -39,9 +39,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     num_layers_key: str
-    num_mtp_layers_key: str
     roles: tuple[Role, ...]
-    source: str
 
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
         match = _LAYER_INDEX.match(tensor_name)
@@ -92,9 +90,7 @@ def load_family(path: Path) -> Family:
             name=data["family"],
             model_types=tuple(data["model_types"]),
             num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
-            num_mtp_layers_key=data.get("num_mtp_layers_key", "num_nextn_predict_layers"),
             roles=roles,
-            source=str(path),
         )
     except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "
