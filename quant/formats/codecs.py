@@ -176,13 +176,15 @@ class MXCodec(Codec):
         return super().encode(raw, dtype, rule, device=device, row0=row0)
 
     def _encode_fast(self, raw, row0):
-        import numpy as np
-        import torch
-
-        from quant.formats import mxfp4, mxfp4_fast
+        from quant.formats import mxfp4_fast
 
         packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
-        if flags.any():
+        if flags.any():  # rare: only now load torch and the reference
+            import numpy as np
+            import torch
+
+            from quant.formats import mxfp4
+
             x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).reshape(raw.shape[0], -1)
             if (flags == mxfp4_fast.ROW_NON_FINITE).any():
                 raise _non_finite(x, row0)

@@ -65,5 +65,6 @@ class ElementFormat:
 
 
 E2M1 = ElementFormat("fp4", 2, 1)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; 8..15 add the sign bit (bit 3)
 E2M3 = ElementFormat("fp6_e2m3", 2, 3)
 E3M2 = ElementFormat("fp6_e3m2", 3, 2)

@@ -17,9 +17,6 @@ import torch
 from quant.formats import mx
 from quant.formats.constants import BLOCK, E2M1, SCALE_BIAS, ScaleRule
 
-# Magnitudes of codes 0..7; codes 8..15 are the same with the sign bit (bit 3) set.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """E2M1 code (uint8, 0..15) of each scaled value, round half to even, saturating at 6.

@@ -20,19 +20,18 @@ import sys
 
 import numba
 import numpy as np
-import torch
 
-from quant.formats import mxfp4
-from quant.formats.constants import BLOCK
+from quant.formats.constants import BLOCK, E2M1_VALUES
 
 ROW_OK, ROW_NON_FINITE, ROW_NEEDS_REFERENCE = 0, 1, 2
 if sys.byteorder != "little":
     raise ImportError("the fast MXFP4 kernel reads bf16 pairs as little-endian uint32")
 
 
-# The float value of every bf16 bit pattern (non-finite ones never reach the error loop).
-_BF16_VALUES = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64).numpy()
-_VALUES = np.array(mxfp4.E2M1_VALUES + tuple(-v for v in mxfp4.E2M1_VALUES), dtype=np.float64)
+# The float value of every bf16 bit pattern (a bf16 is the top half of a float32; non-finite ones
+# never reach the error loop). No torch here: a converting process loads numpy and numba only.
+_BF16_VALUES = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+_VALUES = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=np.float64)
 
 
 @numba.njit(inline="always", cache=True)
@@ -101,7 +100,9 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
     handle rows flagged ``ROW_NON_FINITE`` (refuse) and ``ROW_NEEDS_REFERENCE`` (redo those rows
     with ``mxfp4.quantize``).
     """
-    if isinstance(weight, torch.Tensor):
+    if not isinstance(weight, np.ndarray):  # a bf16 torch tensor (torch is loaded if one was given)
+        import torch
+
         weight = weight.contiguous().view(torch.uint8).numpy()
     rows, cols = weight.shape[0], weight.shape[1] // 2
     pairs = weight.view(np.uint32)
@@ -117,6 +118,10 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
 
 def _decode_table() -> np.ndarray:
     """bf16 bits of every (scale byte, code) pair, made by the reference decode itself: exact by construction."""
+    import torch
+
+    from quant.formats import mxfp4
+
     codes = torch.arange(16, dtype=torch.uint8)
     packed = (codes[0::2] | (codes[1::2] << 4)).repeat(256, 1)  # 8 bytes = codes 0..15 for each scale byte
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, 1).contiguous()

@@ -108,3 +108,14 @@ def test_help_and_dry_run_load_neither_torch_nor_numba(glm_ckpt):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_converting_bf16_to_mxfp4_loads_no_torch(glm_ckpt, tmp_path):
+    """The fast path is numpy and numba only: torch (~1.5 s and ~300 MB per process) stays unloaded."""
+    code = ("import sys\n"
+            "import quant.cli\n"
+            f"assert quant.cli.main(['--to', 'mxfp4', '-q', {str(glm_ckpt)!r}, {str(tmp_path / 'out')!r}]) == 0\n"
+            "print(sorted(m for m in ('torch', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "['numba']"

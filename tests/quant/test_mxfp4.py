@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quant.formats import mxfp4
-from quant.formats.constants import ScaleRule
+from quant.formats.constants import E2M1_VALUES, ScaleRule
 from tests.conftest import quark_convert
 
 NAME = "model.layers.0.mlp.experts.0.gate_proj.weight"
@@ -54,7 +54,7 @@ def test_scale_rules(rule, expected):
 
 
 def test_dequantize_is_exact_on_grid_values():
-    grid = torch.tensor(mxfp4.E2M1_VALUES + tuple(-v for v in mxfp4.E2M1_VALUES[1:]) + (0.0,) * 17)
+    grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES[1:]) + (0.0,) * 17)
     w = torch.stack([grid * 2.0 ** k for k in (-20, 0, 7)]).to(torch.bfloat16)
     packed, scales = mxfp4.quantize(w)
     assert torch.equal(mxfp4.dequantize(packed, scales), w)
