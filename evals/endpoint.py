@@ -44,7 +44,7 @@ class _RetryOnlyWhatMaySucceed:
             try:
                 return super().model_call(*args, **kwargs)
             except requests.HTTPError as exc:
-                status, text = exc.response.status_code, exc.response.text[:500]
+                status, text = exc.response.status_code, " ".join(exc.response.text.split())[:300]
                 if not retryable(status):
                     raise RequestRejected(f"{self.base_url} answered HTTP {status}: {text}") from None
                 if attempt == ATTEMPTS - 1:

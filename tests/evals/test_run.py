@@ -268,7 +268,7 @@ def test_raw_layout_and_a_budget_that_fits_a_short_context_model(tmp_path):
     budget, dataset = run["generation_budget"], run["benchmarks"]["gsm8k"]["dataset"]
     assert local_context(str(model)) == budget["context"] == 640 and budget["counted_in"] == "tokens"
     assert budget["max_gen_toks"] == run["max_gen_toks"] == 640 - budget["longest_prompt"] > 0
-    assert run["benchmarks"]["gsm8k"]["max_gen_toks"] == budget["max_gen_toks"]
+    assert run["benchmarks"]["gsm8k"]["settings"]["max_gen_toks"] == budget["max_gen_toks"]
     assert "hashed at run time" in dataset["source"]
     assert dataset["files"]["test.jsonl"] == hashlib.sha256((raw / "gsm8k" / "test.jsonl").read_bytes()).hexdigest()
     assert len(rows) == 4
