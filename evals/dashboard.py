@@ -1,13 +1,12 @@
 """The dashboard's logic: tables and figures from run bundles, a gate report and a checkpoint.
 
 ``notebooks/dashboard.ipynb`` only calls these and displays them; ``gate release --plots DIR``
-writes the same figures as PNG and one HTML page, so everything here is tested without Jupyter.
+writes the same figures as PNG and one HTML page (``evals.page``), so everything here is tested
+without Jupyter.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
 from collections import defaultdict
@@ -15,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.patches import Rectangle
 from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
+from matplotlib.patches import Rectangle
 
 from evals import render
 from evals.gate import accuracy_gate
@@ -37,6 +36,8 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
     if report:
         saved = json.loads(Path(report).read_text())
         data["accuracy"], data["structure"] = saved["accuracy"], saved.get("structure")
+        if "verdict" in saved:  # a gate release report: its verdict, reasons and kernel check head the page
+            data["release"] = {k: saved.get(k) for k in ("verdict", "reasons", "checkpoint", "kernels")}
         data["load"] = data.get("load") or saved.get("load")
         data["candidate"] = data["candidate"] or saved["accuracy"]["candidate"]
         data["reference"] = data["reference"] or saved["accuracy"]["reference"]
@@ -133,7 +134,7 @@ def error_heatmap(data: dict):
     kinds, layers = list(matrix.index), list(matrix.columns)
     first_mtp = data.get("num_hidden_layers")
     mtp = [i for i, layer in enumerate(layers) if first_mtp is not None and layer >= first_mtp]
-    fig = Figure(figsize=(max(6.0, 3.0 + 0.17 * len(layers)), 2.0 + 0.32 * len(kinds)), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 3.0 + 0.17 * len(layers)), 2.0 + 0.32 * len(kinds)), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(matrix.to_numpy(dtype=float)), aspect="auto", cmap="viridis",
                       interpolation="nearest")
@@ -145,7 +146,7 @@ def error_heatmap(data: dict):
     ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_xlabel("decoder layer" + (" (red: the MTP draft's layers)" if mtp else ""))
     fig.colorbar(image, ax=ax, label="relative RMS error", fraction=0.03, pad=0.01)
-    ax.set_title("MXFP4 quantization error per layer and projection (routed experts averaged)")
+    ax.set_title("MXFP4 quantization error per layer and projection", fontsize=11)
     return fig
 
 
@@ -184,27 +185,3 @@ def figures(data: dict) -> dict:
     if data.get("manifest"):
         out["heatmap"] = error_heatmap(data)
     return out
-
-
-def write_plots(data: dict, out_dir: Path) -> list[Path]:
-    """PNG per figure and one self-contained HTML page with the tables and figures."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths, html = [], ["<html><head><meta charset='utf-8'><title>quantgate dashboard</title></head><body>",
-                       "<h1>quantgate: candidate vs reference</h1>"]
-    if data.get("accuracy"):
-        html += [seed_table(data).to_html(index=False)]
-        for bench, table in discordance_tables(data).items():
-            html += [f"<h3>{bench}: discordance</h3>", table.to_html()]
-    if data.get("load"):
-        html += [f"<h2>serving load: {data['load']['verdict']}</h2><p>{data['load']['why']}</p>",
-                 load_table(data).to_html(index=False)]
-    if data.get("structure"):
-        html += ["<h2>structure</h2>", structure_table(data).to_html(index=False)]
-    for name, fig in figures(data).items():
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        (out_dir / f"{name}.png").write_bytes(buf.getvalue())
-        paths.append(out_dir / f"{name}.png")
-        html.append(f"<img alt='{name}' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'/>")
-    (out_dir / "dashboard.html").write_text("\n".join(html + ["</body></html>"]))
-    return paths + [out_dir / "dashboard.html"]

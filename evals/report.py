@@ -49,16 +49,27 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def load_markdown(load: dict) -> list[str]:
-    """The serving-load section: each sweep's knee at the TTFT SLO and the ratio (``gate load``)."""
+LOAD_COLUMNS = ("run", "knee rate", "RPS", "output tok/s", "TTFT p95", "bracket")
+
+
+def load_summary(load: dict) -> tuple[str, list[dict]]:
+    """The serving-load section's SLO line and its rows (each sweep's knee), as every rendering writes them."""
     cell = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-    lines = [f"## Serving load: {load['verdict']}", "",
-             f"SLO: TTFT p95 <= {load['ttft_slo_s']:g} s, success >= {load['min_success']:.0%}; margin {load['margin']:g}",
-             "", "| run | knee rate | RPS | output tok/s | TTFT p95 | bracket |", "|---|---|---|---|---|---|"]
+    slo = f"SLO: TTFT p95 <= {load['ttft_slo_s']:g} s, success >= {load['min_success']:.0%}; margin {load['margin']:g}"
+    rows = []
     for name in ("candidate", "reference"):
         k = load["knees"][name]
-        lines.append(f"| {name} | {cell(k['rate'], 'g')} | {cell(k['rps'], '.3f')} | {cell(k['tok_s'], '.1f')} | "
-                     f"{cell(k['ttft_p95_s'], '.2f')} | {k['why']} |")
+        rows.append(dict(zip(LOAD_COLUMNS, (name, cell(k["rate"], "g"), cell(k["rps"], ".3f"), cell(k["tok_s"], ".1f"),
+                                            cell(k["ttft_p95_s"], ".2f"), k["why"]))))
+    return slo, rows
+
+
+def load_markdown(load: dict) -> list[str]:
+    """The serving-load section: each sweep's knee at the TTFT SLO and the ratio (``gate load``)."""
+    slo, rows = load_summary(load)
+    lines = [f"## Serving load: {load['verdict']}", "", slo, "", "| " + " | ".join(LOAD_COLUMNS) + " |",
+             "|" + "---|" * len(LOAD_COLUMNS)]
+    lines += ["| " + " | ".join(r[c] for c in LOAD_COLUMNS) + " |" for r in rows]
     return lines + ["", f"{load['why']}", ""]
 
 

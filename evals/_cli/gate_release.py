@@ -30,7 +30,8 @@ def register(sub) -> None:
     add_load_args(p, prefix="load-")
     p.add_argument("--report-dir", type=Path, help="where report.md/report.json go (default: beside the candidate run)")
     p.add_argument("--plots", type=Path, metavar="DIR",
-                   help="also write the dashboard's figures (PNG) and an HTML page with tables and figures to DIR")
+                   help="also write the figures (PNG) and report.html to DIR: one self-contained page (styles and "
+                        "figures inside), verdict first, the same content as report.md")
     kernels.add_arguments(p, release=True)
     p.set_defaults(func=run)
 
@@ -56,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     report = release_report(args.checkpoint, structure.to_dict(), accuracy, kern, load)
     md, js = write(report, args.report_dir or args.candidate)
     if args.plots:
-        from evals import dashboard
+        from evals import dashboard, page
 
-        dashboard.write_plots(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
+        page.write(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
     sections = [human(structure), render.text(accuracy)]
     if kern:
         sections.append(f"{kern['summary']} ({'BLOCKING' if kern['blocking'] else 'warning'})")

@@ -71,8 +71,8 @@ def test_gate_release_plots(runs, tmp_path, capsys):
     assert "## Serving load: FAIL" in (tmp_path / "report.md").read_text()
     for name in ("forest.png", "heatmap.png", "load.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
-    html = (tmp_path / "plots" / "dashboard.html").read_text()
-    assert "data:image/png;base64," in html and "gsm8k" in html and "serving load: FAIL" in html
+    html = (tmp_path / "plots" / "report.html").read_text()
+    assert "data:image/png;base64," in html and "gsm8k" in html and "Serving load <span class='tag bad'>FAIL</span>" in html
 
 
 def test_load_curves_for_both_sweeps(runs):

@@ -57,6 +57,10 @@ def test_glm5_sized_heatmap_is_readable_and_marks_the_mtp_layer():
         assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, text
 
 
-def test_without_num_hidden_layers_nothing_is_marked():
+def test_small_model_title_fits_and_without_num_hidden_layers_nothing_is_marked():
     fig = dashboard.error_heatmap({"manifest": glm5_manifest(layers=4, dense=1)})
     assert not any("MTP" in t.get_text() for t in fig.axes[0].get_xticklabels())
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    title = fig.axes[0].title.get_window_extent(canvas.get_renderer())
+    assert fig.bbox.x0 <= title.x0 and title.x1 <= fig.bbox.x1
