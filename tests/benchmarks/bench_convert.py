@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="where to build the shards (default: a temp folder)")
     args = parser.parse_args()
 
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)

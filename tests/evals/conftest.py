@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+
+def send_json(handler, payload) -> None:
+    """Answer an HTTP request with ``payload`` as JSON (the scripted OpenAI-compatible endpoints)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(200)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def free_port() -> int:

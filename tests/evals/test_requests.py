@@ -17,6 +17,7 @@ import pytest
 from evals.bundle import read_bundle
 from evals.cli import evals_main
 from evals.data import BUNDLED_DATA_DIR
+from tests.evals.conftest import send_json
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -37,13 +38,8 @@ class Recorder(BaseHTTPRequestHandler):
             self.send_error(queued.pop(0), "scripted failure")
             return
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
-        data = json.dumps({"id": "x", "object": "text_completion", "model": body["model"], "choices": [
-            {"index": i, "text": " #### 7", "finish_reason": "stop"} for i in range(len(prompts))]}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"id": "x", "object": "text_completion", "model": body["model"], "choices": [
+            {"index": i, "text": " #### 7", "finish_reason": "stop"} for i in range(len(prompts))]})
 
     def log_message(self, *args):
         pass

@@ -16,7 +16,7 @@ import pytest
 from evals.bundle import BundleError, pair, read_bundle
 from evals.cli import evals_main
 from evals.data import BUNDLED_DATA_DIR, import_gpqa, import_gsm8k
-from tests.evals.conftest import free_port
+from tests.evals.conftest import free_port, send_json
 
 GSM8K = BUNDLED_DATA_DIR / "gsm8k"  # shipped with quantgate (MIT)
 GEN = ["--max-gen-toks", "8"]
@@ -145,13 +145,8 @@ class ScriptedModel(BaseHTTPRequestHandler):
         if self.path != "/v1/models" or self.max_model_len is None:
             self.send_error(404)
             return
-        data = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model",
-                                                       "max_model_len": self.max_model_len}]}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"object": "list", "data": [{"id": "scripted", "object": "model",
+                                                     "max_model_len": self.max_model_len}]})
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
@@ -163,12 +158,7 @@ class ScriptedModel(BaseHTTPRequestHandler):
             texts.append(next((a for q, a in self.answers.items() if q in question), "no idea"))
         reply = {"id": "x", "object": "text_completion", "model": body["model"],
                  "choices": [{"index": i, "text": t, "finish_reason": "stop"} for i, t in enumerate(texts)]}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, reply)
 
     def log_message(self, *args):
         pass
