@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import errno
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -30,7 +29,7 @@ import quant
 from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, DestinationLock, check_overlap, copy_atomic,
                            create_destination, prepare_destination, write_atomic)
 from quant.plan import Plan
-from quant.hashing import sha256_file
+from quant.hashing import sha256_file, sha256_of
 from quant.safetensors_io import PARTIAL_SUFFIX
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
 from quant.shard import ShardJob, convert_shard, file_identity
@@ -48,7 +47,7 @@ def plan_fingerprint(plan: Plan) -> str:
     key = {"version": quant.__version__, "to": plan.to, "codec": plan.codec.name,
            "recipe": plan.recipe.to_dict() if plan.recipe else None, "exclude": list(plan.exclude),
            "shards": [(s.file, s.source_size, s.output_size) for s in plan.shards]}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return sha256_of(key)
 
 
 def _read_progress(dst: Path) -> dict:
