@@ -38,6 +38,17 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 log = logging.getLogger(__name__)
 MIN_BYTES_PER_WORKER = 4 << 30  # measured: below this a second process's start-up costs more than it gains
 
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_workers(nbytes: int) -> int:
+    """One worker process per two cores: a shard keeps two busy, one hashing its source (sha256
+    is sequential) and one running the kernel, writing and hashing the output; never more than
+    the work pays for."""
+    return max(1, min(usable_cores() // 2, -(-nbytes // MIN_BYTES_PER_WORKER)))
+
 __all__ = ["ConvertError", "DiskFullError", "NonFiniteError", "MANIFEST_NAME", "PROGRESS_NAME", "convert",
            "sha256_file"]
 
@@ -155,7 +166,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> No
         return
     context = multiprocessing.get_context("spawn")  # no fork after numba's or torch's threads started
     counter = context.Value("q", 0)
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, usable_cores() // workers)
     pool = cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                 initargs=(threads, counter, os.getpid()))
     pending = {pool.submit(_run_in_worker, job) for job in jobs}
@@ -236,12 +247,11 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             del sources[file], done[file]
             raise
 
-    jobs = [ShardJob(plan.source_dir, dst, s, plan.codec, plan.recipe and plan.recipe.scale_rule, device, strict)
-            for s in todo]
     todo_bytes = sum(s.source_size for s in todo)
-    # A worker process costs ~2 s to start (torch, numba): only worth it for real work.
-    default_workers = min(os.cpu_count() or 1, -(-todo_bytes // MIN_BYTES_PER_WORKER))
-    workers = 1 if device != "cpu" else max(1, min(workers or default_workers, len(jobs)))
+    workers = 1 if device != "cpu" else max(1, min(workers or default_workers(todo_bytes), len(todo)))
+    kernel_threads = max(1, usable_cores() // workers - 1)  # each worker's other core hashes its source
+    jobs = [ShardJob(plan.source_dir, dst, s, plan.codec, plan.recipe and plan.recipe.scale_rule, device, strict,
+                     kernel_threads) for s in todo]
     try:
         save_progress()
         for name in plan.aux_files:

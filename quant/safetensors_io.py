@@ -10,15 +10,19 @@ memory follows the chunk rather than the shard.
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import json
+import mmap
 import os
+import queue
 import stat
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from quant.hashing import HashStream
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -179,64 +183,159 @@ def encoded_size(entries: list[tuple[str, str, tuple[int, ...]]], header: bytes 
     return len(header) + sum(numel(shape) * DTYPE_BYTES[dtype] for _, dtype, shape in entries)
 
 
+def _writeback_starter():
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start writing a
+    range to disk without waiting for it, so the fsync that makes a shard durable before its
+    rename finds little left to do (measured here on 330 MB: fsync 0.10 s -> 0.00 s, writes no
+    slower). None where there is no such call; the fsync then does all of it."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: call(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
+
+
+_start_writeback = _writeback_starter()
+WRITEBACK_BYTES = 32 << 20  # written data is sent to disk in steps of this size
+
+
 class ShardWriter:
     """Writes one output shard under ``<final>.partial`` and renames it only when complete.
 
-    Data must arrive in file order; it is hashed on the way (on a helper thread), so committing
-    needs no second read. The space check is the caller's (the converter checks free space up
-    front); a disk that fills anyway fails a write, and the partial file is removed. No
-    ``posix_fallocate``: on ext4 it makes every later buffered write convert unwritten extents,
-    which measured 3-7x slower than plain writes here.
+    Data must arrive in file order. Hashing it (so committing needs no second read) and writing it
+    happen on one helper thread: hashlib and pwrite release the GIL, so they overlap the caller's
+    kernel. At most ``BACKLOG`` buffers wait; a caller hands over a buffer it no longer changes.
+
+    Writes go out in ``STAGE_BYTES`` blocks from one reused, aligned buffer with ``O_DIRECT``,
+    bypassing the page cache: copying into fresh page-cache pages was the converter's largest
+    kernel-side cost (perf: 14% of a conversion's CPU; 0.09-0.86 s per 320 MB against 0.03 s
+    direct, measured here). The last partial block, and every block on a filesystem that refuses
+    ``O_DIRECT`` (tmpfs), goes through the page cache. A failed write (a disk that fills despite
+    the converter's up-front space check) is raised by the next ``write`` or by ``commit``, and
+    ``abort`` removes the partial file. No ``posix_fallocate``: on ext4 it makes every later
+    buffered write convert unwritten extents, which measured 3-7x slower than plain writes here.
     """
+
+    BACKLOG = 3
+    STAGE_BYTES = 8 << 20  # a multiple of every block size O_DIRECT asks alignment to
 
     def __init__(self, final_path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
         self.final_path = final_path
         self.tmp_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
         header, self.offsets = encode_header(entries)
         self.size = encoded_size(entries, header)
-        self.hash = HashStream()
-        self.write_s = 0.0  # time spent in write calls and the final fsync
-        self.fd = os.open(self.tmp_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-        self.pos = 0
+        self.write_s = self.hash_s = 0.0  # the helper thread's time in writes (and the final fsync), in sha256
+        self.fd = self._open(self.tmp_path)
+        self.pos = 0  # handed over up to here
+        self._digest = hashlib.sha256()
+        self._stage = mmap.mmap(-1, self.STAGE_BYTES)  # page-aligned, as O_DIRECT needs
+        self._staged = self._written = 0
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(self.BACKLOG)
+        self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
+        self._thread.start()
+        self.write("", 0, header)
+
+    @staticmethod
+    def _open(path: Path) -> int:
+        flags = os.O_CREAT | os.O_TRUNC | os.O_WRONLY
         try:
-            self.write("", 0, header)
-        except BaseException:
-            self.abort()
-            raise
+            return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                raise
+            return os.open(path, flags, 0o644)
 
     def write(self, name: str, offset_in_tensor: int, data) -> None:
         """``data`` (bytes-like) at ``offset_in_tensor`` of tensor ``name`` ("" with 0: the header)."""
         offset = self.offsets[name] + offset_in_tensor if name else 0
         if offset != self.pos:
             raise AssertionError(f"{name}: out-of-order write at {offset}, expected {self.pos}")
-        view, written = memoryview(data).cast("B"), 0
+        if self._error:
+            raise self._error
+        view = memoryview(data).cast("B")
+        self._queue.put(view)
+        self.pos += len(view)
+
+    def _drain(self) -> None:
+        while (view := self._queue.get()) is not None:
+            if self._error:
+                continue  # after a failure only drain, so the caller never blocks on a full queue
+            try:
+                started = time.perf_counter()
+                self._digest.update(view)
+                self.hash_s += time.perf_counter() - started
+                while view:
+                    take = min(len(view), self.STAGE_BYTES - self._staged)
+                    self._stage[self._staged:self._staged + take] = view[:take]
+                    self._staged, view = self._staged + take, view[take:]
+                    if self._staged == self.STAGE_BYTES:
+                        self._flush_stage()
+            except BaseException as exc:
+                self._error = exc
+
+    def _flush_stage(self) -> None:
+        """Write the staged bytes at the end of the file (direct when the block is whole)."""
         started = time.perf_counter()
-        while written < len(view):  # a short write (disk just filled) is retried: the retry reports ENOSPC
-            n = os.pwrite(self.fd, view[written:], offset + written)
-            if n == 0:
-                raise OSError(errno.ENOSPC, f"{self.tmp_path}: no byte written", str(self.tmp_path))
-            written += n
+        with memoryview(self._stage)[:self._staged] as block:
+            done = 0
+            while done < len(block):  # a short write (disk just filled) is retried: the retry reports ENOSPC
+                try:
+                    n = os.pwrite(self.fd, block[done:], self._written + done)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self._buffered():
+                        raise
+                    continue  # the filesystem took O_DIRECT at open but refuses it here: buffered
+                if n == 0:
+                    raise OSError(errno.ENOSPC, f"{self.tmp_path}: no byte written", str(self.tmp_path))
+                done += n
+        if _start_writeback:  # what went through the page cache starts for the disk now
+            _start_writeback(self.fd, self._written, done)
+        self._written += done
+        self._staged = 0
         self.write_s += time.perf_counter() - started
-        self.hash.update(data)
-        self.pos += written
+
+    def _buffered(self) -> bool:
+        """Clear O_DIRECT on the file; False if it was not set."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        direct = getattr(os, "O_DIRECT", 0)
+        if not flags & direct:
+            return False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~direct)
+        return True
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def commit(self) -> str:
-        """Flush and rename into place; returns the file's sha256."""
+        """Write the last partial block, flush, rename into place; returns the file's sha256."""
+        self._stop()
+        if self._error:
+            raise self._error
         if self.pos != self.size:
             raise AssertionError(f"{self.tmp_path}: {self.pos} of {self.size} bytes written")
-        digest = self.hash.hexdigest()
+        if self._staged:
+            self._buffered()  # a partial block cannot go direct
+            self._flush_stage()
         started = time.perf_counter()
         os.fsync(self.fd)
         self.write_s += time.perf_counter() - started
-        os.close(self.fd)
-        self.fd = -1
+        self._close()
         os.replace(self.tmp_path, self.final_path)
-        self.hash.close()
-        return digest
+        return self._digest.hexdigest()
 
-    def abort(self) -> None:
+    def _close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.hash.close()
+        self._stage.close()
+
+    def abort(self) -> None:
+        self._stop()
+        self._close()
         self.tmp_path.unlink(missing_ok=True)

@@ -10,9 +10,11 @@ source) whatever the tensor or shard size.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,12 @@ import numpy as np
 from quant.errors import NonFiniteError
 from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
-from quant.hashing import HashStream
 from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import ShardError, ShardWriter, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
+LEAD_BYTES = 1 << 30  # how far the source's hashing may run ahead of the reading
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ShardJob:
     scale_rule: ScaleRule | None  # encoding only
     device: str = "cpu"
     strict: bool = False  # NaN/Inf in a tensor kept as it is: an error, not a warning
+    kernel_threads: int | None = None  # cores the CPU kernel may use (None: all)
 
 
 def file_identity(st: os.stat_result) -> dict:
@@ -62,8 +65,76 @@ def first_non_finite(data, dtype: str) -> int | None:
     return int(bad[0]) if bad.size else None
 
 
+class SourceHasher:
+    """sha256 of a whole source file on a helper thread with its own mapping, at its own pace.
+
+    It needs nothing from the conversion (every byte is hashed, header and padding included), so it
+    starts the moment the file is opened, overlapping the kernel's import as well as the kernel;
+    hashlib releases the GIL. It stays at most ``LEAD_BYTES`` ahead of the reader (on a cold file
+    it is the reader's readahead, and what it read must still be cached when the kernel gets
+    there), and it drops what it has hashed from its mapping, so its resident memory is a chunk.
+    """
+
+    def __init__(self, fileno: int, size: int):
+        self.size = size
+        self.pos = 0  # hashed up to here
+        self.busy_s = 0.0
+        self._allowed = LEAD_BYTES
+        self._stop = False
+        self._digest = hashlib.sha256()
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._map = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) if size else None
+        self._thread = threading.Thread(target=self._run, name="sha256-source", daemon=True)
+        self._thread.start()
+
+    def allow(self, end: int) -> None:
+        """The reader got to ``end``: hashing may run up to ``LEAD_BYTES`` beyond it."""
+        with self._cond:
+            if end + LEAD_BYTES > self._allowed:
+                self._allowed = end + LEAD_BYTES
+                self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            released = 0
+            while self.pos < self.size:
+                with self._cond:
+                    while self._allowed <= self.pos and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    end = min(self.size, self.pos + CHUNK_BYTES, self._allowed)
+                started = time.perf_counter()
+                with memoryview(self._map)[self.pos:end] as view:
+                    self._digest.update(view)
+                self.busy_s += time.perf_counter() - started
+                self.pos = end
+                behind = end - end % mmap.PAGESIZE
+                if behind > released:
+                    self._map.madvise(mmap.MADV_DONTNEED, released, behind - released)
+                    released = behind
+        except BaseException as exc:  # handed to the reader's finish()
+            self._error = exc
+
+    def hexdigest(self) -> str:
+        self.allow(self.size)
+        self._thread.join()
+        if self._error:
+            raise self._error
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+        if self._map:
+            self._map.close()
+
+
 class SourceReader:
-    """Reads one source file at increasing offsets and hashes every byte of it on the way.
+    """Reads one source file at increasing offsets while a ``SourceHasher`` hashes all of it.
 
     The file is memory-mapped, so a read costs no copy; ranges left behind are dropped from the
     mapping (``MADV_DONTNEED``: the pages stay in the page cache, just not in this process), so
@@ -72,7 +143,6 @@ class SourceReader:
 
     def __init__(self, path: Path):
         self.path = path
-        self.hash = HashStream()
         self.pos = self.released = 0
         self.read_s = 0.0
         with open_regular(path) as f:
@@ -80,29 +150,27 @@ class SourceReader:
             self.opened_ns = time.time_ns()
             self.size = self.opened.st_size
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+            self.hash = SourceHasher(f.fileno(), self.size)
         if self.map:
             self.map.madvise(mmap.MADV_SEQUENTIAL)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """The bytes at ``offset``, as a view into the mapping."""
         started = time.perf_counter()
-        if offset > self.pos:  # header, or padding between tensors
-            self.hash.update(self._view(self.pos, offset))
-        elif offset < self.pos:
+        if offset < self.pos:
             raise AssertionError("tensors must be read in file order")
         if offset + nbytes > self.size:
             raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes} "
                              "(file truncated or changed during conversion)")
         data = self._view(offset, offset + nbytes)
-        self.hash.update(data)
         self.pos = offset + nbytes
+        self.hash.allow(self.pos)
         self._release_behind(offset - RELEASE_LAG)
         self.read_s += time.perf_counter() - started
         return data
 
     def peek(self, offset: int, nbytes: int) -> bytes:
-        """A copy of bytes ahead of the read position (a scale its weight needs first); they are
-        hashed when the reading passes them."""
+        """A copy of bytes ahead of the read position (a scale its weight needs first)."""
         if offset < self.pos or offset + nbytes > self.size:
             raise AssertionError(f"peek at [{offset}, {offset + nbytes}) outside the unread part of {self.path}")
         return bytes(self._view(offset, offset + nbytes))
@@ -117,8 +185,6 @@ class SourceReader:
             self.released = end
 
     def finish(self) -> str:
-        if self.pos < self.size:
-            self.read(self.pos, self.size - self.pos)
         digest = self.hash.hexdigest()
         if file_identity(self.path.stat()) != file_identity(self.opened):
             raise ShardError(f"{self.path}: changed while it was being converted; leave the source alone and "
@@ -148,7 +214,8 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
         raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
         started = time.perf_counter()
         try:
-            out = codec.encode(raw.reshape(count, row_bytes), info.dtype, job.scale_rule, device=job.device, row0=start)
+            out = codec.encode(raw.reshape(count, row_bytes), info.dtype, job.scale_rule, device=job.device, row0=start,
+                               threads=job.kernel_threads)
         except NonFiniteError as exc:
             raise NonFiniteError(f"{info.name}: {exc}") from None
         timing["kernel"] += time.perf_counter() - started
@@ -172,7 +239,8 @@ def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
         raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
         started = time.perf_counter()
         first = start // multiple
-        out = codec.decode_bytes(raw.reshape(count, row_bytes), scales[first:first + -(-count // multiple)])
+        out = codec.decode_bytes(raw.reshape(count, row_bytes), scales[first:first + -(-count // multiple)],
+                                  job.kernel_threads)
         timing["kernel"] += time.perf_counter() - started
         writer.write(name, start * cols * 2, out.data)
         advance(count * row_bytes)
@@ -234,7 +302,7 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
         if reader:
             reader.close()
     seconds = {"total": time.perf_counter() - started, "read": reader.read_s, **timing,
-               "hash": reader.hash.busy_s + writer.hash.busy_s, "write": writer.write_s}
+               "hash": reader.hash.busy_s + writer.hash_s, "write": writer.write_s}
     return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
             "size": writer.size, "sha256": output_sha256, "quantized": errors, "decoded": decoded, "kept_non_finite": kept_non_finite,
             "source_identity": {**file_identity(reader.opened), "opened_ns": reader.opened_ns},

@@ -90,9 +90,10 @@ class Codec:
     def quantize_dequantize(self, x: "torch.Tensor", rule: ScaleRule = ScaleRule.EVEN) -> "torch.Tensor":
         raise NotImplementedError
 
-    def decode_bytes(self, weight: "np.ndarray", scales: "np.ndarray") -> "np.ndarray":
+    def decode_bytes(self, weight: "np.ndarray", scales: "np.ndarray", threads: int | None = None) -> "np.ndarray":
         """The executor's decode, bytes in, bytes out: bf16 bytes ``[rows, in * 2]`` of stored rows
-        ``weight`` (uint8 ``[rows, stored bytes]``) whose scale rows are ``scales`` (their raw bytes)."""
+        ``weight`` (uint8 ``[rows, stored bytes]``) whose scale rows are ``scales`` (their raw bytes).
+        ``threads``: how many cores a CPU kernel may use (None: all); the torch path ignores it."""
         import torch
 
         from quant.safetensors_io import torch_dtype
@@ -108,10 +109,10 @@ class Codec:
         raise NotImplementedError
 
     def encode(self, raw: "np.ndarray", dtype: str, rule: ScaleRule = ScaleRule.EVEN, *, device: str = "cpu",
-               row0: int = 0) -> Encoded:
+               row0: int = 0, threads: int | None = None) -> Encoded:
         """Rows of one weight given as raw bytes ``[rows, in * itemsize]`` of safetensors ``dtype``
         (read-only views of a mapped file are fine); ``row0`` is the first row's index in the
-        weight, for messages and the error sample."""
+        weight, for messages and the error sample; ``threads`` as in ``decode_bytes``."""
         import torch
 
         from quant.safetensors_io import torch_dtype
@@ -163,22 +164,22 @@ class MXCodec(Codec):
 
         return mx.quantize_dequantize(x, self.element, rule)
 
-    def decode_bytes(self, weight, scales):
+    def decode_bytes(self, weight, scales, threads=None):
         if self.element == E2M1:  # a table lookup in numba: the same values as the reference decode
             from quant.formats import mxfp4_fast
 
-            return mxfp4_fast.decode_bf16(weight, scales).view("uint8")
+            return mxfp4_fast.decode_bf16(weight, scales, threads).view("uint8")
         return super().decode_bytes(weight, scales)
 
-    def encode(self, raw, dtype, rule=ScaleRule.EVEN, *, device="cpu", row0=0):
+    def encode(self, raw, dtype, rule=ScaleRule.EVEN, *, device="cpu", row0=0, threads=None):
         if self.element == E2M1 and dtype == "BF16" and rule is ScaleRule.EVEN and device == "cpu":
-            return self._encode_fast(raw, row0)
+            return self._encode_fast(raw, row0, threads)
         return super().encode(raw, dtype, rule, device=device, row0=row0)
 
-    def _encode_fast(self, raw, row0):
+    def _encode_fast(self, raw, row0, threads):
         from quant.formats import mxfp4_fast
 
-        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0)
+        packed, scales, flags, err, ref = mxfp4_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0, threads)
         if flags.any():  # rare: only now load torch and the reference
             import numpy as np
             import torch

@@ -17,6 +17,7 @@ so importing quantgate costs nothing and later processes load the kernel in mill
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -30,7 +31,8 @@ if sys.byteorder != "little":
 
 # The float value of every bf16 bit pattern (a bf16 is the top half of a float32; non-finite ones
 # never reach the error loop). No torch here: a converting process loads numpy and numba only.
-_BF16_VALUES = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+with np.errstate(invalid="ignore"):  # the NaN patterns cast to NaN, as they should
+    _BF16_VALUES = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
 _VALUES = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=np.float64)
 
 
@@ -90,7 +92,23 @@ def _quantize_rows(pairs, values, bf16_values, error_stride, row_offset, packed,
         ref_sq[r] = row_ref
 
 
-def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row_offset: int = 0):
+@contextmanager
+def _threads(count: int | None):
+    """Run the kernel on ``count`` threads (None: numba's default). numba's setting belongs to the
+    calling thread, so it is set for the call and put back."""
+    if not count:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row_offset: int = 0,
+                  threads: int | None = None):
     """``(packed, scales, row_flags, err_sq, ref_sq)`` for a bf16 ``[rows, in]`` weight.
 
     ``weight`` is a bf16 tensor, or its raw bytes as a ``[rows, in * 2]`` uint8 array (read-only
@@ -111,7 +129,8 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
     flags = np.empty(rows, dtype=np.uint8)
     err_sq = np.empty(rows, dtype=np.float64)
     ref_sq = np.empty(rows, dtype=np.float64)
-    _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset, packed, scales, flags, err_sq, ref_sq)
+    with _threads(threads):
+        _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset, packed, scales, flags, err_sq, ref_sq)
     return packed, scales, flags, err_sq, ref_sq
 
 
@@ -143,12 +162,13 @@ def _decode_rows(packed, scales, table, out):  # pragma: no cover
 _TABLE = None
 
 
-def decode_bf16(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def decode_bf16(packed: np.ndarray, scales: np.ndarray, threads: int | None = None) -> np.ndarray:
     """bf16 bit patterns (uint16 ``[rows, in]``) of an MXFP4 weight stored as ``packed`` ``[rows, in/2]``
     and ``scales`` ``[rows, in/32]`` (uint8): a table lookup, the same values as ``mxfp4.dequantize``."""
     global _TABLE
     if _TABLE is None:
         _TABLE = _decode_table()
     out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint16)
-    _decode_rows(packed, scales, _TABLE, out)
+    with _threads(threads):
+        _decode_rows(packed, scales, _TABLE, out)
     return out
