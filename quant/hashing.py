@@ -1,47 +1,13 @@
-"""sha256 of byte streams computed on helper threads, overlapping the caller's work.
+"""The one sha256 helper for files, bytes, text and JSON-able objects.
 
-hashlib releases the GIL on large buffers, so a ``HashStream`` per stream (the source a shard is
-read from, the output it is written to) hashes on its own thread while the caller runs the
-kernel: hashing costs wall-clock time only where it is the slowest stage. At most ``backlog``
-buffers wait, which bounds memory (callers hand over views, not copies).
+(The converter hashes its streams as it goes: ``shard.SourceHasher`` and ``ShardWriter``.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-
-
-class HashStream:
-    def __init__(self, backlog: int = 3):
-        self.backlog = backlog
-        self.busy_s = 0.0  # time the helper thread spent hashing
-        self._digest = hashlib.sha256()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._pending: deque[Future] = deque()
-
-    def _update(self, data) -> None:
-        started = time.perf_counter()
-        self._digest.update(data)
-        self.busy_s += time.perf_counter() - started
-
-    def update(self, data) -> None:
-        """Hash ``data`` after everything handed over before; ``data`` must stay unchanged until then."""
-        self._pending.append(self._thread.submit(self._update, data))
-        while len(self._pending) > self.backlog:
-            self._pending.popleft().result()
-
-    def hexdigest(self) -> str:
-        while self._pending:
-            self._pending.popleft().result()
-        return self._digest.hexdigest()
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

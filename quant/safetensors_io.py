@@ -206,8 +206,9 @@ class ShardWriter:
     """Writes one output shard under ``<final>.partial`` and renames it only when complete.
 
     Data must arrive in file order. Hashing it (so committing needs no second read) and writing it
-    happen on one helper thread: hashlib and pwrite release the GIL, so they overlap the caller's
-    kernel. At most ``BACKLOG`` buffers wait; a caller hands over a buffer it no longer changes.
+    happen on two helper threads: hashlib and pwrite release the GIL, so they overlap the caller's
+    kernel and each other (a direct write waits for the disk). At most ``BACKLOG`` buffers wait
+    for each; a caller hands over a buffer it no longer changes.
 
     Writes go out in ``STAGE_BYTES`` blocks from one reused, aligned buffer with ``O_DIRECT``,
     bypassing the page cache: copying into fresh page-cache pages was the converter's largest
@@ -227,16 +228,19 @@ class ShardWriter:
         self.tmp_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
         header, self.offsets = encode_header(entries)
         self.size = encoded_size(entries, header)
-        self.write_s = self.hash_s = 0.0  # the helper thread's time in writes (and the final fsync), in sha256
+        self.write_s = self.hash_s = 0.0  # the helper threads' time in writes (and the final fsync), in sha256
         self.fd = self._open(self.tmp_path)
         self.pos = 0  # handed over up to here
         self._digest = hashlib.sha256()
         self._stage = mmap.mmap(-1, self.STAGE_BYTES)  # page-aligned, as O_DIRECT needs
         self._staged = self._written = 0
         self._error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(self.BACKLOG)
-        self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
-        self._thread.start()
+        self._helpers = []  # (inbox, thread): one hashes, one writes
+        for step, name in ((self._hash, "sha256-output"), (self._stage_and_write, "shard-writer")):
+            inbox: queue.Queue = queue.Queue(self.BACKLOG)
+            thread = threading.Thread(target=self._drain, args=(inbox, step), name=name, daemon=True)
+            thread.start()
+            self._helpers.append((inbox, thread))
         self.write("", 0, header)
 
     @staticmethod
@@ -257,25 +261,31 @@ class ShardWriter:
         if self._error:
             raise self._error
         view = memoryview(data).cast("B")
-        self._queue.put(view)
+        for inbox, _ in self._helpers:
+            inbox.put(view)
         self.pos += len(view)
 
-    def _drain(self) -> None:
-        while (view := self._queue.get()) is not None:
+    def _drain(self, inbox: queue.Queue, step) -> None:
+        while (view := inbox.get()) is not None:
             if self._error:
                 continue  # after a failure only drain, so the caller never blocks on a full queue
             try:
-                started = time.perf_counter()
-                self._digest.update(view)
-                self.hash_s += time.perf_counter() - started
-                while view:
-                    take = min(len(view), self.STAGE_BYTES - self._staged)
-                    self._stage[self._staged:self._staged + take] = view[:take]
-                    self._staged, view = self._staged + take, view[take:]
-                    if self._staged == self.STAGE_BYTES:
-                        self._flush_stage()
+                step(view)
             except BaseException as exc:
                 self._error = exc
+
+    def _hash(self, view: memoryview) -> None:
+        started = time.perf_counter()
+        self._digest.update(view)
+        self.hash_s += time.perf_counter() - started
+
+    def _stage_and_write(self, view: memoryview) -> None:
+        while view:
+            take = min(len(view), self.STAGE_BYTES - self._staged)
+            self._stage[self._staged:self._staged + take] = view[:take]
+            self._staged, view = self._staged + take, view[take:]
+            if self._staged == self.STAGE_BYTES:
+                self._flush_stage()
 
     def _flush_stage(self) -> None:
         """Write the staged bytes at the end of the file (direct when the block is whole)."""
@@ -308,9 +318,10 @@ class ShardWriter:
         return True
 
     def _stop(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        for inbox, thread in self._helpers:
+            if thread.is_alive():
+                inbox.put(None)
+                thread.join()
 
     def commit(self) -> str:
         """Write the last partial block, flush, rename into place; returns the file's sha256."""

@@ -1,10 +1,12 @@
 """Converting one shard: read tensors in file order, carry out each one's planned action (encode,
 decode or copy), write one atomic file.
 
-The source is read front to back exactly once; the same bytes feed its sha256, so provenance
-costs no second read. Three things overlap: the source's sha256 (one helper thread), the
-kernel (this thread, numba's threads inside), and the output's sha256 (another helper thread);
-hashlib and numba both release the GIL. Memory is bounded by a few chunks (``CHUNK_BYTES`` of
+Four threads overlap, each on one stream, so a shard keeps two cores busy (``convert`` gives a
+worker process two cores): the source's sha256 (``SourceHasher``, from the moment the file
+opens, on its own mapping), the kernel (this thread; numba's threads inside, ``kernel_threads``
+of them), and the output's sha256 and its writing (``ShardWriter``'s two helpers). hashlib,
+numba and pwrite all release the GIL. sha256 is sequential, so on two cores the source's hash is
+the floor: about 2 GB/s per core here. Memory is bounded by a few chunks (``CHUNK_BYTES`` of
 source) whatever the tensor or shard size.
 """
 
@@ -29,7 +31,9 @@ from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import ShardError, ShardWriter, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
-RELEASE_LAG = 4 * CHUNK_BYTES  # mapped source kept resident behind the read position
+# Mapped source left behind is dropped in steps this big: every drop interrupts the other cores
+# running this process's threads (a TLB shootdown), so 32 MB steps cost 4% of a conversion (perf).
+RELEASE_STEP = 128 << 20
 LEAD_BYTES = 1 << 30  # how far the source's hashing may run ahead of the reading
 
 
@@ -63,6 +67,17 @@ def first_non_finite(data, dtype: str) -> int | None:
     word, mask = _EXPONENT_MASKS[dtype]
     bad = np.flatnonzero((np.frombuffer(data, word) & word(mask)) == mask)
     return int(bad[0]) if bad.size else None
+
+
+def release_mapped(mapping: mmap.mmap, released: int, upto: int) -> int:
+    """Drop ``[released, upto)`` from a file mapping once that is a whole ``RELEASE_STEP``
+    (``MADV_DONTNEED``: the pages stay in the page cache, just not in this process); returns where
+    the mapping is kept from now."""
+    upto -= upto % mmap.PAGESIZE
+    if upto - released < RELEASE_STEP:
+        return released
+    mapping.madvise(mmap.MADV_DONTNEED, released, upto - released)
+    return upto
 
 
 class SourceHasher:
@@ -110,10 +125,7 @@ class SourceHasher:
                     self._digest.update(view)
                 self.busy_s += time.perf_counter() - started
                 self.pos = end
-                behind = end - end % mmap.PAGESIZE
-                if behind > released:
-                    self._map.madvise(mmap.MADV_DONTNEED, released, behind - released)
-                    released = behind
+                released = release_mapped(self._map, released, end)
         except BaseException as exc:  # handed to the reader's finish()
             self._error = exc
 
@@ -165,7 +177,8 @@ class SourceReader:
         data = self._view(offset, offset + nbytes)
         self.pos = offset + nbytes
         self.hash.allow(self.pos)
-        self._release_behind(offset - RELEASE_LAG)
+        if self.map:
+            self.released = release_mapped(self.map, self.released, offset)
         self.read_s += time.perf_counter() - started
         return data
 
@@ -177,12 +190,6 @@ class SourceReader:
 
     def _view(self, start: int, end: int) -> memoryview:
         return memoryview(self.map)[start:end] if self.map else memoryview(b"")
-
-    def _release_behind(self, offset: int) -> None:
-        end = offset - offset % mmap.PAGESIZE
-        if self.map and end > self.released:
-            self.map.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
-            self.released = end
 
     def finish(self) -> str:
         digest = self.hash.hexdigest()

@@ -136,27 +136,36 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
 
 
 def _decode_table() -> np.ndarray:
-    """bf16 bits of every (scale byte, code) pair, made by the reference decode itself: exact by construction."""
-    import torch
+    """bf16 bits of both codes of every (scale byte, packed byte) pair, as one uint32 per pair
+    (low half: the low nibble's value, which comes first in memory): ``table[scale << 8 | byte]``.
 
-    from quant.formats import mxfp4
-
-    codes = torch.arange(16, dtype=torch.uint8)
-    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(256, 1)  # 8 bytes = codes 0..15 for each scale byte
-    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, 1).contiguous()
-    values = mxfp4.dequantize(torch.nn.functional.pad(packed, (0, 8)), scales)[:, :16]  # one block of 32 per row
-    return values.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    The reference decode is float32 ``value * 2^(scale - 127)`` rounded to bf16. E2M1 values have
+    two significant bits, so every finite product is exact in bf16 (subnormals included) and its
+    bits are the float32's top half; scale 255 is 2^128, which overflows to +-Inf (NaN for zero),
+    and torch's vectorized float32 -> bf16 writes NaN as 0xFFFF. A test holds this table to the
+    reference decode itself, for every scale byte and packed byte.
+    """
+    codes = np.arange(16)
+    magnitudes = np.array(E2M1_VALUES, dtype=np.float32)[codes & 7]
+    values = np.where(codes & 8, -magnitudes, magnitudes).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        factors = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
+        products = factors[:, None] * values[None, :]  # [scale, code]
+    bits = (products.view(np.uint32) >> 16).astype(np.uint32)
+    bits[np.isnan(products)] = 0xFFFF
+    byte = np.arange(256)
+    return (bits[:, byte & 15] | (bits[:, byte >> 4] << 16)).reshape(-1)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _decode_rows(packed, scales, table, out):  # pragma: no cover
+    """One table load per packed byte writes both of its bf16 values (``out`` is uint32 pairs)."""
     rows, half = packed.shape
     for r in numba.prange(rows):
-        for j in range(half):
-            b = np.int32(packed[r, j])
-            base = np.int32(scales[r, j // 16]) << 4
-            out[r, 2 * j] = table[base + (b & 15)]
-            out[r, 2 * j + 1] = table[base + (b >> 4)]
+        for b in range(half // 16):
+            base = np.int32(scales[r, b]) << 8
+            for j in range(b * 16, b * 16 + 16):
+                out[r, j] = table[base + np.int32(packed[r, j])]
 
 
 _TABLE = None
@@ -168,7 +177,7 @@ def decode_bf16(packed: np.ndarray, scales: np.ndarray, threads: int | None = No
     global _TABLE
     if _TABLE is None:
         _TABLE = _decode_table()
-    out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint16)
+    out = np.empty((packed.shape[0], packed.shape[1]), dtype=np.uint32)
     with _threads(threads):
         _decode_rows(packed, scales, _TABLE, out)
-    return out
+    return out.view(np.uint16)

@@ -62,3 +62,59 @@ def test_killed_conversion_leaves_only_complete_shards(multi_shard_ckpt, multi_s
     for shard in finished:  # every final-named shard is complete and identical to the uninterrupted run
         assert sha256_file(shard) == sha256_file(multi_shard_reference / shard.name)
     assert not (dst / MANIFEST_NAME).exists() and not (dst / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "no_o_direct"])
+def test_shard_writer_bytes_and_hash_through_stages(tmp_path, monkeypatch, direct):
+    """Whole stages go O_DIRECT, the unaligned tail through the page cache; where the platform has
+    no O_DIRECT every block is buffered. Either way the file is exactly the data, and the digest
+    is its sha256."""
+    import fcntl
+    import hashlib
+
+    import numpy as np
+
+    from quant.safetensors_io import ShardWriter, encode_header
+
+    monkeypatch.setattr(ShardWriter, "STAGE_BYTES", 8192)
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT")
+    entries = [("a", "U8", (5, 7001)), ("b", "BF16", (9, 513)), ("c", "U8", (1,))]  # odd sizes: an unaligned tail
+    rng = np.random.default_rng(0)
+    data = {name: rng.integers(0, 256, int(np.prod(shape)) * (2 if dtype == "BF16" else 1), dtype=np.uint8)
+            for name, dtype, shape in entries}
+    writer = ShardWriter(tmp_path / "x.safetensors", entries)
+    if direct and not fcntl.fcntl(writer.fd, fcntl.F_GETFL) & os.O_DIRECT:
+        writer.abort()
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    for name, _, _ in entries:
+        for start in range(0, len(data[name]), 3000):  # pieces that straddle stage boundaries
+            writer.write(name, start, data[name][start:start + 3000].copy())
+    digest = writer.commit()
+    expected = encode_header(entries)[0] + b"".join(data[name].tobytes() for name, _, _ in entries)
+    written = (tmp_path / "x.safetensors").read_bytes()
+    assert len(expected) > 4 * 8192 and len(expected) % 4096
+    assert written == expected and digest == hashlib.sha256(expected).hexdigest()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_source_hash_runs_ahead_of_the_reader_only_so_far(tmp_path, monkeypatch):
+    import hashlib
+
+    from quant import shard
+
+    monkeypatch.setattr(shard, "LEAD_BYTES", 64 << 10)
+    monkeypatch.setattr(shard, "CHUNK_BYTES", 16 << 10)
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    reader = shard.SourceReader(path)
+    try:
+        deadline = time.monotonic() + 10
+        while reader.hash.pos < (64 << 10) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert reader.hash.pos == 64 << 10  # hashed up to the lead, and waits there
+        reader.read(0, 100_000)
+        assert reader.finish() == hashlib.sha256(path.read_bytes()).hexdigest()  # the rest, unread, hashed too
+    finally:
+        reader.close()
