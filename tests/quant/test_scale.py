@@ -230,3 +230,15 @@ def test_fast_decode_equals_reference_for_every_scale_byte_and_packed_byte():
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 16)  # row s: scale byte s
     reference = mxfp4.dequantize(packed, scales).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(mxfp4_fast.decode_bf16(packed.numpy(), scales.numpy()), reference)
+
+
+def test_fast_error_sample_is_the_reference_error_of_the_sampled_rows():
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(96, 256, generator=gen) * torch.logspace(-3, 2, 96)[:, None]).to(torch.bfloat16)
+    _, _, flags, err_sq, ref_sq = mxfp4_fast.quantize_bf16(x, error_stride=8, row_offset=3)
+    xf = x.float().double()
+    error = (mxfp4.dequantize(*mxfp4.quantize(x), torch.float32).double() - xf) ** 2
+    sampled = (torch.arange(96) + 3) % 8 == 0
+    assert not flags.any()
+    assert np.allclose(err_sq, torch.where(sampled, error.sum(1), 0).numpy(), rtol=1e-12, atol=0)
+    assert np.allclose(ref_sq, torch.where(sampled, (xf * xf).sum(1), 0).numpy(), rtol=1e-12, atol=0)
