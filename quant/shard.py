@@ -277,7 +277,8 @@ def _copy_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, 
 
 def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None) -> dict:
     """Write one output shard atomically; returns its record for the conversion manifest, with the
-    seconds each stage took (``hash`` runs on helper threads, overlapping the others)."""
+    seconds each stage was busy (the hashes and the writing run on helper threads, overlapping the
+    kernel; the kernel's first call includes loading numba)."""
     shard = job.shard
     started = time.perf_counter()
     timing = {"kernel": 0.0}
@@ -309,7 +310,7 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
         if reader:
             reader.close()
     seconds = {"total": time.perf_counter() - started, "read": reader.read_s, **timing,
-               "hash": reader.hash.busy_s + writer.hash_s, "write": writer.write_s}
+               "source_hash": reader.hash.busy_s, "output_hash": writer.hash_s, "write": writer.write_s}
     return {"file": shard.file, "source_size": shard.source_size, "source_sha256": source_sha256,
             "size": writer.size, "sha256": output_sha256, "quantized": errors, "decoded": decoded, "kept_non_finite": kept_non_finite,
             "source_identity": {**file_identity(reader.opened), "opened_ns": reader.opened_ns},

@@ -11,10 +11,15 @@ Prints, from one run on this machine:
    alone, CPU seconds and peak RSS of the whole process tree (every process, summed, sampled
    every 20 ms), and the ratios; both outputs must be byte-identical;
 3. the same at twice the shard size (steady state, and memory must stay flat);
-4. ``--to bf16`` (decode, on the same executor) of the 1x output;
-5. where quantgate's time goes (read, kernel, hash, write: seconds each stage was busy; hashing
-   runs on two helper threads overlapping the kernel, so stages add up to more than the total);
+4. ``--to bf16`` (decode, on the same executor) of the 1x and 2x outputs;
+5. where quantgate's time goes (read, kernel, source and output sha256, write: seconds each stage
+   was busy; hashes and writes run on helper threads overlapping the kernel, so stages add up to
+   more than the total), beside this machine's own limits measured in this process: sha256 and
+   the kernel on one core, and the bound they set for two cores;
 6. ``--workers 1, 2, 4, 8`` on 8 shards of the 2x size.
+
+Steady state is the 2x run's rate net of the fixed costs (start-up, loading numba): the extra
+bytes of the 2x shard over the extra seconds it took beyond the 1x.
 
 Not a test: timings depend on the machine and on whatever else runs (the load average is printed
 with them).
@@ -50,7 +55,7 @@ quantize_model_per_safetensor(src, config, dst, device="cpu")
 print(json.dumps({"seconds": time.perf_counter() - started}))
 """
 QUANTIZE = [sys.executable, "-m", "quant.cli"]
-STAGES = ("read", "kernel", "hash", "write")
+STAGES = ("read", "kernel", "source_hash", "output_hash", "write")
 
 
 def run_measured(cmd: list[str]) -> dict:
@@ -91,6 +96,31 @@ def best_of(cmd: list[str], n: int = 5) -> tuple[float, float]:
     """Best wall clock and best CPU seconds of ``n`` runs (CPU time barely moves with the machine's load)."""
     runs = [run_measured(cmd) for _ in range(n)]
     return min(r["wall"] for r in runs), min(r["cpu"] for r in runs)
+
+
+def machine_limits(shard: Path) -> tuple[float, float]:
+    """GB/s of sha256 and of the MXFP4 kernel on one core, on 256 MB of the shard's expert bytes."""
+    import hashlib
+
+    import numpy as np
+
+    from quant.formats import mxfp4_fast
+
+    path = next(shard.glob("*.safetensors"))
+    rows = (256 << 20) // (6144 * 2)
+    raw = np.fromfile(path, dtype=np.uint8, count=rows * 6144 * 2, offset=path.stat().st_size - rows * 6144 * 2)
+    raw = raw.reshape(rows, 6144 * 2)  # the file's last bytes: a down_proj's rows, bf16
+    mxfp4_fast.quantize_bf16(raw[:64], threads=1)  # load the compiled kernel
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return raw.nbytes / 1e9 / min(times)
+
+    return best(lambda: hashlib.sha256(raw).digest()), best(lambda: mxfp4_fast.quantize_bf16(raw, threads=1))
 
 
 def size_of(folder: Path) -> int:
@@ -147,9 +177,10 @@ def main() -> None:
             same = tensors_equal(work / "qg1", work / "quark1")
             shutil.rmtree(work / "quark1")
         results["quantgate 2x -> mxfp4"] = quantgate(two, work / "qg2", "--to", "mxfp4")
+        for size in ("1x", "2x"):
+            results[f"quantgate {size} --to bf16"] = quantgate(work / f"qg{size[0]}", work / "dec", "--to", "bf16")
+            shutil.rmtree(work / "dec")
         shutil.rmtree(work / "qg2")
-        results["quantgate 1x --to bf16"] = quantgate(work / "qg1", work / "dec1", "--to", "bf16")
-        shutil.rmtree(work / "dec1")
         for label, r in results.items():
             print(row(label, r, gb2 if "2x" in label else gb1))
         g = results["quantgate 1x -> mxfp4"]
@@ -160,19 +191,33 @@ def main() -> None:
                   f"{q['peak_rss'] / g['peak_rss']:.1f}x less memory; outputs byte-identical: {same}")
         g2 = results["quantgate 2x -> mxfp4"]
         print(f"memory 2x / 1x: {g2['peak_rss'] / g['peak_rss']:.2f} (flat = 1.00)")
+        for what, one_x, two_x in (("-> mxfp4", g, g2), ("--to bf16", results["quantgate 1x --to bf16"],
+                                                             results["quantgate 2x --to bf16"])):
+            print(f"steady state {what} (2x net of the 1x run's fixed costs): "
+                  f"{(gb2 - gb1) / (two_x['seconds'] - one_x['seconds']):.3f} GB/s")
 
-        print("\n5. where quantgate's time goes (seconds each stage was busy; hash overlaps the rest)")
-        print(f"{'':<26} {'total':>7} " + " ".join(f"{s:>7}" for s in STAGES))
+        print("\n5. where quantgate's time goes (seconds each stage was busy; all but the kernel run on "
+              "helper threads)")
+        print(f"{'':<26} {'total':>7} " + " ".join(f"{s:>11}" for s in STAGES))
         for label, r in results.items():
             if "stages" in r:
                 st = r["stages"]
-                print(f"{label:<26} {st['total']:>7.2f} " + " ".join(f"{st.get(s, 0.0):>7.2f}" for s in STAGES))
+                print(f"{label:<26} {st['total']:>7.2f} " + " ".join(f"{st.get(s, 0.0):>11.2f}" for s in STAGES))
+        sha, kernel = machine_limits(one)
+        out_ratio = size_of(work / "qg1") / size_of(one)
+        core_s_per_gb = 1 / sha + 1 / kernel + out_ratio / sha  # source hash, kernel, output hash
+        bound = 1 / max(1 / sha, core_s_per_gb / 2)
+        print(f"this machine, one core: sha256 {sha:.2f} GB/s, kernel {kernel:.2f} GB/s; on two cores these "
+              f"three alone bound a conversion to {bound:.2f} GB/s (the source's sha256 is one sequential "
+              f"stream; it alone caps it at {sha:.2f} GB/s)")
 
         shutil.rmtree(work / "qg1")
         shutil.rmtree(two)
         eight = make_glm5_shard(work / "x8", 2 * args.experts, shards=8)
         os.sync()
-        print(f"\n6. workers ({gb2:.3f} GB in 8 shards)")
+        print(f"\n6. workers ({gb2:.3f} GB in 8 shards; each worker keeps two cores busy, so on "
+              f"{os.cpu_count()} cores more than {max(1, (os.cpu_count() or 1) // 2)} only share them; the default "
+              f"is one per two cores, at most one per 4 GB of work)")
         print(HEADER)
         for workers in (1, 2, 4, 8):
             r = quantgate(eight, work / "w", "--to", "mxfp4", "--workers", str(workers))
