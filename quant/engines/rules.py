@@ -13,7 +13,6 @@ import yaml
 from packaging.version import InvalidVersion, Version
 
 from quant.errors import QuantgateError
-from quant.errors import QuantgateError
 from quant.layout import manifests_root
 
 ENGINES = ("sglang", "vllm")

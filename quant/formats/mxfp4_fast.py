@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
 from quant.formats.constants import BLOCK, E2M1_VALUES
+
+if TYPE_CHECKING:
+    import torch
 
 ROW_OK, ROW_NON_FINITE, ROW_NEEDS_REFERENCE = 0, 1, 2
 if sys.byteorder != "little":

@@ -135,8 +135,8 @@ def test_tp8_and_ep_shapes(glm5, tmp_path, capsys):
     assert kernels.aiter_key(shape, gpu, 64)[:7] == ("gfx950", 256, 64, 6144, 2048, 33, 8)  # topk -= is_ep
     shape = kernels.derive_shape(config, gpu, tp=8, ep=2)
     assert (shape.inter_dim, shape.experts) == (512, 129)  # moe_tp = tp // ep = 4
-    row = (f"gfx950,256,64,6144,2048,33,8,ActivationType.Silu,torch.bfloat16,torch.float8_e4m3fn,torch.float8_e4m3fn,"
-           f"QuantType.per_1x128,1,0,64,0,1.0,kernel_ep_a,0.0%,1.0,kernel_ep_b,0.0%,2.0,0,0,0,1.0,1.0,")
+    row = ("gfx950,256,64,6144,2048,33,8,ActivationType.Silu,torch.bfloat16,torch.float8_e4m3fn,torch.float8_e4m3fn,"
+           "QuantType.per_1x128,1,0,64,0,1.0,kernel_ep_a,0.0%,1.0,kernel_ep_b,0.0%,2.0,0,0,0,1.0,1.0,")
     configs = tables(tmp_path, {"tuned_fmoe.csv": [HEADER, row]})
     code, report, _ = run(capsys, glm5["fp8"], "--gpu", "mi355x", "--tp", "8", "--ep", "8", "--aiter-configs",
                           configs, "--max-tokens", "64")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -17,8 +15,9 @@ from quant.example import glm5_config, tiny_config, write_checkpoint
 from quant.formats import mxfp4, mxfp4_fast
 from quant.formats.constants import ScaleRule
 from quant.hashing import sha256_file
-from tests.conftest import (QUARK_SEED_EXCLUDES, interrupt_midway, load_tensors, quantize_cmd, quark_convert,
-                            write_sparse_checkpoint)
+from quant.cli import main as quantize
+from tests.conftest import (QUARK_SEED_EXCLUDES, bytes_read, interrupt_midway, load_tensors, quantize_cmd,
+                            quark_convert, write_sparse_checkpoint)
 from tests.quant.test_mxfp4 import edge_case_weight
 
 
@@ -193,15 +192,14 @@ def test_two_workers_write_the_same_bytes(multi_shard_ckpt, multi_shard_referenc
     assert json.loads((tmp_path / "w2" / MANIFEST_NAME).read_text())["summary"]["workers"] == 2
 
 
-def test_full_size_glm5_dry_run_from_headers_in_seconds(tmp_path):
+def test_full_size_glm5_dry_run_from_headers_only(tmp_path, capsys):
     claimed = write_sparse_checkpoint(tmp_path / "glm5", glm5_config(), shards=282)
     assert len(list((tmp_path / "glm5").glob("*.safetensors"))) == 282
     assert claimed == pytest.approx(1.508e12, rel=1e-3)
-    started = time.time()
-    out = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--dry-run", "--json",
-                          str(tmp_path / "glm5"), str(tmp_path / "out")], capture_output=True, text=True, check=True)
-    elapsed = time.time() - started
-    plan = json.loads(out.stdout)
+    before = bytes_read()
+    assert quantize(["--to", "mxfp4", "--dry-run", "--json", str(tmp_path / "glm5"), str(tmp_path / "out")]) == 0
+    assert bytes_read() - before < 64e6  # headers only (13 MB measured): the data is 1.5 TB
+    plan = json.loads(capsys.readouterr().out)
     assert plan["tensors_quantized"] == 58368 == plan["by_role"]["routed_expert"]["quantize"]  # 76 x 256 x 3
     assert plan["bytes_in"] == claimed
     expert = 6144 * 2048
@@ -210,7 +208,7 @@ def test_full_size_glm5_dry_run_from_headers_in_seconds(tmp_path):
     assert "model.decoder.mlp.shared_experts.gate_proj" in plan["exclude"]
     assert "model.layers.78.mlp.shared_experts.gate_proj" in plan["exclude"]
     assert plan["mtp_layers"] == ["78"]
-    assert elapsed < 30, f"dry run took {elapsed:.1f} s"
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")

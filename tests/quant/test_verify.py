@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from quant.example import glm5_config
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
 from quant.safetensors_io import encode_header
-from tests.conftest import quark_convert, write_sparse_checkpoint
+from tests.conftest import bytes_read, quark_convert, write_sparse_checkpoint
 
 
 def run_gate(capsys, *args) -> tuple[int, dict | str]:
@@ -302,10 +301,11 @@ def test_headers_only_on_a_full_size_sparse_mxfp4_layout(tmp_path, capsys):
         {"metadata": {"total_size": sum(s.output_size for s in plan.shards)}, "weight_map": plan.weight_map()}))
     (dst / "config.json").write_text(json.dumps(plan.output_config()))
     (dst / "tokenizer.json").write_text("{}")
-    started = time.time()
+    before = bytes_read()
     code, report = run_gate(capsys, dst, "--json")
     assert code == 0, report["engines"]
-    assert report["modules_checked"] > 58368 and time.time() - started < 30
+    assert report["modules_checked"] > 58368
+    assert bytes_read() - before < 100e6  # headers only (26 MB measured): the data would be ~400 GB
 
 
 def test_dequantized_checkpoint_loads_in_transformers_close_to_bf16(glm_ckpt, ours, tmp_path, capsys):
