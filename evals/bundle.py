@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from evals.errors import BadInput
+from quant.outputs import write_atomic
 
 RUN_JSON, SAMPLES, UNITS = "run.json", "samples.jsonl", "units"
 REQUIRED = ("benchmark", "item_id", "repeat", "filter", "score", "doc_hash", "prompt_hash")
@@ -29,13 +29,6 @@ class BundleError(BadInput):
 
 def key_of(row: dict) -> tuple[str, str, int, str]:
     return row["benchmark"], row["item_id"], row["repeat"], row["filter"]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` under ``path`` only once complete: a crash leaves the old file or none, never half."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:

@@ -41,6 +41,7 @@ from importlib import metadata
 from pathlib import Path
 
 from evals.bundle import BundleError
+from quant.outputs import write_atomic
 
 LOAD_JSON = "load.json"
 FORMAT = "quantgate-load/1"
@@ -178,9 +179,7 @@ def _strip_texts(report: dict) -> dict:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2))
 
 
 def rate_folder(out: Path, rate: float) -> Path:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from evals import render
-from evals.bundle import write_atomic
+from quant.outputs import write_atomic
 
 
 def _finite(obj):

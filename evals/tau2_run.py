@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evals.tau2 import Tau2Error, infra_simulations, load_results
+from quant.outputs import write_atomic
 
 DOMAINS = ("airline", "retail", "telecom")
 
@@ -123,9 +124,7 @@ def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
     for key in ("api_base", "base_url"):
         if key in settings.user_llm_args:
             results["info"]["user_info"]["llm_args"][key] = settings.user_llm_args[key]
-    tmp = files["results"].with_name(files["results"].name + ".partial")
-    tmp.write_text(json.dumps(results, indent=2))
-    tmp.replace(files["results"])
+    write_atomic(files["results"], json.dumps(results, indent=2))
     return len(drop)
 
 
@@ -156,8 +155,8 @@ def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: b
         rerun = _prepare_resume(f, settings) if resume else 0
         if resume and not rerun and _finished(f):
             continue
-        f["settings"].write_text(json.dumps(settings.recorded(), indent=2))
-        f["config"].write_text(json.dumps(settings.run_config(domain, out_dir), indent=2))
+        write_atomic(f["settings"], json.dumps(settings.recorded(), indent=2))
+        write_atomic(f["config"], json.dumps(settings.run_config(domain, out_dir), indent=2))
         todo[domain] = rerun
     if not todo:
         return [f["results"] for f in files.values()]

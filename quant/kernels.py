@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from quant.layout import manifests_root
+from quant.outputs import write_atomic
 
 # aiter/fused_moe.py
 PADDED_M_TIERS = (32768, 131072)
@@ -505,9 +506,7 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
 
 def write_untuned(rows: list[str], path: Path) -> None:
     """The missing shapes in aiter's untuned_fmoe.csv layout (the tuner's -i input), written atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(",".join(UNTUNED_COLUMNS) + "\n" + "".join(r + "\n" for r in rows))
-    tmp.replace(path)
+    write_atomic(path, ",".join(UNTUNED_COLUMNS) + "\n" + "".join(r + "\n" for r in rows))
 
 
 def human(report: KernelReport) -> str:

@@ -26,11 +26,13 @@ def aux_files(folder: Path) -> tuple[str, ...]:
                         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in WRITTEN))
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """``data`` (text as UTF-8) under ``path`` only once complete and on disk: a crash leaves the
+    old file or none, never half of it. The one atomic write of quantgate and its evals."""
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
     try:
         with tmp.open("wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
