@@ -47,6 +47,8 @@ from pathlib import Path
 
 import yaml
 
+from quant.checkpoint import read_json_object
+from quant.errors import CheckpointError
 from quant.layout import manifests_root
 from quant.outputs import write_atomic
 
@@ -449,16 +451,12 @@ class KernelReport:
 
 
 def read_config(checkpoint: Path) -> dict:
+    """The config.json of a checkpoint folder (or that file itself)."""
     path = checkpoint / "config.json" if checkpoint.is_dir() else checkpoint
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise KernelInputError(f"{path}: no config.json; give the checkpoint folder (or its config.json)") from None
-    except json.JSONDecodeError as exc:
-        raise KernelInputError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
-    if not isinstance(config, dict):
-        raise KernelInputError(f"{path}: expected a JSON object")
-    return config
+        return read_json_object(path, "config.json")
+    except CheckpointError as exc:
+        raise KernelInputError(str(exc)) from None
 
 
 def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: Path | None = None,

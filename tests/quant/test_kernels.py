@@ -252,7 +252,7 @@ def test_triton_config_names_present_or_default(glm5, tmp_path, capsys):
 
 
 def test_bad_configs_exit_2(glm5, tmp_path, capsys):
-    assert "no config.json" in run(capsys, tmp_path, "--gpu", "mi355x", "--tp", "4", "--aiter-configs", AITER)[2]
+    assert "config.json: missing" in run(capsys, tmp_path, "--gpu", "mi355x", "--tp", "4", "--aiter-configs", AITER)[2]
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128}))
