@@ -36,8 +36,8 @@ from quant.shard import ShardJob, convert_shard, file_identity
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 log = logging.getLogger(__name__)
-# A worker process starts in about 0.5 s of CPU (spawn, numpy, loading numba's kernel; measured
-# here), the time it takes to convert ~1 GB: a process per 4 GB keeps that below a quarter.
+# A worker process starts in about 1 s of CPU (interpreter, numpy, loading numba's kernel; 0.8 s
+# wall measured here), what converting ~1 GB takes: one per 4 GB keeps start-up under a quarter.
 MIN_BYTES_PER_WORKER = 4 << 30
 
 
