@@ -37,6 +37,14 @@ class _RetryOnlyWhatMaySucceed:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**kwargs, "max_retries": 1})  # lm-eval's tenacity: one attempt
 
+    def _wait_before_retry(self, attempt: int, status: int | None = None, answer: str = "") -> float | None:
+        """The one retry rule for both clients: seconds to wait before the next attempt, or None
+        when this was the last one (the caller re-raises); a 4xx retrying cannot fix is raised at
+        once as ``RequestRejected`` with the server's answer. ``status`` None: no HTTP answer."""
+        if not retryable(status):
+            raise RequestRejected(f"{self.base_url} answered HTTP {status}: {answer}") from None
+        return None if attempt == ATTEMPTS - 1 else _backoff(attempt)
+
     def model_call(self, *args, **kwargs):
         import requests
 
@@ -44,15 +52,13 @@ class _RetryOnlyWhatMaySucceed:
             try:
                 return super().model_call(*args, **kwargs)
             except requests.HTTPError as exc:
-                status, text = exc.response.status_code, " ".join(exc.response.text.split())[:300]
-                if not retryable(status):
-                    raise RequestRejected(f"{self.base_url} answered HTTP {status}: {text}") from None
-                if attempt == ATTEMPTS - 1:
+                answer = " ".join(exc.response.text.split())[:300]
+                if (wait := self._wait_before_retry(attempt, exc.response.status_code, answer)) is None:
                     raise
             except (requests.ConnectionError, requests.Timeout):
-                if attempt == ATTEMPTS - 1:
+                if (wait := self._wait_before_retry(attempt)) is None:
                     raise
-            time.sleep(_backoff(attempt))
+            time.sleep(wait)
         return None
 
     async def amodel_call(self, *args, **kwargs):
@@ -62,14 +68,12 @@ class _RetryOnlyWhatMaySucceed:
             try:
                 return await super().amodel_call(*args, **kwargs)
             except aiohttp.ClientResponseError as exc:
-                if not retryable(exc.status):
-                    raise RequestRejected(f"{self.base_url} answered HTTP {exc.status}: {exc.message}") from None
-                if attempt == ATTEMPTS - 1:
+                if (wait := self._wait_before_retry(attempt, exc.status, exc.message)) is None:
                     raise
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                if attempt == ATTEMPTS - 1:
+                if (wait := self._wait_before_retry(attempt)) is None:
                     raise
-            await asyncio.sleep(_backoff(attempt))
+            await asyncio.sleep(wait)
         return None
 
 
