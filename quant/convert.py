@@ -169,7 +169,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> No
         return
     context = multiprocessing.get_context("spawn")  # no fork after numba's or torch's threads started
     counter = context.Value("q", 0)
-    threads = max(1, usable_cores() // workers)
+    threads = jobs[0].kernel_threads or 1  # the plan's per-worker kernel threads: numba's pool needs no more
     pool = cf.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                 initargs=(threads, counter, os.getpid()))
     pending = {pool.submit(_run_in_worker, job) for job in jobs}
