@@ -29,7 +29,7 @@ from pathlib import Path
 from evals.errors import BadInput
 
 DEFAULT_MAX_GEN_TOKS = 16384  # reasoning models think long; lm-eval's own default of 256 cuts them off
-FEWSHOT_SEED = 1234  # lm-eval's default few-shot seed (simple_evaluate's fewshot_random_seed), as the seed ran it
+FEWSHOT_SEED = 1234  # lm-eval's default few-shot seed (simple_evaluate's fewshot_random_seed), as the Wafer write-up ran it
 CHAT_MARGIN_BYTES = 64  # room for a chat template's role markers when prompts are counted in bytes
 log = logging.getLogger(__name__)
 

@@ -55,8 +55,8 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
     return data
 
 
-def seed_table(data: dict) -> pd.DataFrame:
-    """The seed's table, with n, 95% intervals, the paired delta and bounds, and the verdict."""
+def published_table(data: dict) -> pd.DataFrame:
+    """The comparison table (as in the published GLM-5.2 results), with n, 95% intervals, the paired delta and bounds, and the verdict."""
     return pd.DataFrame(render.table(data["accuracy"]), columns=render.COLUMNS)
 
 
@@ -92,7 +92,7 @@ def discordance_tables(data: dict) -> dict[str, pd.DataFrame]:
 
 
 def breakdown_tables(data: dict) -> dict[str, pd.DataFrame]:
-    """Per-seed (GPQA repeats) and per-domain (tau2) scores."""
+    """Per-repeat (GPQA) and per-domain (tau2) scores."""
     return {b["benchmark"]: pd.DataFrame(b["per_stratum"]).T for b in data["accuracy"]["benchmarks"]
             if b.get("per_stratum")}
 

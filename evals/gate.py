@@ -349,7 +349,7 @@ def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[d
             continue
         primary = run["benchmarks"][bench].get("primary_filter", DEFAULT_FILTER)
         _, scores, strata = _item_scores(_select(rows, bench, primary))
-        # tau2: the macro over domains, the number the table reports; else the normal interval the seed used
+        # tau2: the macro over domains, the number the table reports; else the normal interval the Wafer write-up used
         mean, low, high = macro_interval(scores, strata) if strata is not None else mean_ci(scores)
         se = (high - low) / 2 / z_two_sided() if np.isfinite(high) else float("nan")
         u = unpaired_delta(mean, se, ref["score"], ref.get("se"))

@@ -46,7 +46,7 @@ from quant.outputs import write_atomic
 LOAD_JSON = "load.json"
 FORMAT = "quantgate-load/1"
 GUIDELLM = "guidellm"
-SEED_RATES = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+DEFAULT_RATES = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
 _PROGRESS = re.compile(r"successful=(\d+) errored=(\d+) incomplete=(\d+)")
 
 
@@ -85,7 +85,7 @@ class LoadSpec:
     tokenizer: str
     out: Path
     workload: Workload = field(default_factory=Workload)
-    rates: list[float] = field(default_factory=lambda: list(SEED_RATES))
+    rates: list[float] = field(default_factory=lambda: list(DEFAULT_RATES))
     max_seconds: float = 300.0
     max_requests: int | None = None  # also stop a rate after this many requests (all of them finish)
     ttft_slo_s: float = 5.0

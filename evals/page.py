@@ -2,7 +2,7 @@
 
 Inline CSS, figures embedded as base64 PNG data URIs, no script and nothing fetched: the page
 opens the same from a file, a mail attachment or an artifact store. Verdict first (colour and
-words), then the accuracy table, forest plot, discordance, per-seed and per-domain breakdowns,
+words), then the accuracy table, forest plot, discordance, per-repeat and per-domain breakdowns,
 the checkpoint check, and kernel-readiness and load when present. Every sentence and table cell
 comes from ``evals.render`` / ``evals.report``, as in report.md, the CLI and the notebook.
 """

@@ -2,7 +2,7 @@
 
 A run is cut into units (benchmark x repeat); each finished unit is saved under ``units/`` so a
 dead server costs only the unit in flight and ``--resume`` completes the bundle. Protocols are the
-seed's, as defaults: GSM8K first 200 test questions, 5-shot, greedy; GPQA-Diamond 198 questions,
+Wafer write-up's, as defaults: GSM8K first 200 test questions, 5-shot, greedy; GPQA-Diamond 198 questions,
 temperature 1.0, two runs differing only in the request seed; tau2 (one ``tau2 run`` per domain
 against the same endpoint, with a fixed user simulator) when asked for.
 """

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family-manifest", type=Path, metavar="FILE",
                    help="model-family YAML, for a model_type without a built-in manifest")
     p.add_argument("--shared-experts", choices=["bf16", "mxfp4", "quantize"],
-                   help="shared experts: bf16 (seed default; disables sglang's shared-expert fusion) or mxfp4 "
+                   help="shared experts: bf16 (the default; disables sglang's shared-expert fusion) or mxfp4 "
                         "(= quantize, in the --to format)")
     p.add_argument("--mtp-experts", choices=["mxfp4", "quantize", "bf16"],
                    help="routed experts of the MTP layer: mxfp4 (= quantize; recommended) or bf16 "

@@ -54,7 +54,7 @@ def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
     """The recipe at ``path``, or the default one for target format ``to`` (mxfp4 if neither).
 
     MX recipes are format-agnostic in what they quantize: ``--to mxfp6_e2m3`` with the default
-    (seed) recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
+    recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
     engine is known here to load that (sglang's Quark loader takes fp4 only).
     """
     path = path or manifests_root() / "recipes" / f"{CODECS[to or 'mxfp4'].default_recipe}.yaml"

@@ -17,9 +17,9 @@ from safetensors import safe_open
 from quant.example import tensor_shapes, tiny_config, write_checkpoint
 from quant.safetensors_io import DTYPE_BYTES, encode_header, numel
 
-# Module globs equivalent to the seed recipe (routed experts only), in Quark's own fnmatch syntax:
+# Module globs equivalent to the default recipe (routed experts only), in Quark's own fnmatch syntax:
 # Quark quantizes every Linear weight that no pattern matches.
-QUARK_SEED_EXCLUDES = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj",
+QUARK_DEFAULT_RECIPE_EXCLUDES = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj",
                        "*mlp.down_proj", "*shared_experts*", "*eh_proj"]
 
 

@@ -11,17 +11,17 @@ from evals.errors import EXIT_PASS, BadInput, RunFailed
 
 
 def register(sub) -> None:
-    from evals.load import SEED_RATES
+    from evals.load import DEFAULT_RATES
 
     p = sub.add_parser("load", help="serving-load sweep (guidellm, constant rates) into a load bundle for gate load",
-                       description="One guidellm run per constant request rate with the seed's workload, until a "
+                       description="One guidellm run per constant request rate with the Wafer write-up's workload, until a "
                                    "rate breaks the TTFT SLO. Default workload: 20000 prompt tokens of which 60% "
                                    "are one shared prefix (prefix-cache hits), 1000 output tokens.")
     p.add_argument("--base-url", required=True, help="the OpenAI-compatible server, e.g. http://127.0.0.1:30000")
     p.add_argument("--model", required=True, help="served model name (must be in the server's /v1/models)")
     p.add_argument("--tokenizer", required=True, help="tokenizer path or id: prompts are sized in its tokens")
     p.add_argument("--out", type=Path, required=True, help="load bundle folder (load.json, rates/)")
-    p.add_argument("--rates", default=",".join(f"{r:g}" for r in SEED_RATES),
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES),
                    help="comma list of offered request rates per second, swept upwards (default %(default)s)")
     p.add_argument("--max-seconds", type=float, default=300, help="seconds per rate (default %(default)s)")
     p.add_argument("--max-requests", type=int, help="also end a rate after this many requests, all of them finished")

@@ -219,4 +219,4 @@ def _bf16_meets_slot(em: EngineModule, modules: dict[str, Module], fmt_name: str
                 f"match the size of tensor b ({cols}) at non-singleton dimension 1")
     part_of = f" (shard {shard.rsplit('.', 1)[-1]} of this fused module)" if len(em.members) > 1 else ""
     return (f"bf16 weight [{out}, {cols}]{part_of} meets an {fmt_name} slot [{out}, {packed}]: AssertionError "
-            "on shapes at load (the seed's outage)")
+            "on shapes at load (the outage in the Wafer write-up)")

@@ -1,9 +1,9 @@
-"""How often the gate passes a bad candidate or blocks a good one, at the seed's sample sizes.
+"""How often the gate passes a bad candidate or blocks a good one, at the Wafer write-up's sample sizes.
 
     python -m tests.benchmarks.sim_gate [--trials 400]
 
 Simulates paired per-item outcomes: each item has a difficulty drawn so the reference scores
-about the seed's level (GSM8K 0.965, n=200, 1 greedy repeat; GPQA-Diamond 0.92, n=198, 2 sampled
+about the Wafer write-up's level (GSM8K 0.965, n=200, 1 greedy repeat; GPQA-Diamond 0.92, n=198, 2 sampled
 repeats), the candidate agrees with the reference except on a discordant fraction, and its true
 delta is set exactly. Runs the real gate (bootstrap and all) on each simulated pair and prints the
 rate of each verdict for: a lossless candidate (delta 0), one exactly at the margin, and one a

@@ -44,7 +44,7 @@ def runs(tmp_path_factory, glm_ckpt):
 def test_figures_and_tables_are_not_empty(runs):
     cand, ref, ckpt = runs
     data = dashboard.load(cand, ref, ckpt)
-    table = dashboard.seed_table(data)
+    table = dashboard.published_table(data)
     assert list(table["eval"]) == ["gpqa_diamond", "gsm8k"] and set(table["verdict"]) <= {"PASS", "FAIL", "INCONCLUSIVE"}
     forest = dashboard.forest_plot(data)
     assert len(forest.axes[0].lines) >= 3 * 2  # bound bar, point and margin line per benchmark

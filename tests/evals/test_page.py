@@ -21,7 +21,7 @@ from tests.evals.test_gate import binary_pair, bundle
 
 
 def seed_sized_runs(root: Path) -> tuple[Path, Path]:
-    """Reference and candidate runs shaped like the seed's: GSM8K 200 x 1 (greedy), GPQA-Diamond
+    """Reference and candidate runs shaped like the Wafer write-up's: GSM8K 200 x 1 (greedy), GPQA-Diamond
     198 x 2 repeats at temperature 1.0, a candidate about 2 points lower on GPQA (synthetic scores)."""
     rng = np.random.default_rng(1)
     p = rng.beta(2.0, 0.2, 198)
@@ -39,11 +39,11 @@ def seed_sized_runs(root: Path) -> tuple[Path, Path]:
 
 
 def release_page(tmp: Path, glm_ckpt: Path) -> Path:
-    """``gate release --plots`` on the seed-sized comparison; the page it writes."""
+    """``gate release --plots`` on the comparison at the Wafer write-up's sizes; the page it writes."""
     cand, ref = seed_sized_runs(tmp / "runs")
     ckpt = tmp / "mxfp4"
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), ckpt, show_progress=False)
-    policy = tmp / "policy.yaml"  # the two benchmarks of the seed's table, both required
+    policy = tmp / "policy.yaml"  # the two benchmarks of the published GLM-5.2 table, both required
     policy.write_text("benchmarks:\n  gsm8k: {margin: 0.02, required: true}\n  gpqa_diamond: {margin: 0.03, required: true}\n")
     code = gate(["release", str(ckpt), "--candidate", str(cand), "--reference", str(ref), "--policy", str(policy),
                  "--report-dir", str(tmp / "report"), "--plots", str(tmp / "plots")])

@@ -14,7 +14,7 @@ from evals.cli import main as gate
 from tests.evals.test_gate import bundle
 from tests.evals.test_tau2 import results_file
 
-SEED_TABLE = Path(__file__).resolve().parents[2] / "manifests" / "references" / "glm-5.2-fp8-seed.yaml"
+PUBLISHED_TABLE = Path(__file__).resolve().parents[2] / "manifests" / "references" / "glm-5.2-fp8-published.yaml"
 
 
 def tau2_bundle(path: Path, domains: dict[str, list[float]], **kw) -> Path:
@@ -45,7 +45,7 @@ def test_the_macro_with_its_interval_and_domain_rows(tmp_path, capsys):
     cand = tau2_bundle(tmp_path / "cand", {"airline": [1], "retail": [0, 0, 0]})
     capsys.readouterr()
     code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref,
-                            "--reference-table", SEED_TABLE)
+                            "--reference-table", PUBLISHED_TABLE)
     (bench,) = result["benchmarks"]
     assert bench["reference"]["score"] == pytest.approx(0.5) and bench["candidate"]["score"] == pytest.approx(0.5)
     assert bench["delta"] == pytest.approx(0.0)  # mean of domain deltas: (+1 - 1) / 2
@@ -59,7 +59,7 @@ def test_the_macro_with_its_interval_and_domain_rows(tmp_path, capsys):
     assert code == 1 and result["verdict"] == "INCONCLUSIVE"
     (unpaired,) = result["unpaired"]
     assert unpaired["candidate"] == pytest.approx(0.5) and unpaired["reference"] == 0.819  # the macro, not 0.25
-    _, text = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref, "--reference-table", SEED_TABLE,
+    _, text = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref, "--reference-table", PUBLISHED_TABLE,
                        as_json=False)
     assert "tau2 macro" in text and "\n  airline " in text and "\n  retail " in text
     assert "UNPAIRED vs published tau2: 0.5000 vs 0.8190" in text
@@ -70,7 +70,7 @@ def test_one_task_per_arm_is_inconclusive_and_json_is_strict(tmp_path, capsys):
     cand = tau2_bundle(tmp_path / "cand", {"airline": [1]})
     capsys.readouterr()
     code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref,
-                            "--reference-table", SEED_TABLE)
+                            "--reference-table", PUBLISHED_TABLE)
     assert code == 1 and result["benchmarks"][0]["verdict"] == "INCONCLUSIVE"  # not PASS on bounds [0, 0]
     assert result["unpaired"][0]["se"] is None  # one item has no spread: null, not NaN
 

@@ -35,7 +35,7 @@ def test_exact_exclude_list_with_sglang_aliases(mtp_ckpt):
         ["lm_head", "model.eh_proj", "model.layers.1.eh_proj"]
         + layer_modules("model.layers.0.") + layer_modules("model.layers.1.") + layer_modules("model.decoder."))
     assert exclude == expected
-    # The seed's bug, the other way round: the module sglang looks up is there.
+    # The Wafer write-up's bug, the other way round: the module sglang looks up is there.
     assert "model.decoder.mlp.shared_experts.gate_proj" in exclude
     assert not any("*" in name or "?" in name for name in exclude)
 

@@ -15,7 +15,7 @@ from quant.formats.codecs import CODECS, get_codec
 from quant.formats.constants import E2M1, E2M3, E3M2, ScaleRule
 from quant.layout import manifests_root
 from quant.recipe import RecipeError, load_recipe
-from tests.conftest import QUARK_SEED_EXCLUDES, load_tensors, quark_convert
+from tests.conftest import QUARK_DEFAULT_RECIPE_EXCLUDES, load_tensors, quark_convert
 from tests.quant.test_mxfp4 import edge_case_weight, quark_single_tensor
 
 
@@ -33,7 +33,7 @@ def test_mxfp6_edge_cases_match_quark(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "mxfp6_e3m2"])
 def test_mxfp6_checkpoints_match_quark(request, tmp_path, ckpt, fmt):
     src = request.getfixturevalue(ckpt)
-    quark_config = quark_convert(src, tmp_path / "quark", QUARK_SEED_EXCLUDES, scheme=fmt)
+    quark_config = quark_convert(src, tmp_path / "quark", QUARK_DEFAULT_RECIPE_EXCLUDES, scheme=fmt)
     assert quantize(["--to", fmt, "-q", str(src), str(tmp_path / "ours")]) == 0
     assert load_tensors(tmp_path / "ours") == load_tensors(tmp_path / "quark")
     ours = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]

@@ -9,14 +9,14 @@ import pytest
 from quant.convert import convert
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
-from tests.conftest import QUARK_SEED_EXCLUDES, load_tensors, quark_convert
+from tests.conftest import QUARK_DEFAULT_RECIPE_EXCLUDES, load_tensors, quark_convert
 
 
 @pytest.mark.parametrize("ckpt", ["glm_ckpt", "dsv3_ckpt"])
 @pytest.mark.parametrize("rule", ["even", "floor"])
 def test_checkpoint_bytes_and_config_match_quark(request, tmp_path, ckpt, rule):
     src = request.getfixturevalue(ckpt)
-    quark_config = quark_convert(src, tmp_path / "quark", QUARK_SEED_EXCLUDES, scale_rule=rule)
+    quark_config = quark_convert(src, tmp_path / "quark", QUARK_DEFAULT_RECIPE_EXCLUDES, scale_rule=rule)
     plan = make_plan(src, with_overrides(load_recipe(), scale_rule=rule))
     convert(plan, tmp_path / "ours", show_progress=False)
 
@@ -49,7 +49,7 @@ def test_checkpoint_bytes_and_config_match_quark(request, tmp_path, ckpt, rule):
 
 
 def test_shared_experts_mxfp4_matches_quark(glm_ckpt, tmp_path):
-    excludes = [e for e in QUARK_SEED_EXCLUDES if e != "*shared_experts*"]
+    excludes = [e for e in QUARK_DEFAULT_RECIPE_EXCLUDES if e != "*shared_experts*"]
     quark_convert(glm_ckpt, tmp_path / "quark", excludes)
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), tmp_path / "ours",
             show_progress=False)
@@ -57,7 +57,7 @@ def test_shared_experts_mxfp4_matches_quark(glm_ckpt, tmp_path):
 
 
 def test_weight_only_config_matches_quark(glm_ckpt, tmp_path):
-    quark_config = quark_convert(glm_ckpt, tmp_path / "quark", QUARK_SEED_EXCLUDES, weight_only=True)
+    quark_config = quark_convert(glm_ckpt, tmp_path / "quark", QUARK_DEFAULT_RECIPE_EXCLUDES, weight_only=True)
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), weight_only=True)), tmp_path / "ours",
             show_progress=False)
     ours = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]

@@ -16,7 +16,7 @@ from quant.formats import mxfp4, mxfp4_fast
 from quant.formats.constants import ScaleRule
 from quant.hashing import sha256_file
 from quant.cli import main as quantize
-from tests.conftest import (QUARK_SEED_EXCLUDES, bytes_read, interrupt_midway, load_tensors, quantize_cmd,
+from tests.conftest import (QUARK_DEFAULT_RECIPE_EXCLUDES, bytes_read, interrupt_midway, load_tensors, quantize_cmd,
                             quark_convert, write_sparse_checkpoint)
 from tests.quant.test_mxfp4 import edge_case_weight
 
@@ -58,7 +58,7 @@ def test_converter_edge_cases_through_the_fast_path_match_quark(tmp_path):
     config = tiny_config(hidden_size=64, moe_intermediate_size=64)
     weight = edge_case_weight()[:64]  # [64 rows, 64]: one routed expert's gate_proj
     src = write_checkpoint(tmp_path / "src", config, overrides={"model.layers.1.mlp.experts.0.gate_proj.weight": weight})
-    quark_convert(src, tmp_path / "quark", QUARK_SEED_EXCLUDES)
+    quark_convert(src, tmp_path / "quark", QUARK_DEFAULT_RECIPE_EXCLUDES)
     subprocess.run(quantize_cmd(src, tmp_path / "ours"), check=True, capture_output=True)
     assert load_tensors(tmp_path / "ours") == load_tensors(tmp_path / "quark")
 

@@ -60,7 +60,7 @@ def test_quantgate_output_loads_in_both_engines(ours, capsys):
 
 
 def test_quarks_own_export_of_the_seed_fails_for_the_sglang_releases_that_had_the_outage(glm_ckpt, tmp_path, capsys):
-    """The outage: Quark's glm_moe_dsa template plus `*shared_experts*`, as the seed ran it. sglang
+    """The outage: Quark's glm_moe_dsa template plus `*shared_experts*`, as the Wafer write-up ran it. sglang
     <= 0.5.15 looks the MTP layer up as model.decoder.*; 0.5.16 rewrites GLM exclude entries itself."""
     from quark.torch import LLMTemplate
 
@@ -179,7 +179,7 @@ def test_eh_proj_and_indexer_follow_how_each_engine_builds_them(ours, tmp_path, 
     _, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", drop), "--json")
     assert report["engines"][VLLM]["ok"] and report["engines"]["sglang 0.5.9"]["ok"]
     assert problems(report, SGLANG_NEW) == [("model.eh_proj: bf16 weight [64, 128] meets an MXFP4 slot [64, 64]: "
-                                             "AssertionError on shapes at load (the seed's outage)")]
+                                             "AssertionError on shapes at load (the outage in the Wafer write-up)")]
 
 
 def test_the_converter_refuses_a_recipe_an_engine_would_not_load(glm_ckpt):
