@@ -55,6 +55,7 @@ class BenchmarkResult:
     upper: float
     normal_lower: float
     normal_upper: float
+    bound_method: str  # how the lower bound was obtained (stats.paired_delta)
     margin: float
     confidence: float
     verdict: str
@@ -160,15 +161,15 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
     elif rules.floor is not None and cand_ci["score"] < rules.floor:
         verdict, rule = FAIL, f"candidate score {cand_ci['score']:.4f} is below the floor {rules.floor}"
     elif p.lower > -margin:
-        verdict, rule = PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin}"
+        verdict, rule = PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin} ({p.method})"
     elif p.upper < -margin:
         verdict, rule = FAIL, f"one-sided {confidence:.0%} upper bound {p.upper:+.4f} < -{margin}"
     else:
-        verdict, rule = INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin}"
+        verdict, rule = INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin} ({p.method})"
     result = BenchmarkResult(
         benchmark=benchmark, filter=pairs[0][0]["filter"], n_items=len(items), repeats=repeats,
         reference=ref_ci, candidate=cand_ci, delta=p.delta, se=p.se, lower=p.lower, upper=p.upper,
-        normal_lower=p.normal_lower, normal_upper=p.normal_upper, margin=margin, confidence=confidence,
+        normal_lower=p.normal_lower, normal_upper=p.normal_upper, bound_method=p.method, margin=margin, confidence=confidence,
         verdict=verdict, rule=rule, required=rules.required, agreement=_agreement(pairs),
         decidable=not too_broken and len(items) >= rules.min_items, infra=infra)
     binary = repeats == 1 and set(np.unique(np.concatenate([ref_scores, cand_scores]))) <= {0.0, 1.0}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
               "macro (mean of per-domain pass^1) with a 95% interval from resampling tasks within domains. Delta: "
-              "paired (candidate - reference, same items); bounds: one-sided paired bootstrap "
-              "(resampling items; tau2 within domains) at the policy's confidence.")
+              "paired (candidate - reference, same items); bounds: one-sided BCa paired bootstrap "
+              "(resampling items; tau2 within domains) at the policy's confidence, or the exact Clopper-Pearson "
+              "bound on the loss rate where few items lost and it is more conservative (each benchmark names its "
+              "method).")
 COLUMNS = ("eval", "filter", "items x repeats", "reference", "candidate", "delta", "one-sided bounds", "margin",
            "verdict")
 
@@ -35,6 +37,8 @@ def table(accuracy: dict) -> list[dict]:
 def notes(b: dict) -> list[str]:
     """What decided a benchmark's verdict and what else the comparison shows."""
     out = [f"rule: {b['rule']}"]
+    if b.get("bound_method") and b["bound_method"] not in b["rule"]:
+        out.append(f"bounds: {b['bound_method']}")
     if b["mcnemar_p"] is not None:
         out.append(f"discordant: reference-only {b['discordant_ref_only']}, candidate-only "
                    f"{b['discordant_cand_only']}, exact McNemar p = {b['mcnemar_p']:.4f}")

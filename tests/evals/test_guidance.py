@@ -33,7 +33,7 @@ def test_repeats_needed_reach_the_power_and_one_fewer_does_not():
     assert var_at(g.repeats_needed) <= target < var_at(g.repeats_needed - 1)
 
 
-def seed_sized_gpqa(tmp_path, seed: int = 1):
+def seed_sized_gpqa(tmp_path, seed: int = 2):
     """GPQA-Diamond as the Wafer write-up ran it: 198 questions x 2 repeats at temperature 1.0, a candidate ~2 points lower."""
     rng = np.random.default_rng(seed)
     p = rng.beta(2.0, 0.2, 198)
