@@ -12,15 +12,15 @@ import logging
 import sys
 
 from evals._cli import (evals_data, evals_import_tau2, evals_load, evals_run, gate_accuracy, gate_checkpoint,
-                        gate_kernels, gate_load, gate_release)
+                        gate_kernels, gate_load, gate_plan, gate_release)
 from quant.errors import QuantgateError
 
-GATE_COMMANDS = (gate_checkpoint, gate_accuracy, gate_load, gate_release, gate_kernels)
+GATE_COMMANDS = (gate_checkpoint, gate_accuracy, gate_load, gate_release, gate_kernels, gate_plan)
 EVALS_COMMANDS = (evals_data, evals_import_tau2, evals_run, evals_load)
 
 GATE_EPILOG = """\
 exit codes (every subcommand): 0 pass / release; 1 fail or block; 2 bad input or refused
-(gate load: also a sweep that does not bracket its knee)"""
+(gate load: also a sweep that does not bracket its knee; gate plan: 1 when no design reaches the power)"""
 
 EVALS_EPILOG = """\
 examples:

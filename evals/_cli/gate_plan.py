@@ -1,0 +1,146 @@
+"""``gate plan``: items x repeats per benchmark before the run, with its sequential looks fixed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from evals._cli.common import dumps, margins
+from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
+
+HELP = """\
+Design the runs before making them. Per benchmark of the policy: the fewest answers (items x
+repeats; tau2: tasks x trials) whose gate passes a candidate that is truly --drop worse than the
+reference with --power, never more items than the benchmark has; the looks (one after each
+repeat) with their Lan-DeMets O'Brien-Fleming levels, so a run can stop early (`evals run
+--until-decided`) without raising the false pass rate; the margin the design certifies at that
+power; GPU hours where --throughput is given. When no design within the limits certifies the
+policy's margin, it says so and gives the margin the largest design certifies.
+
+Variance per item comes from a pilot (--pilot-reference [--pilot-candidate]: bundles of a small
+run) or from stated assumptions (--between/--within; defaults in evals/design.py, printed).
+
+examples:
+  gate plan                                            # the release policy, drop 0.01, power 0.8
+  gate plan --drop gpqa_diamond=0.02 --max-repeats gpqa_diamond=16 --throughput 2000 --out plan.yaml
+  gate plan --pilot-reference runs/fp8-pilot --pilot-candidate runs/mxfp4-pilot --json
+  evals run --plan plan.yaml ...                       # the run records its plan; the gate checks it
+
+exit codes: 0 every benchmark has a design that reaches the power; 1 some has none (the plan is
+still printed and written: it shows the best there is); 2 bad input"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="items x repeats per benchmark for a target power, with sequential looks",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", type=Path, help="gate policy YAML (default: manifests/gates/release.yaml)")
+    p.add_argument("--benchmarks", metavar="B1,B2", help="plan only these (default: the policy's benchmarks)")
+    p.add_argument("--margin", action="append", default=[], metavar="BENCH=VALUE", help="override a margin")
+    p.add_argument("--drop", action="append", default=[], metavar="[BENCH=]VALUE",
+                   help="the plausible true drop (reference - candidate) to have power against (default 0.01)")
+    p.add_argument("--power", type=float, default=0.8, help="target power (default %(default)s)")
+    p.add_argument("--max-repeats", action="append", default=[], metavar="BENCH=R",
+                   help="repeats allowed (default gsm8k 1 (greedy), gpqa_diamond 8, tau2 8 trials)")
+    p.add_argument("--items", action="append", default=[], metavar="BENCH=N",
+                   help="items available if fewer than the benchmark has (never more)")
+    p.add_argument("--between", action="append", default=[], metavar="BENCH=V",
+                   help="stated variance of the items' true paired deltas")
+    p.add_argument("--within", action="append", default=[], metavar="BENCH=V",
+                   help="stated variance of one repeat's paired delta about its item's (sampling noise)")
+    p.add_argument("--pilot-reference", type=Path, help="a pilot run bundle of the reference")
+    p.add_argument("--pilot-candidate", type=Path, help="a pilot run bundle of a candidate, paired with the reference")
+    p.add_argument("--throughput", action="append", default=[], metavar="[BENCH=]ANSWERS",
+                   help="answers per GPU hour per arm, for the GPU-time estimate")
+    p.add_argument("--fixed", action="store_true", help="one look at the end (no early stopping)")
+    p.add_argument("--out", type=Path, help="write the plan here (.yaml/.yml as YAML, else JSON)")
+    p.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
+    p.set_defaults(func=run)
+
+
+def _per_bench(items: list[str], flag: str, benchmarks: list[str], cast=float) -> dict:
+    """``BENCH=V`` items (a bare ``V`` applies to every benchmark) as a mapping."""
+    out = {}
+    for item in items:
+        bench, sep, value = item.rpartition("=")
+        try:
+            v = cast(value)
+        except ValueError:
+            raise BadInput(f"{flag} {item!r}: expected [BENCH=]VALUE, e.g. {flag} gsm8k=0.01") from None
+        if sep and bench not in benchmarks:
+            raise BadInput(f"{flag} {item!r}: {bench} is not planned here ({', '.join(benchmarks)})")
+        for b in ([bench] if sep else benchmarks):
+            out[b] = v
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from evals.design import (DEFAULT_ASSUMPTIONS, DEFAULT_DROP, MAX_REPEATS, Assumptions, design, make_plan,
+                              pilot_assumptions, write_plan)
+    from evals.gate import BENCHMARK_ITEMS
+    from evals.policy import load_policy
+
+    policy = load_policy(args.policy).with_margins(margins(args.margin))
+    benchmarks = [b for b in (args.benchmarks or "").split(",") if b] or sorted(policy.benchmarks)
+    unknown = [b for b in benchmarks if b not in BENCHMARK_ITEMS]
+    if unknown:
+        raise BadInput(f"--benchmarks: {unknown} unknown; plannable: {sorted(BENCHMARK_ITEMS)}")
+    if not 0.5 <= args.power < 1:
+        raise BadInput(f"--power {args.power}: a power in [0.5, 1), e.g. 0.8")
+    if args.pilot_candidate and not args.pilot_reference:
+        raise BadInput("--pilot-candidate needs --pilot-reference (the pilot's two arms are paired)")
+    drops = _per_bench(args.drop, "--drop", benchmarks)
+    repeats = _per_bench(args.max_repeats, "--max-repeats", benchmarks, int)
+    items = _per_bench(args.items, "--items", benchmarks, int)
+    between, within = _per_bench(args.between, "--between", benchmarks), _per_bench(args.within, "--within", benchmarks)
+    throughput = _per_bench(args.throughput, "--throughput", benchmarks)
+    for flag, values in (("--drop", drops), ("--between", between), ("--within", within)):
+        if any(not 0 <= v < 1 for v in values.values()):
+            raise BadInput(f"{flag}: values lie in [0, 1)")
+    if any(v < 1 for v in (*repeats.values(), *items.values())) or any(v <= 0 for v in throughput.values()):
+        raise BadInput("--max-repeats, --items and --throughput take positive values")
+    designs = []
+    for bench in benchmarks:
+        stated = DEFAULT_ASSUMPTIONS[bench]
+        if bench in between or bench in within:
+            stated = Assumptions(between.get(bench, stated.between), within.get(bench, stated.within),
+                                 "stated: --between/--within")
+        assumed = pilot_assumptions(bench, args.pilot_reference, args.pilot_candidate, stated) \
+            if args.pilot_reference else stated
+        available = items.get(bench, BENCHMARK_ITEMS[bench])
+        if available > BENCHMARK_ITEMS[bench]:
+            raise BadInput(f"--items {bench}={available}: the benchmark has {BENCHMARK_ITEMS[bench]}")
+        rules = policy.of(bench)
+        designs.append(design(bench, assumed, rules.margin, drops.get(bench, DEFAULT_DROP), 1 - policy.confidence,
+                              args.power, available, repeats.get(bench, MAX_REPEATS[bench]),
+                              min(rules.min_items, available) or 1, not args.fixed, throughput.get(bench)))
+    plan = make_plan(designs, replace(policy), args.power)
+    if args.out:
+        write_plan(plan, args.out)
+    print(dumps(plan) if args.json else text(plan, args.out))
+    return EXIT_PASS if all(d.feasible for d in designs) else EXIT_BLOCK
+
+
+def text(plan: dict, out: Path | None) -> str:
+    lines = [f"plan at one-sided confidence {plan['confidence']} (alpha {plan['alpha']:g}), power {plan['power']:.0%}, "
+             f"{plan['spending']}"]
+    for bench, d in plan["benchmarks"].items():
+        up = lambda x: math.ceil(x * 1000) / 1000  # noqa: E731  (a certified margin is rounded up, never down)
+        lines.append(f"\n{bench}: {d['items']} items x {d['repeats']} repeats (of {d['benchmark_items']} x "
+                     f"{d['max_repeats']} allowed), margin {d['margin']}, plausible drop {d['drop']}")
+        lines.append(f"  power {d['power']:.1%} at the drop; certifies a margin of {up(d['certifiable_margin']):.3f} "
+                     f"with {plan['power']:.0%} power; expected repeats at the drop {d['expected_repeats']:.2f}")
+        a = d["assumptions"]
+        lines.append(f"  variance per item: between {a['between']:.4g}, within {a['within']:.4g} ({a['source']})")
+        lines.append("  looks: " + "; ".join(f"{lk['repeats']} rep at {lk['confidence']:.5f}" for lk in d["looks"]))
+        if d["gpu_hours"]:
+            g = d["gpu_hours"]
+            lines.append(f"  GPU hours per arm: at most {g['max']:.1f}, expected {g['expected_at_drop']:.1f} at the "
+                         f"drop ({g['answers_per_gpu_hour']:g} answers per GPU hour)")
+        if d["note"]:
+            lines.append(f"  NO DESIGN REACHES THE POWER: {d['note']}")
+    if out:
+        lines.append(f"\nplan written to {out}; run both arms with `evals run --plan {out}`")
+    return "\n".join(lines)

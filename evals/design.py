@@ -1,0 +1,256 @@
+"""A design before the run (``gate plan``): items x repeats per benchmark for a target power, with
+its sequential looks fixed in advance, and the check that a run follows its plan.
+
+The variance model is the gate's (``stats.Guidance``): the per-item mean delta over R repeats has
+variance ``between + within / R``. ``between`` is the spread of the items' true deltas (only more
+items lower it), ``within`` the sampling noise of one repeat's delta (repeats at the same
+temperature lower it). tau2's macro (mean of domain means) costs ``TAU2_MACRO_FACTOR`` times the
+variance of a plain mean over the same tasks. Both components come from a pilot (a reference and
+a candidate bundle: ``stats.variance_components`` of their paired deltas; a reference alone with
+two or more repeats gives ``within``), or from stated assumptions (``DEFAULT_ASSUMPTIONS``).
+
+Power is that of the gate's sequential rule at the plausible drop ``d`` (true delta ``-d``): the
+non-inferiority statistic ``(delta + margin) / se`` drifts to ``(margin - d) / se_K`` at the last
+look, and ``sequential.operating`` integrates the looks' boundaries exactly. This normal
+approximation is checked against the real decision function (``gate.compare_benchmark``) by
+simulation in tests/evals/test_design.py. A design never has more items than the benchmark
+(``gate.BENCHMARK_ITEMS``) nor more repeats than allowed; when none reaches the power the plan
+says so and gives the margin the largest design can certify.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from scipy import optimize
+from scipy import stats as sps
+
+from evals import sequential
+from evals.bundle import pair, read_bundle
+from evals.errors import BadInput
+from evals.stats import variance_components
+from quant.outputs import write_atomic
+
+PLAN_VERSION = 1
+DEFAULT_DROP = 0.01
+DEFAULT_POWER = 0.8
+# tau2's macro over airline 50, retail 114, telecom 114 tasks (docs/reference.md §6), tasks drawn in
+# proportion: var(macro) = var / (D^2 n) * sum(1 / share_d) = 1.16 var / n.
+TAU2_DOMAIN_TASKS = {"airline": 50, "retail": 114, "telecom": 114}
+TAU2_MACRO_FACTOR = sum(sum(TAU2_DOMAIN_TASKS.values()) / t for t in TAU2_DOMAIN_TASKS.values()) / len(
+    TAU2_DOMAIN_TASKS) ** 2
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    between: float  # variance of the items' true paired deltas
+    within: float  # variance of one repeat's paired delta about its item's true delta
+    source: str
+
+
+# Stated assumptions when no pilot is given; a pilot replaces them (a plan names its source).
+DEFAULT_ASSUMPTIONS = {
+    # greedy: a repeat reproduces the answer (within 0); 4% of items discordant (docs/reference.md §7)
+    "gsm8k": Assumptions(0.04, 0.0, "stated: greedy, 4% of items discordant, repeats add nothing"),
+    # temperature 1.0 at ~0.92: ~10% of questions coin flips, so one repeat's delta of two
+    # independent arms has variance ~2 * 0.1 * 0.25; quantization moves a few items' odds
+    "gpqa_diamond": Assumptions(0.005, 0.05, "stated: ~10% coin-flip questions at temperature 1.0, small "
+                                             "per-item shifts"),
+    # agentic, ~0.82: ~20% of tasks succeed only sometimes; per-task shifts a little larger
+    "tau2": Assumptions(0.01, 0.08, "stated: ~20% of tasks succeed only sometimes, small per-task shifts"),
+}
+MAX_REPEATS = {"gsm8k": 1, "gpqa_diamond": 8, "tau2": 8}  # repeats allowed by default (GSM8K: greedy)
+
+
+def se_of(benchmark: str, assumptions: Assumptions, items: int, repeats: int) -> float:
+    """Standard error of the benchmark's delta at ``items`` x ``repeats``."""
+    factor = TAU2_MACRO_FACTOR if benchmark == "tau2" else 1.0
+    return math.sqrt(factor * (assumptions.between + assumptions.within / repeats) / items)
+
+
+def look_fractions(assumptions: Assumptions, repeats: int) -> list[float]:
+    """Information fractions of a look after each repeat 1..R (information = 1 / variance)."""
+    var = [assumptions.between + assumptions.within / r for r in range(1, repeats + 1)]
+    return [var[-1] / v for v in var]
+
+
+def plan_looks(assumptions: Assumptions, repeats: int, alpha: float, sequential_looks: bool = True) -> list[dict]:
+    if not sequential_looks or repeats == 1 or assumptions.within <= 0:
+        # one look, at the end: repeats that add no information are no look of their own
+        return [{"look": 1, "repeats": repeats, "information_fraction": 1.0, "alpha_spent": alpha,
+                 "z": float(sps.norm.ppf(1 - alpha)), "confidence": 1 - alpha}]
+    fractions = look_fractions(assumptions, repeats)
+    z = sequential.boundaries(fractions, alpha)
+    return [{"look": k + 1, "repeats": k + 1, "information_fraction": t, "alpha_spent": sequential.spent(t, alpha),
+             "z": zk, "confidence": sequential.nominal_confidence(zk)} for k, (t, zk) in enumerate(zip(fractions, z))]
+
+
+def operating(looks: list[dict], drift: float) -> dict:
+    return sequential.operating([lk["information_fraction"] for lk in looks], [lk["z"] for lk in looks], drift)
+
+
+def _power(benchmark, assumptions, items, repeats, margin, drop, looks) -> float:
+    if margin <= drop:
+        return 0.0
+    return operating(looks, (margin - drop) / se_of(benchmark, assumptions, items, repeats))["pass"]
+
+
+def certifiable_margin(benchmark: str, assumptions: Assumptions, items: int, repeats: int, drop: float,
+                       looks: list[dict], power: float) -> float:
+    """The smallest margin this design passes with ``power`` when the true drop is ``drop``."""
+    se = se_of(benchmark, assumptions, items, repeats)
+    drift = optimize.brentq(lambda th: operating(looks, th)["pass"] - power, 0.0, 20.0, xtol=1e-6)
+    return drop + drift * se
+
+
+@dataclass
+class Design:
+    benchmark: str
+    items: int
+    repeats: int  # at most; looks may stop sooner
+    margin: float
+    drop: float
+    power: float  # of the sequential rule at the drop
+    feasible: bool  # power reaches the target within the limits
+    certifiable_margin: float  # at the target power and the drop
+    expected_repeats: float  # at the drop, with the looks stopping early
+    looks: list[dict]
+    assumptions: dict
+    benchmark_items: int
+    max_repeats: int
+    gpu_hours: dict | None = None  # per arm, where a throughput is given
+    note: str = ""
+
+
+def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float, alpha: float, power: float,
+           benchmark_items: int, max_repeats: int, min_items: int = 1, sequential_looks: bool = True,
+           throughput: float | None = None) -> Design:
+    """The cheapest items x repeats (fewest answers per arm) whose sequential rule passes a candidate
+    ``drop`` worse than the reference with ``power``; else the largest design, marked infeasible."""
+    best = None
+    for repeats in range(1, max_repeats + 1):
+        if repeats > 1 and assumptions.within <= 0:
+            break  # repeats add nothing when an item's answers do not vary
+        looks = plan_looks(assumptions, repeats, alpha, sequential_looks)
+        if _power(benchmark, assumptions, benchmark_items, repeats, margin, drop, looks) < power:
+            continue
+        lo, hi = max(1, min_items), benchmark_items  # power rises with items: the fewest that reach it
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _power(benchmark, assumptions, mid, repeats, margin, drop, looks) >= power else (mid + 1, hi)
+        if best is None or lo * repeats < best[0] * best[1]:
+            best = (lo, repeats, looks)
+    feasible = best is not None
+    if not feasible:
+        repeats = max_repeats if assumptions.within > 0 else 1
+        best = (benchmark_items, repeats, plan_looks(assumptions, repeats, alpha, sequential_looks))
+    items, repeats, looks = best
+    se = se_of(benchmark, assumptions, items, repeats)
+    ops = operating(looks, (margin - drop) / se) if margin > drop else None
+    p = ops["pass"] if ops else 0.0
+    stop = ops["stop_by_look"] if ops else [0.0] * len(looks)
+    expected = sum(s * lk["repeats"] for s, lk in zip(stop, looks)) + (1 - sum(stop)) * repeats
+    cert = certifiable_margin(benchmark, assumptions, items, repeats, drop, looks, power)
+    note = "" if feasible else (
+        f"no design within {benchmark_items} items x {max_repeats} repeats certifies a margin of {margin} at a true "
+        f"drop of {drop} with {power:.0%} power (this one: {p:.0%}); it certifies {math.ceil(cert * 1000) / 1000:.3f}")
+    hours = None
+    if throughput:
+        hours = {"answers_per_gpu_hour": throughput, "max": items * repeats / throughput,
+                 "expected_at_drop": items * expected / throughput}
+    return Design(benchmark=benchmark, items=items, repeats=repeats, margin=margin, drop=drop, power=p,
+                  feasible=feasible, certifiable_margin=cert, expected_repeats=expected, looks=looks,
+                  assumptions=asdict(assumptions), benchmark_items=benchmark_items, max_repeats=max_repeats,
+                  gpu_hours=hours, note=note)
+
+
+def _arm_matrix(rows: list[dict]) -> tuple[list[str], np.ndarray]:
+    """Items x repeats of one arm's scores (items with every repeat)."""
+    by_item: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_item.setdefault(r["item_id"], {})[r["repeat"]] = r["score"]
+    repeats = sorted({k for d in by_item.values() for k in d})
+    items = sorted(i for i, d in by_item.items() if len(d) == len(repeats))
+    return items, np.array([[by_item[i][k] for k in repeats] for i in items], dtype=float).reshape(len(items), len(repeats))
+
+
+def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, stated: Assumptions) -> Assumptions:
+    """Variance components from a pilot: with both arms, those of their paired deltas; with the
+    reference alone, ``within`` from its repeats (two independent arms: twice one arm's variance
+    between repeats) and ``between`` as stated."""
+    ref_run, ref_rows = read_bundle(reference)
+    if benchmark not in ref_run["benchmarks"]:
+        raise BadInput(f"--pilot-reference {reference}: holds no {benchmark} (it has {sorted(ref_run['benchmarks'])})")
+    primary = ref_run["benchmarks"][benchmark].get("primary_filter", "flexible-extract")
+    pick = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == primary]  # noqa: E731
+    if candidate is not None:
+        _, cand_rows = read_bundle(candidate)
+        pairs = pair(pick(ref_rows), pick(cand_rows))
+        _, ref = _arm_matrix([a for a, _ in pairs])
+        _, cand = _arm_matrix([b for _, b in pairs])
+        between, within = variance_components(cand - ref)
+        return Assumptions(between, within, f"pilot: {reference} vs {candidate}, {len(ref)} items x {ref.shape[1]} "
+                                            "repeats")
+    _, ref = _arm_matrix(pick(ref_rows))
+    if ref.shape[1] < 2:
+        raise BadInput(f"--pilot-reference {reference}: {benchmark} has one repeat, which shows no sampling noise; "
+                       "give --pilot-candidate too, or a pilot with two or more repeats")
+    within = 2 * float(ref.var(axis=1, ddof=1).mean())
+    return Assumptions(stated.between, within, f"pilot: {reference} repeats ({len(ref)} items x {ref.shape[1]}) for "
+                                               f"within; between {stated.source}")
+
+
+def make_plan(designs: list[Design], policy, power: float) -> dict:
+    return {"plan_version": PLAN_VERSION, "made_by": "gate plan", "alpha": round(1 - policy.confidence, 12),
+            "confidence": policy.confidence, "policy": policy.source, "power": power,
+            "spending": "Lan-DeMets O'Brien-Fleming, one-sided, pass and mirror fail boundaries",
+            "benchmarks": {d.benchmark: {**asdict(d), "seeds": list(range(d.repeats))} for d in designs}}
+
+
+def write_plan(plan: dict, path: Path) -> None:
+    """YAML for .yaml/.yml, else JSON; written whole or not at all."""
+    text = yaml.safe_dump(plan, sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(plan, indent=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text)
+
+
+def read_plan(path: Path) -> dict:
+    """A plan written by ``gate plan``, checked enough to run and judge by; else BadInput naming it."""
+    try:
+        plan = yaml.safe_load(Path(path).read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise BadInput(f"--plan {path}: cannot be read as a plan ({exc}); write one with `gate plan --out`") from None
+    if not isinstance(plan, dict) or plan.get("plan_version") != PLAN_VERSION or not isinstance(
+            plan.get("benchmarks"), dict):
+        raise BadInput(f"--plan {path}: not a plan of version {PLAN_VERSION} written by `gate plan --out`")
+    for bench, entry in plan["benchmarks"].items():
+        looks = entry.get("looks") if isinstance(entry, dict) else None
+        if not looks or any(not isinstance(lk, dict) or not {"repeats", "confidence"} <= set(lk) for lk in looks) or \
+                not isinstance(entry.get("items"), int) or entry.get("seeds") is None:
+            raise BadInput(f"--plan {path}: benchmarks.{bench} lacks items, seeds or looks; write it with `gate plan`")
+    return plan
+
+
+def planned_look(plan: dict, benchmark: str, items: int, repeats: int, confidence: float) -> dict:
+    """Where a run of ``items`` x ``repeats`` stands in its plan: ``look``, ``of``, ``confidence`` (the
+    level to judge it at), ``final``; and ``findings``, each way it does not follow the plan (then the
+    look is not one the plan allowed for, and its verdict cannot be final)."""
+    entry = plan["benchmarks"][benchmark]
+    looks = entry["looks"]
+    findings = []
+    if items != entry["items"]:
+        findings.append(f"{items} items compared, the plan has {entry['items']}")
+    if abs(confidence - plan.get("confidence", confidence)) > 1e-12:
+        findings.append(f"the policy's confidence {confidence} is not the plan's {plan['confidence']}")
+    match = [lk for lk in looks if lk["repeats"] == repeats]
+    if not match:
+        findings.append(f"{repeats} repeats is no look of the plan (looks at {[lk['repeats'] for lk in looks]} repeats)")
+    look = match[0] if match else None
+    return {"look": look["look"] if look else None, "of": len(looks), "repeats": repeats,
+            "confidence": look["confidence"] if look else None, "final": bool(look) and look is looks[-1],
+            "findings": findings, "follows": not findings}

@@ -1,0 +1,136 @@
+"""``gate plan`` and the sequential looks: published boundary values, designs within the benchmark's
+size, and the power approximation and the looks' false pass checked through the real decision
+function (``gate.compare_benchmark``) on simulated paired outcomes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import yaml
+
+from evals import sequential
+from evals.cli import main as gate
+from evals.design import (DEFAULT_ASSUMPTIONS, Assumptions, design, operating, plan_looks, planned_look, read_plan,
+                          se_of)
+from evals.errors import BadInput
+from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark
+from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
+
+
+def test_boundaries_are_the_published_lan_demets_obrien_fleming_values():
+    # gsDesign's sfLDOF, 4 equally spaced looks, one-sided 0.025: 4.3326, 2.9631, 2.3590, 2.0141
+    assert sequential.boundaries([0.25, 0.5, 0.75, 1], 0.025) == pytest.approx([4.3326, 2.9631, 2.3590, 2.0141],
+                                                                                abs=2e-4)
+    assert sequential.boundaries([1.0], 0.05) == pytest.approx([1.6449], abs=1e-4)  # one look: the fixed test
+    z = sequential.boundaries([0.3, 0.6, 1.0], 0.05)
+    ops = operating([{"information_fraction": t, "z": zk} for t, zk in zip([0.3, 0.6, 1.0], z)], 0.0)
+    assert ops["pass"] == pytest.approx(0.05, abs=1e-4)  # under the null the looks spend exactly alpha
+    assert sequential.spent(0.3, 0.05) < 0.002 and sequential.spent(1.0, 0.05) == pytest.approx(0.05)
+
+
+def test_designs_stay_within_the_benchmark_and_say_when_none_certifies():
+    gsm = design("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], 0.02, 0.01, 0.05, 0.8, BENCHMARK_ITEMS["gsm8k"], 1, 150)
+    assert gsm.items == 1319 and gsm.repeats == 1 and not gsm.feasible and gsm.power < 0.8
+    assert "no design within 1319 items x 1 repeats certifies a margin of 0.02" in gsm.note
+    assert gsm.certifiable_margin > 0.02 and f"it certifies {np.ceil(gsm.certifiable_margin * 1000) / 1000:.3f}" in gsm.note
+    easy = design("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], 0.05, 0.01, 0.05, 0.8, 1319, 1, 150)
+    assert easy.feasible and 150 <= easy.items < 1319 and easy.power >= 0.8
+    smaller = replace(easy, items=easy.items - 1)  # the fewest items that reach the power
+    assert operating(easy.looks, 0.04 / se_of("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], smaller.items, 1))["pass"] < 0.8
+    gpqa = design("gpqa_diamond", DEFAULT_ASSUMPTIONS["gpqa_diamond"], 0.03, 0.01, 0.05, 0.8, 198, 8, 100)
+    assert gpqa.feasible and gpqa.items <= 198 and 1 < gpqa.repeats <= 8 and len(gpqa.looks) == gpqa.repeats
+    assert gpqa.expected_repeats < gpqa.repeats  # looks stop early at the drop on average
+
+
+def _policy(margin: float, confidence: float = 0.95) -> GatePolicy:
+    return GatePolicy(confidence=confidence, bootstrap=Bootstrap(resamples=1000, seed=0),
+                      benchmarks={"gsm8k": BenchmarkPolicy(margin=margin, floor=None)})
+
+
+def _rows(matrix: np.ndarray) -> list[dict]:
+    return [{"benchmark": "gsm8k", "item_id": str(i), "repeat": r, "filter": "f", "score": float(matrix[i, r])}
+            for i in range(matrix.shape[0]) for r in range(matrix.shape[1])]
+
+
+def _simulate(rng, n: int, repeats: int, drop: float) -> tuple[np.ndarray, np.ndarray, Assumptions]:
+    """Per-item success odds p (80% always right, 20% coin flips), the candidate's p - drop on the
+    coin flips' share of it; arms sampled independently per repeat. Returns both arms and the
+    variance components this model has (for the design)."""
+    flip = rng.random(n) < 0.2
+    p = np.where(flip, 0.5, 1.0)
+    shift = np.where(flip, drop / 0.2, 0.0)
+    q = p - shift
+    ref = (rng.random((n, repeats)) < p[:, None]).astype(float)
+    cand = (rng.random((n, repeats)) < q[:, None]).astype(float)
+    within = 0.2 * (0.25 + (0.5 - drop / 0.2) * (0.5 + drop / 0.2))
+    return ref, cand, Assumptions(between=0.2 * 0.8 * (drop / 0.2) ** 2, within=within, source="simulation")
+
+
+def test_power_approximation_matches_the_real_decision_function():
+    rng = np.random.default_rng(7)
+    n, repeats, margin, drop, sims = 300, 2, 0.04, 0.01, 200
+    passes = 0
+    for _ in range(sims):
+        ref, cand, assumed = _simulate(rng, n, repeats, drop)
+        pairs = list(zip(_rows(ref), _rows(cand)))
+        passes += compare_benchmark("gsm8k", pairs, _policy(margin)).verdict == PASS
+    looks = [{"information_fraction": 1.0, "z": 1.6449}]
+    predicted = operating(looks, (margin - drop) / se_of("gsm8k", assumed, n, repeats))["pass"]
+    assert 0.3 < predicted < 0.9  # a design where the check can tell
+    assert passes / sims == pytest.approx(predicted, abs=0.1)  # 200 simulations: binomial sd ~0.035
+
+
+def test_looks_at_the_planned_levels_hold_false_pass_where_naive_looks_inflate_it():
+    """A candidate exactly at the margin, judged after each of 4 repeats: at 0.95 every time it
+    passes at some look far more than 5%; at the plan's levels it does not."""
+    rng = np.random.default_rng(3)
+    n, margin, sims = 200, 0.05, 120
+    assumed = _simulate(rng, n, 1, margin)[2]
+    plan_levels = [lk["confidence"] for lk in plan_looks(assumed, 4, 0.05)]
+    assert len(plan_levels) == 4 and plan_levels[0] > 0.999
+    naive = planned = 0
+    for _ in range(sims):
+        ref, cand, _ = _simulate(rng, n, 4, margin)
+        looks = [list(zip(_rows(ref[:, :k]), _rows(cand[:, :k]))) for k in range(1, 5)]
+        naive += any(compare_benchmark("gsm8k", pairs, _policy(margin)).verdict == PASS for pairs in looks)
+        planned += any(compare_benchmark("gsm8k", pairs, _policy(margin, level)).verdict == PASS
+                       for pairs, level in zip(looks, plan_levels))
+    assert planned / sims <= 0.08 and naive > planned
+
+
+def test_planned_look_says_whether_a_run_follows_its_plan():
+    plan = {"confidence": 0.95, "benchmarks": {"gpqa_diamond": {"items": 198, "looks": [
+        {"look": 1, "repeats": 1, "confidence": 0.999}, {"look": 2, "repeats": 2, "confidence": 0.96}]}}}
+    first = planned_look(plan, "gpqa_diamond", 198, 1, 0.95)
+    assert first["follows"] and first["look"] == 1 and not first["final"] and first["confidence"] == 0.999
+    assert planned_look(plan, "gpqa_diamond", 198, 2, 0.95)["final"]
+    off = planned_look(plan, "gpqa_diamond", 150, 3, 0.95)
+    assert not off["follows"] and off["confidence"] is None
+    assert off["findings"] == ["150 items compared, the plan has 198", "3 repeats is no look of the plan (looks at "
+                               "[1, 2] repeats)"]
+
+
+def test_gate_plan_cli_prints_writes_and_refuses_bad_flags(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    code = gate(["plan", "--benchmarks", "gsm8k,gpqa_diamond", "--throughput", "gpqa_diamond=1000", "--out", str(out),
+                 "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 1  # GSM8K cannot certify 0.02 at a drop of 0.01 on 1319 items: said, and exit 1
+    assert printed == yaml.safe_load(out.read_text()) == read_plan(out)
+    gpqa = printed["benchmarks"]["gpqa_diamond"]
+    assert gpqa["feasible"] and gpqa["seeds"] == list(range(gpqa["repeats"]))
+    assert gpqa["gpu_hours"]["max"] == pytest.approx(198 * gpqa["repeats"] / 1000)
+    assert gate(["plan", "--benchmarks", "gpqa_diamond", "--drop", "0.005"]) == 0
+    text = capsys.readouterr().out
+    assert "gpqa_diamond: " in text and "looks: 1 rep at 0.99" in text
+    assert gate(["plan", "--benchmarks", "gsm8k", "--margin", "gsm8k=0.05"]) == 0
+    assert "NO DESIGN" not in capsys.readouterr().out
+    for bad, says in ((["--items", "gsm8k=5000"], "the benchmark has 1319"), (["--drop", "gsm8k=x"], "--drop"),
+                      (["--benchmarks", "mmlu"], "unknown"), (["--pilot-candidate", str(tmp_path)], "needs")):
+        assert gate(["plan", *bad]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(BadInput, match="cannot be read as a plan"):
+        read_plan(tmp_path / "plan.yaml.missing")
