@@ -30,7 +30,7 @@ from evals import render, tau2_gate
 from evals.bundle import BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
 from evals.policy import GatePolicy
-from evals.stats import (NOISE_ALPHA, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
+from evals.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
                          noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -119,21 +119,64 @@ def _agreement(pairs: list[tuple[dict, dict]]) -> dict:
     return counts
 
 
-def _fails_anyway(pairs: list[tuple[dict, dict]], margin: float, confidence: float, resamples: int,
-                  seed: int) -> bool:
-    """Would the candidate still fail with its infrastructure errors scored 1 and the reference's 0?
-    Then the errors did not cause the failure, and the gate may say FAIL despite them."""
-    favour = lambda rows, value: [{**r, "score": value} if r.get("infra_error") else r for r in rows]  # noqa: E731
-    _, ref, strata = _item_scores(favour([a for a, _ in pairs], 0.0))
-    _, cand, _ = _item_scores(favour([b for _, b in pairs], 1.0))
-    return paired_delta(ref, cand, confidence, resamples, seed, strata).upper < -margin
+def _bounds(pairs: list[tuple[dict, dict]], confidence: float, policy: GatePolicy) -> Paired:
+    """The paired delta of (reference, candidate) rows with its bounds (``stats.paired_delta``)."""
+    _, ref, strata = _item_scores([a for a, _ in pairs])
+    _, cand, _ = _item_scores([b for _, b in pairs])
+    return paired_delta(ref, cand, confidence, policy.bootstrap.resamples, policy.bootstrap.seed, strata)
+
+
+def _rule(p: Paired, rules, cand_score: float, n_items: int, confidence: float) -> tuple[str, str]:
+    """The verdict of the bounds alone, and the rule that decided it."""
+    margin = rules.margin
+    if n_items < rules.min_items:
+        return INCONCLUSIVE, f"{n_items} items, below the policy's minimum of {rules.min_items} to judge"
+    if rules.floor is not None and cand_score < rules.floor:
+        return FAIL, f"candidate score {cand_score:.4f} is below the floor {rules.floor}"
+    if p.lower > -margin:
+        return PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin} ({p.method})"
+    if p.upper < -margin:
+        return FAIL, f"one-sided {confidence:.0%} upper bound {p.upper:+.4f} < -{margin}"
+    return INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin} ({p.method})"
+
+
+def _infra_verdict(verdict: str, rule: str, kept: list, dropped: list, breaches: list[str], margin: float,
+                   confidence: float, policy: GatePolicy) -> tuple[str, str, bool]:
+    """``(verdict, rule, decidable)`` once the pairs dropped for infrastructure errors are weighed:
+    above the ceiling the measurement failed (INCONCLUSIVE) unless the candidate fails even with
+    every dropped pair scored in its favour; below it, a PASS or FAIL the dropped pairs could
+    overturn is INCONCLUSIVE. ``evals run --resume`` runs the errored simulations again."""
+    rerun = "rerun them with `evals run --resume` (it runs infrastructure errors again)"
+    best = _bounds(kept + tau2_gate.scored_as(dropped, 0.0, 1.0), confidence, policy) if dropped else None
+    if breaches:
+        if verdict == FAIL and best.upper < -margin:
+            return FAIL, ("; ".join(breaches) + f", yet even with the {len(dropped)} dropped pairs scored in the "
+                          f"candidate's favour the one-sided upper bound {best.upper:+.4f} stays below -{margin}"), True
+        return INCONCLUSIVE, "; ".join(breaches) + ": the measurement failed, not the model; fix the serving and " + rerun, False
+    if verdict == PASS:
+        worst = _bounds(kept + tau2_gate.scored_as(dropped, 1.0, 0.0), confidence, policy)
+        if worst.lower <= -margin:
+            return INCONCLUSIVE, (f"{rule}, but the {len(dropped)} (task, trial) pairs dropped for infrastructure errors "
+                                  f"could overturn it (scored as losses the lower bound is {worst.lower:+.4f}); {rerun}"), False
+    if verdict == FAIL and best.upper >= -margin:
+        return INCONCLUSIVE, (f"{rule}, but the {len(dropped)} (task, trial) pairs dropped for infrastructure errors "
+                              f"could overturn it (scored as gains the upper bound is {best.upper:+.4f}); {rerun}"), False
+    return verdict, rule, True
 
 
 def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: GatePolicy,
                       rerun_pairs: list[tuple[dict, dict]] | None = None) -> BenchmarkResult:
-    """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy."""
+    """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy.
+
+    ``policy.confidence`` is the level of the one-sided bounds; a caller judging repeated looks at
+    one run passes a policy with the adjusted level (``dataclasses.replace``)."""
     rules = policy.of(benchmark)
     confidence, margin = policy.confidence, rules.margin
+    infra, breaches, kept, dropped = None, [], pairs, []
+    if rules.max_infra_error_rate is not None or any(a.get("infra_error") or b.get("infra_error") for a, b in pairs):
+        infra, breaches = tau2_gate.infra_report(pairs, rules.max_infra_error_rate)
+        kept, dropped = tau2_gate.split_infra(pairs)
+    pairs = kept or pairs  # nothing left to pair: the numbers are the recorded ones, the verdict INCONCLUSIVE
     items, ref_scores, strata = _item_scores([a for a, _ in pairs])
     _, cand_scores, _ = _item_scores([b for _, b in pairs])
     resamples, seed = policy.bootstrap.resamples, policy.bootstrap.seed
@@ -143,35 +186,18 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
         ref_ci, cand_ci, per_domain = tau2_gate.macro_table(ref_scores, cand_scores, strata, confidence, resamples, seed)
     else:
         ref_ci, cand_ci = (dict(zip(("score", "ci_low", "ci_high"), wilson_interval(s))) for s in (ref_scores, cand_scores))
-    max_infra = rules.max_infra_error_rate
-    infra = {"reference": tau2_gate.infra_counts([a for a, _ in pairs]),
-             "candidate": tau2_gate.infra_counts([b for _, b in pairs])} if max_infra is not None else None
-    too_broken = [f"{arm}: {c['errors']}/{c['simulations']} simulations are infrastructure errors "
-                  f"({c['rate']:.1%} > the policy's {max_infra:.0%})" for arm, c in (infra or {}).items()
-                  if c["rate"] is not None and c["rate"] > max_infra]
-    if too_broken and len(items) >= rules.min_items and _fails_anyway(pairs, margin, confidence, resamples, seed):
-        verdict, rule = FAIL, ("; ".join(too_broken) + f", yet even with every infrastructure error scored in the "
-                               f"candidate's favour the one-sided upper bound stays below -{margin}")
-        too_broken = []
-    elif too_broken:
-        verdict, rule = INCONCLUSIVE, ("; ".join(too_broken) + ": the measurement failed, not the model; fix the "
-                                       "serving and rerun with `evals run --resume` (it runs them again)")
-    elif len(items) < rules.min_items:
-        verdict, rule = INCONCLUSIVE, f"{len(items)} items, below the policy's minimum of {rules.min_items} to judge"
-    elif rules.floor is not None and cand_ci["score"] < rules.floor:
-        verdict, rule = FAIL, f"candidate score {cand_ci['score']:.4f} is below the floor {rules.floor}"
-    elif p.lower > -margin:
-        verdict, rule = PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin} ({p.method})"
-    elif p.upper < -margin:
-        verdict, rule = FAIL, f"one-sided {confidence:.0%} upper bound {p.upper:+.4f} < -{margin}"
-    else:
-        verdict, rule = INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin} ({p.method})"
+    verdict, rule = _rule(p, rules, cand_ci["score"], len(items), confidence)
+    decidable = len(items) >= rules.min_items
+    if dropped or breaches:
+        verdict, rule, infra_decidable = _infra_verdict(verdict, rule, kept, dropped,
+                                                        breaches, margin, confidence, policy)
+        decidable = decidable and infra_decidable
     result = BenchmarkResult(
         benchmark=benchmark, filter=pairs[0][0]["filter"], n_items=len(items), repeats=repeats,
         reference=ref_ci, candidate=cand_ci, delta=p.delta, se=p.se, lower=p.lower, upper=p.upper,
         normal_lower=p.normal_lower, normal_upper=p.normal_upper, bound_method=p.method, margin=margin, confidence=confidence,
         verdict=verdict, rule=rule, required=rules.required, agreement=_agreement(pairs),
-        decidable=not too_broken and len(items) >= rules.min_items, infra=infra)
+        decidable=decidable, infra=infra)
     binary = repeats == 1 and set(np.unique(np.concatenate([ref_scores, cand_scores]))) <= {0.0, 1.0}
     if binary:
         b, c = discordance(ref_scores, cand_scores)

@@ -49,8 +49,12 @@ def notes(b: dict) -> list[str]:
                    f"the candidate on {b['noise']['candidate_discordant']}: "
                    f"{'within noise' if b['noise']['within_noise'] else 'beyond noise'}")
     if b.get("infra"):
+        infra = b["infra"]
+        dropped = infra.get("dropped_pairs")
         out.append("infrastructure errors: " + ", ".join(
-            f"{arm} {c['errors']}/{c['simulations']}" for arm, c in b["infra"].items()))
+            f"{arm} {infra[arm]['errors']}/{infra[arm]['simulations']}" for arm in ("reference", "candidate"))
+            + (f"; {dropped} (task, trial) pairs dropped from both arms ("
+               + ", ".join(f"{d} {n}" for d, n in infra["dropped_by_domain"].items()) + ")" if dropped else ""))
     if b["per_stratum"] and b["benchmark"] != "tau2":  # tau2's domains get rows of their own
         out.append("per seed (repeat): " + ", ".join(
             f"{k}: {v['reference']:.3f} -> {v['candidate']:.3f}" for k, v in b["per_stratum"].items()))

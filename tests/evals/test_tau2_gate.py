@@ -5,12 +5,17 @@ and a verdict line that shows every benchmark."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from evals import render
 from evals.cli import evals_main
 from evals.cli import main as gate
+from evals.gate import compare_benchmark
+from evals.policy import load_policy
 from tests.evals.test_gate import bundle
 from tests.evals.test_tau2 import results_file
 
@@ -95,9 +100,10 @@ def test_an_arm_made_of_infrastructure_errors_does_not_pass(tmp_path, capsys):
     capsys.readouterr()
     code, result = run_gate(capsys, "accuracy", "--candidate", cand, "--reference", ref)
     (bench,) = result["benchmarks"]
-    assert bench["infra"]["candidate"] == {"errors": 120, "simulations": 120, "rate": 1.0}
+    assert {k: bench["infra"]["candidate"][k] for k in ("errors", "simulations", "rate")} == {"errors": 120, "simulations": 120, "rate": 1.0}
+    assert bench["infra"]["dropped_pairs"] == 120
     assert bench["verdict"] == "INCONCLUSIVE"
-    assert "candidate: 120/120 simulations are infrastructure errors" in bench["rule"]
+    assert "candidate airline: 60/60 simulations are infrastructure errors" in bench["rule"]
     assert code == 1 and any("infrastructure errors" in b for b in result["blocking"])
 
 
@@ -130,3 +136,80 @@ def test_a_tau2_collapse_blocks_and_the_verdict_line_shows_every_benchmark(tmp_p
     verdict = [line for line in text.splitlines() if line.startswith("verdict:")][0]
     assert code == 1 and verdict.startswith("verdict: FAIL [gsm8k PASS, tau2 FAIL]")
     assert "\n  telecom " in text
+
+
+# ---- infrastructure errors never decide a verdict (the gate's own decision function, on tau2 rows) ----
+
+DOMAIN_TASKS = {"airline": 50, "retail": 114, "telecom": 114}
+
+
+def tau2_pairs(trials: int = 1, seed: int = 0, flips: dict[str, int] | None = None) -> list[tuple[dict, dict]]:
+    """278 tasks x ``trials``: reference outcomes at tau2-like rates per domain, the candidate equal to
+    it except ``flips[domain]`` reference successes turned into failures (trial 0)."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for domain, n in DOMAIN_TASKS.items():
+        scores = (rng.random((n, trials)) < {"airline": 0.6, "retail": 0.8, "telecom": 0.85}[domain]).astype(float)
+        lost = set(np.flatnonzero(scores[:, 0] == 1)[:(flips or {}).get(domain, 0)])
+        for task in range(n):
+            for trial in range(trials):
+                row = {"benchmark": "tau2", "domain": domain, "item_id": f"{domain}/{task}", "repeat": trial,
+                       "filter": "reward", "score": float(scores[task, trial]), "infra_error": False}
+                cand = {**row, "score": 0.0} if trial == 0 and task in lost else dict(row)
+                pairs.append((row, cand))
+    return pairs
+
+
+def with_infra_errors(pairs, side: int, domain: str, count: int):
+    """``count`` simulations of ``domain`` in one arm (0 reference, 1 candidate) lost to infrastructure
+    errors, chosen among that arm's successes: reward 0, ``infra_error`` set."""
+    out, left = [], count
+    for pair in pairs:
+        row = pair[side]
+        if left and row["domain"] == domain and row["score"] == 1.0:
+            pair = tuple({**r, "score": 0.0, "infra_error": True} if i == side else r for i, r in enumerate(pair))
+            left -= 1
+        out.append(pair)
+    assert left == 0
+    return out
+
+
+def test_reproduction_a_an_identical_candidate_with_13_airline_errors_does_not_fail():
+    """Scored as the candidate's failures, 13 airline errors (4.7% of 278, under the old per-arm
+    ceiling) made an identical candidate FAIL."""
+    result = compare_benchmark("tau2", with_infra_errors(tau2_pairs(), 1, "airline", 13), load_policy())
+    assert result.verdict == "INCONCLUSIVE" and not result.decidable
+    assert "candidate airline: 13/50 simulations are infrastructure errors (26.0% > the policy's 5%)" in result.rule
+    assert "evals run --resume" in result.rule
+    assert result.delta == 0 and result.infra["dropped_pairs"] == 13 and result.infra["dropped_by_domain"] == {"airline": 13}
+
+
+def test_reproduction_b_a_worse_candidate_does_not_pass_on_the_references_errors():
+    """The candidate ~4.9 points worse; the reference's 13 airline errors used to lift it to a PASS."""
+    worse = tau2_pairs(flips={"airline": 3, "retail": 5, "telecom": 5})
+    plain = compare_benchmark("tau2", worse, load_policy())
+    assert plain.delta == pytest.approx(-(3 / 50 + 5 / 114 + 5 / 114) / 3) and plain.verdict != "PASS"
+    result = compare_benchmark("tau2", with_infra_errors(worse, 0, "airline", 13), load_policy())
+    assert result.verdict != "PASS" and "reference airline: 13/50" in result.rule
+
+
+def test_a_few_errors_below_the_ceiling_are_dropped_from_both_arms_and_reported(capsys):
+    pairs = tau2_pairs(trials=4)  # identical arms, 1112 simulations each
+    for domain in ("airline", "retail", "telecom"):
+        pairs = with_infra_errors(pairs, 1, domain, 1)
+    result = compare_benchmark("tau2", pairs, load_policy())
+    assert result.verdict == "PASS" and result.decidable  # 3 dropped pairs cannot overturn a lossless 278 x 4
+    assert result.infra["dropped_pairs"] == 3 and result.agreement["reference_only"] == 0
+    assert result.infra["candidate"]["domains"]["airline"] == {"errors": 1, "simulations": 200, "rate": 0.005}
+    note = [n for n in render.notes(asdict(result)) if n.startswith("infrastructure errors")][0]
+    assert note == ("infrastructure errors: reference 0/1112, candidate 3/1112; 3 (task, trial) pairs dropped from "
+                    "both arms (airline 1, retail 1, telecom 1)")
+
+
+def test_a_pass_the_dropped_pairs_could_overturn_is_inconclusive():
+    pairs = with_infra_errors(tau2_pairs(trials=1, flips={"retail": 1, "telecom": 1}), 1, "airline", 2)  # 4% of airline
+    result = compare_benchmark("tau2", pairs, load_policy())
+    assert result.verdict == "INCONCLUSIVE" and "could overturn it (scored as losses the lower bound is" in result.rule
+    assert "evals run --resume" in result.rule
+    clean = compare_benchmark("tau2", tau2_pairs(trials=1, flips={"retail": 1, "telecom": 1}), load_policy())
+    assert clean.verdict == "PASS"  # without the errors the same data passes
