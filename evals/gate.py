@@ -203,9 +203,9 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
         b, c = discordance(ref_scores, cand_scores)
         result.discordant_ref_only, result.discordant_cand_only, result.mcnemar_p = b, c, mcnemar_exact_p(b, c)
     if verdict == INCONCLUSIVE and result.decidable:  # the bounds straddle the margin: what would settle it
-        g = guidance(_delta_matrix(pairs), p.sd, p.lower, margin, confidence, BENCHMARK_ITEMS.get(benchmark))
+        g = guidance(_delta_matrix(pairs), p, margin, confidence, BENCHMARK_ITEMS.get(benchmark))
         result.items_to_decide = g.items_needed
-        result.guidance = {**asdict(g), "exceeds_benchmark": g.exceeds_benchmark}
+        result.guidance = asdict(g)
     if strata is not None:
         result.per_stratum = per_domain
     elif repeats > 1:

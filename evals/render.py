@@ -65,23 +65,31 @@ def notes(b: dict) -> list[str]:
 
 
 def guidance(g: dict) -> str:
-    """What would decide an INCONCLUSIVE result, never more items than the benchmark has
-    (``stats.guidance``): the items, else the repeats, and the margin the data certifies."""
-    size = g["benchmark_items"]
-    if not g["exceeds_benchmark"]:
-        return (f"about {g['items_needed']} items would decide it at this per-item spread (80% power)"
-                + (f"; the benchmark has {size}" if size else ""))
-    out = f"more items than the benchmark's {size} would be needed at this spread; "
-    if g["repeats"] < 2:
-        out += ("with one repeat the noise between repeats is unknown: run a second repeat (another seed, same "
-                "temperature) to learn whether repeats would decide it")
-    elif g["repeats_needed"]:
-        out += (f"{g['repeats_needed']} repeats per item at the same temperature (now {g['repeats']}) would reach the "
-                f"same power on all {size} (estimated from the disagreement between repeats)")
+    """What it takes from here to decide an INCONCLUSIVE result (``stats.guidance``): a design the run
+    does not have yet, with its conditional power at the observed delta and at 0, or why none
+    would; always the margin the data certify now."""
+    size, n, r, m = g["benchmark_items"] or g["n_items"], g["n_items"], g["repeats"], g["margin"]
+    at = f"at the observed delta {g['observed_delta']:+.4f}"
+    design = f"{g['design_items']} items x {g['design_repeats']}"
+    power = ("" if g["power_at_observed"] is None else
+             f"{g['power_at_observed']:.0%} power {at}, {g['power_at_zero']:.0%} were the true delta 0")
+    if g["action"] == "loss":
+        out = (f"the observed delta {g['observed_delta']:+.4f} is beyond the margin -{m}: more data would more likely "
+               f"FAIL it than pass it" + (f" ({design}: {power})" if power else ""))
+    elif g["action"] == "items":
+        out = (f"{g['items_needed'] - n} more items ({g['items_needed']} of the benchmark's {size}) at {r} "
+               f"repeat{'s' if r > 1 else ''} would reach {power}")
+    elif g["action"] == "repeats":
+        out = (f"all {g['items_needed']} items at {g['repeats_needed']} repeats (now {n} x {r}, same temperature) would "
+               f"reach {power}")
+    elif g["action"] == "second_repeat":
+        out = ((f"{design} would not reach it ({power}); " if power else f"the benchmark has no items beyond these {n}; ")
+               + "with one repeat the noise between repeats is unknown: run a second repeat (another seed, same "
+               "temperature) to learn whether repeats would decide it")
     else:
-        out += (f"no number of repeats would: the items differ beyond the noise between repeats (at best a margin of "
-                f"{g['floor_margin']:.3f} with many repeats)")
-    return out + f"; the current data certifies a margin of {g['certifiable_margin']:.3f} (one-sided lower bound)"
+        out = (f"no number of repeats on {size} items certifies {m} {at}" + (f" ({design}: {power})" if power else "")
+               + f"; the most it could certify there is about {g['best_margin']:.3f}")
+    return out + f"; the data certify a margin of {g['certified_margin']:.3f} (the one-sided lower bound, rounded up)"
 
 
 def caveats(accuracy: dict) -> list[str]:

@@ -19,7 +19,7 @@ from scipy import stats as sps
 
 REPORTED_CONFIDENCE = 0.95  # two-sided, for every score's interval and the unpaired comparison
 NOISE_ALPHA = 0.05  # a candidate is "beyond noise" when its excess discordance has p <= this
-POWER = 0.8  # of the non-inferiority test, for "items that would decide it"
+POWER = 0.8  # of the non-inferiority test, for the designs guidance suggests
 
 
 def z_two_sided(confidence: float = REPORTED_CONFIDENCE) -> float:
@@ -182,26 +182,58 @@ def items_to_decide(sd: float, margin: float, confidence: float, power: float = 
     return math.ceil(((sps.norm.ppf(confidence) + sps.norm.ppf(power)) * sd / margin) ** 2)
 
 
+MAX_REPEATS = 16  # the most repeats guidance suggests; beyond it, more repeats barely move the bound
+
+
+def certified_margin(lower: float) -> float:
+    """The margin a one-sided lower bound certifies, rounded up to 0.001 (a bound of -0.0304 does not
+    certify 0.030)."""
+    return max(0.0, math.ceil(round(-lower * 1000, 6)) / 1000)
+
+
+def conditional_power(delta_now: float, var_now: float, var_final: float, margin: float, confidence: float,
+                      true_delta: float) -> float:
+    """P(the final one-sided lower bound clears -margin | the data so far), were the true delta
+    ``true_delta``: Lan and Wittes' B-value. With information I = 1 / var, B = (delta + margin) * I
+    grows by independent increments of mean (true_delta + margin) * dI and variance dI; the final test
+    passes when B_final > z * sqrt(I_final)."""
+    i_now, i_final = 1 / var_now, 1 / var_final
+    if i_final <= i_now:
+        return float((delta_now + margin) / math.sqrt(var_now) > sps.norm.ppf(confidence))
+    b_now = (delta_now + margin) * i_now
+    mean = b_now + (true_delta + margin) * (i_final - i_now)
+    return float(sps.norm.cdf((mean - sps.norm.ppf(confidence) * math.sqrt(i_final)) / math.sqrt(i_final - i_now)))
+
+
 @dataclass(frozen=True)
 class Guidance:
-    """What would decide an INCONCLUSIVE comparison, within what the benchmark can give.
+    """What it takes from here to decide an INCONCLUSIVE comparison, at the observed delta.
 
-    The per-item mean delta of R repeats has variance ``between + within / R``: ``between`` is the
-    spread of the items' true deltas (only more items lower it), ``within`` the sampling noise of
-    one repeat's delta (more repeats at the same temperature lower it). ``within`` is estimated from
-    the disagreement between an item's repeats, ``between`` as the rest of the observed variance."""
-    items_needed: int | None  # at the current repeats (``items_to_decide``)
-    benchmark_items: int | None  # the benchmark's size; None when unknown
-    repeats: int  # now
+    The mean delta of N items x R repeats has variance ``(between + within / R) / N``: ``between`` is
+    the spread of the items' true deltas (only more items lower it), ``within`` the sampling noise
+    of one repeat's delta (more repeats at the same temperature lower it), estimated from the
+    disagreement between an item's repeats. A design is what the run would be after adding data;
+    its conditional power (``conditional_power``) is shown at the observed delta and at 0.
+    ``action``: ``items`` (run more of the benchmark's items), ``repeats`` (more repeats on all of
+    them), ``second_repeat`` (one repeat: the noise between repeats is unknown), ``none`` (no design
+    within the benchmark reaches the power at the observed delta) or ``loss`` (the observed delta is
+    beyond the margin: more data would more likely FAIL it)."""
+    action: str
+    observed_delta: float
+    margin: float
+    n_items: int
+    repeats: int
+    benchmark_items: int | None
+    items_needed: int | None  # the design that reaches the power: its items (all of them, not the ones to add)
+    repeats_needed: int | None  # ... and its repeats; None: no design within the benchmark does
+    design_items: int  # the design the powers are of: the one that reaches it, else the largest one
+    design_repeats: int
+    power_at_observed: float | None  # the design's conditional power at the observed delta; None: no design adds data
+    power_at_zero: float | None  # ... were the true delta 0
     between: float
     within: float
-    repeats_needed: int | None  # at the benchmark's size, to reach the same power; None: none would
-    certifiable_margin: float  # the margin the current data certifies: the one-sided lower bound's magnitude
-    floor_margin: float  # the smallest margin any number of repeats could certify at the benchmark's size
-
-    @property
-    def exceeds_benchmark(self) -> bool:
-        return bool(self.items_needed and self.benchmark_items and self.items_needed > self.benchmark_items)
+    best_margin: float  # what the largest design is expected to certify at the observed delta (rounded up)
+    certified_margin: float  # what the data certify now (rounded up)
 
 
 def variance_components(deltas: np.ndarray) -> tuple[float, float]:
@@ -217,25 +249,54 @@ def variance_components(deltas: np.ndarray) -> tuple[float, float]:
     return max(0.0, total - within / repeats), within
 
 
-def guidance(deltas: np.ndarray, sd: float, lower: float, margin: float, confidence: float,
-             benchmark_items: int | None, power: float = POWER) -> Guidance:
-    """How to decide at ``margin`` with ``power``: more items when the benchmark has them; else
-    the repeats that reach the same power on all of its items, ``within / (N * target - between)``
-    with ``target = (margin / (z_conf + z_power))^2`` the variance of the mean delta that decides
-    it; else (and always) the margin the current data certifies, ``-lower``."""
+def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, benchmark_items: int | None,
+             power: float = POWER) -> Guidance:
+    """The smallest design that reaches ``power`` at the observed delta, never one the run already has:
+    more items at the current repeats while the benchmark has them, else more repeats (up to
+    ``MAX_REPEATS``) on all of its items. ``deltas``: items x repeats of paired deltas; ``p``: the
+    comparison's ``paired_delta``."""
     between, within = variance_components(deltas)
-    items_needed = items_to_decide(sd, margin, confidence, power)  # sd: of the per-item mean delta
-    z = sps.norm.ppf(confidence) + sps.norm.ppf(power)
-    repeats_needed = floor_margin = None
-    if benchmark_items:
-        slack = benchmark_items * (margin / z) ** 2 - between
-        if slack > 0:
-            repeats_needed = max(1, math.ceil(within / slack)) if within > 0 else 1
-        floor_margin = z * math.sqrt(between / benchmark_items)
-    return Guidance(items_needed=items_needed, benchmark_items=benchmark_items, repeats=deltas.shape[1],
-                    between=between, within=within,
-                    repeats_needed=repeats_needed, certifiable_margin=max(0.0, -lower),
-                    floor_margin=float("nan") if floor_margin is None else float(floor_margin))
+    n, repeats = p.n, deltas.shape[1]
+    size = max(benchmark_items or n, n)
+    var_now = p.se ** 2
+    per_item = between + within / repeats
+
+    def var(items: int, reps: int) -> float:  # the current variance scaled to another design
+        return var_now * (n / items) * ((between + within / reps) / per_item if per_item > 0 else 1.0)
+
+    def cp(design: tuple[int, int], at: float) -> float:
+        return conditional_power(p.delta, var_now, var(*design), margin, confidence, at)
+
+    if var_now == 0:  # no item differs: only the exact bound (rule of three) limits it, and only items move it
+        needed = math.ceil(math.log(1 - confidence) / math.log(1 - margin)) + 1 if margin > 0 else None
+        ok = needed is not None and n < needed <= size
+        return Guidance(action="items" if ok else "none", observed_delta=p.delta, margin=margin, n_items=n,
+                        repeats=repeats, benchmark_items=benchmark_items, items_needed=needed if ok else None,
+                        repeats_needed=repeats if ok else None, design_items=needed if ok else n, design_repeats=repeats,
+                        power_at_observed=1.0 if ok else None, power_at_zero=1.0 if ok else None,
+                        between=between, within=within, best_margin=certified_margin(exact_loss_bound(0, size, confidence)),
+                        certified_margin=certified_margin(p.lower))
+    designs = [(items, repeats) for items in range(n + 1, size + 1)]
+    if repeats > 1 and within > 0:
+        designs += [(size, reps) for reps in range(repeats + 1, MAX_REPEATS + 1)]
+    largest = designs[-1] if designs else (n, repeats)
+    found = next((d for d in designs if cp(d, p.delta) >= power), None) if p.delta > -margin else None
+    if p.delta <= -margin:
+        action = "loss"
+    elif found:
+        action = "items" if found[1] == repeats else "repeats"
+    elif repeats < 2:
+        action = "second_repeat"
+    else:
+        action = "none"
+    design = found or largest
+    best = p.delta - sps.norm.ppf(confidence) * math.sqrt(var(*largest))
+    return Guidance(action=action, observed_delta=p.delta, margin=margin, n_items=n, repeats=repeats,
+                    benchmark_items=benchmark_items, items_needed=design[0] if found else None,
+                    repeats_needed=design[1] if found else None, design_items=design[0], design_repeats=design[1],
+                    power_at_observed=cp(design, p.delta) if designs else None,
+                    power_at_zero=cp(design, 0.0) if designs else None, between=between, within=within,
+                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower))
 
 
 def discordance(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int]:
