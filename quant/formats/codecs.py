@@ -6,9 +6,9 @@ One codec per ``--to`` name (``CODECS``; the CLI's choices come from it). A code
 - ``outputs(name, shape)``: the two tensors written for a ``[out, in]`` weight (the weight and its
   scale: names, safetensors dtypes, shapes), and ``shape_problem`` / ``logical_shape``;
 - ``encode(raw, dtype, rule)``: the executor's call, bytes in, bytes out. It picks the fastest
-  exact kernel itself (MXFP4 from bf16 under the ``even`` rule runs the numba kernel; blocks that
-  kernel flags go through the torch reference) and refuses NaN/Inf;
-- ``decode_bytes(weight, scales)``: the executor's decode (MXFP4 runs a numba table lookup);
+  exact kernel itself (MXFP4 from bf16 under the ``even`` rule and FP8 from bf16 run numba kernels;
+  blocks those kernels flag go through the torch reference) and refuses NaN/Inf;
+- ``decode_bytes(weight, scales)``: the executor's decode (MXFP4 and FP8 run numba kernels);
 - ``quantize`` / ``decode``: the torch reference, both directions, on tensors;
 - ``quantize_dequantize(x)``: what the format does to any tensor (activations included): the
   round trip along the last dimension, for emulating quantized numerics in evaluation;
@@ -231,6 +231,23 @@ class BlockFP8Codec(Codec):
         from quant.formats import fp8
 
         return fp8.dequantize(weight.view(torch.float8_e4m3fn), scales, dtype or torch.bfloat16)
+
+    def decode_bytes(self, weight, scales, threads=None):
+        """A numba kernel, the same bytes as the reference decode (``fp8_fast``)."""
+        from quant.formats import fp8_fast
+
+        return fp8_fast.decode_bf16(weight, scales, threads).view("uint8")
+
+    def encode(self, raw, dtype, rule=ScaleRule.EVEN, *, device="cpu", row0=0, threads=None):
+        """bf16 on the CPU runs the numba kernel (``fp8_fast``: the reference's bytes, no torch); a
+        tile with NaN/Inf goes to the reference, which refuses it with its row and column."""
+        if dtype == "BF16" and device == "cpu":
+            from quant.formats import fp8_fast
+
+            codes, scale_inv, flags, err, ref = fp8_fast.quantize_bf16(raw, ERROR_ROW_STRIDE, row0, threads)
+            if not flags.any():
+                return Encoded(codes, scale_inv, float(err.sum()), float(ref.sum()))
+        return super().encode(raw, dtype, rule, device=device, row0=row0)
 
     def quantize_dequantize(self, x, rule=ScaleRule.EVEN):
         """Groups of 128 along the last dimension, vLLM's dynamic per-token-group FP8 (``fp8.quantize_dequantize``)."""

@@ -17,13 +17,13 @@ so importing quantgate costs nothing and later processes load the kernel in mill
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
 from quant.formats.constants import BLOCK, E2M1_VALUES
+from quant.formats.numba_threads import numba_threads
 
 if TYPE_CHECKING:
     import torch
@@ -99,21 +99,6 @@ def _quantize_rows(pairs, values, bf16_values, error_stride, row_offset, packed,
         ref_sq[r] = row_ref
 
 
-@contextmanager
-def _threads(count: int | None):
-    """Run the kernel on ``count`` threads (None: numba's default). numba's setting belongs to the
-    calling thread, so it is set for the call and put back."""
-    if not count:
-        yield
-        return
-    previous = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
-
-
 def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row_offset: int = 0,
                   threads: int | None = None):
     """``(packed, scales, row_flags, err_sq, ref_sq)`` for a bf16 ``[rows, in]`` weight.
@@ -136,10 +121,9 @@ def quantize_bf16(weight: torch.Tensor | np.ndarray, error_stride: int = 64, row
     flags = np.empty(rows, dtype=np.uint8)
     err_sq = np.empty(rows, dtype=np.float64)
     ref_sq = np.empty(rows, dtype=np.float64)
-    with _threads(threads):
+    with numba_threads(threads):
         _quantize_rows(pairs, _VALUES, _BF16_VALUES, error_stride, row_offset, packed, scales, flags, err_sq, ref_sq)
     return packed, scales, flags, err_sq, ref_sq
-
 
 
 def _decode_table() -> np.ndarray:
@@ -185,6 +169,6 @@ def decode_bf16(packed: np.ndarray, scales: np.ndarray, threads: int | None = No
     if _TABLE is None:
         _TABLE = _decode_table()
     out = np.empty((packed.shape[0], packed.shape[1]), dtype=np.uint32)
-    with _threads(threads):
+    with numba_threads(threads):
         _decode_rows(packed, scales, _TABLE, out)
     return out.view(np.uint16)
