@@ -68,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family-manifest", type=Path, metavar="FILE",
                    help="model-family YAML, for a model_type without a built-in manifest")
     p.add_argument("--shared-experts", choices=["bf16", "mxfp4", "quantize"],
-                   help="shared experts: bf16 (the default; disables sglang's shared-expert fusion) or mxfp4 "
-                        "(= quantize, in the --to format)")
+                   help="shared experts: bf16 (the default, as the Wafer write-up served them) or mxfp4 (= quantize, in "
+                        "the --to format). bf16 loads in sglang >= 0.5.18, which then skips its shared-expert "
+                        "fusion (a speed cost); 0.5.9-0.5.17 fuse regardless of the dtype and fail to load it on "
+                        "ROCm gfx942+ / CUDA sm80+ unless started with --disable-shared-experts-fusion "
+                        "(gate checkpoint checks each release)")
     p.add_argument("--mtp-experts", choices=["mxfp4", "quantize", "bf16"],
                    help="routed experts of the MTP layer: mxfp4 (= quantize; recommended) or bf16 "
                         "(then both expert aggregates, model.layers.N.mlp.experts and model.decoder.mlp.experts, "

@@ -9,12 +9,13 @@ codec (``make_plan``), ``decode`` it from the codec back to bf16 (``make_decode_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 from quant.checkpoint import Checkpoint
 from quant.engines import Module, draft_name, replay, select
+from quant.engines.replay import release_spans
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.layout import Family, family_for
 from quant.outputs import INDEX_NAME, aux_files
@@ -195,27 +196,37 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     if recipe.weight_only:
         warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
                         "vLLM loads it")
-    if any(t.role == "shared_expert" and t.action == COPY for s in shards for t in s.tensors):
-        warnings.append("shared experts stay bf16: sglang disables its shared-expert fusion (a speed cost, not an error)")
     exclude = build_exclude(kept, quantized, num_hidden_layers)
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
-    _check_engines_load(plan)
-    return plan
+    fusion = _check_engines_load(plan)
+    return replace(plan, warnings=plan.warnings + tuple(fusion)) if fusion else plan
 
 
-def _check_engines_load(plan: Plan) -> None:
-    """Replay every known engine release on the planned checkpoint; refuse what one would not load."""
+def _check_engines_load(plan: Plan) -> list[str]:
+    """Replay every known engine release on the planned checkpoint (served on the default setup,
+    MI355X with TP); refuse what one would not load. Shared-expert fusion is a serving choice, not
+    a checkpoint defect: the releases that fuse are named in a warning, with the ways out."""
     modules = {t.source.name.removesuffix(".weight"): Module(t.action == ENCODE, tuple(t.source.shape), t.role)
                for t in plan.tensors if t.linear and len(t.source.shape) == 2}
     kind = "fp8" if plan.recipe.format == "fp8" else "quark"
     qconfig = plan.quantization_config()
     findings = [f for rules in select("all") for f in replay(rules, modules, qconfig, plan.family.name,
-                                                              plan.num_hidden_layers, kind, plan.recipe.format.upper())]
+                                                              plan.num_hidden_layers, kind, plan.recipe.format.upper(),
+                                                              plan.config)]
+    fusion = [f for f in findings if f.check == "fusion"]
+    findings = [f for f in findings if f.check != "fusion"]
     if findings:
         listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
         raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "
                           "Change the recipe (quantize whole fused modules and whole expert layers).")
+    if not fusion:
+        return []
+    releases = release_spans([r for r in select("sglang") if any(f.engine == r.id for f in fusion)])
+    return [(f"shared-expert fusion: on MI355X (ROCm gfx942+, CUDA sm80+; TP, fusion on) {releases} fold the shared "
+             f"expert into the routed experts' FusedMoE, and this recipe stores them in different dtypes, so these "
+             f"releases fail to load it ({fusion[0].module}). Ways out: {fusion[0].fix}. gate checkpoint lists each "
+             "release and GPU")]
 
 
 def _plan_decode(header, codec: Codec) -> tuple[TensorPlan, ...]:

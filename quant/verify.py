@@ -16,6 +16,8 @@ from safetensors import safe_open
 from quant.checkpoint import INDEX_NAME, Checkpoint
 from quant.engines import Finding, Module, UnknownEngine, replay, select
 from quant.engines.config import model_findings, quark_findings, router_tensors
+from quant.engines.replay import loads_under
+from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config
 from quant.layout import UnknownFamilyError, family_for
@@ -35,6 +37,8 @@ class Report:
     engines: list[str]
     findings: list[Finding] = field(default_factory=list)
     modules_checked: int = 0
+    serving: Serving = DEFAULT
+    conditions: dict[str, list[tuple[Serving, bool]]] = field(default_factory=dict)  # rule set id -> loads per condition
 
     @property
     def ok(self) -> bool:
@@ -45,7 +49,9 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "ok": self.ok, "modules_checked": self.modules_checked,
-                "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)]}
+                "serving": asdict(self.serving),
+                "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
+                                "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])]}
                             for e in self.engines}}
 
 
@@ -192,9 +198,10 @@ def _malformed_qconfig(qconfig) -> list[Finding]:
     return []
 
 
-def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
+def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Serving = DEFAULT) -> Report:
     """Check ``folder`` for every engine release ``engine`` selects (``all``, ``sglang``,
-    ``sglang==0.5.23``, ``vllm`` ...); findings are reported per release's rule set."""
+    ``sglang==0.5.23``, ``vllm`` ...) served as ``serving``; findings are reported per release's rule
+    set, and for each sglang release the GPUs and switches under which it loads."""
     try:
         rule_sets = select(engine)
     except UnknownEngine as exc:
@@ -206,7 +213,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
     except (CheckpointError, UnknownFamilyError) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
     config = checkpoint.config
-    report = Report(str(folder), [r.id for r in rule_sets])
+    report = Report(str(folder), [r.id for r in rule_sets], serving=serving)
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
     report.findings += malformed
@@ -245,7 +252,11 @@ def verify(folder: Path, engine: str = "all", deep: bool = False) -> Report:
             report.findings += quark_findings(rules, qconfig)
         if kind == "fp8" or (kind == "quark" and exclude is not None):
             usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
-            report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt))
+            report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
+                                      config, serving)
+            if rules.engine == "sglang":
+                report.conditions[rules.id] = loads_under(rules, modules, usable, family.name, num_hidden_layers,
+                                                          kind, _format_label(fmt), config, serving)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))

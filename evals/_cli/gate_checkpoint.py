@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
+from quant.engines.serving import CAPABILITY, DEFAULT_ARCH, serving
 
 HELP = """\
 Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
@@ -17,9 +18,18 @@ FusedMoE ...mlp.experts, sglang's model.decoder.* names for the MTP draft) with 
 exclude matching, compared with the dtypes on disk. The rules are data read from each release's
 source (manifests/engines/*.yaml, with file and function); --list-engines shows them.
 
-  gate checkpoint DIR                         every known release of both engines
-  gate checkpoint DIR --engine sglang         every known sglang release, reported per rule set
-  gate checkpoint DIR --engine sglang==0.5.23 the one rule set covering that release
+Loading also depends on how sglang is started: it folds the shared expert into the routed FusedMoE
+(shared-expert fusion) on ROCm gfx942+ and CUDA sm80+ unless --disable-shared-experts-fusion is
+given or (0.5.18+) the exclude list keeps the shared experts bf16; a shared expert whose dtype differs
+from the routed experts' then cannot load. On CUDA, 0.5.15+ builds the DSA indexer's wk bf16. The
+checks assume the serving setup below (default: MI355X, ROCm gfx950, TP 8, fusion on) and list, per
+sglang release, the GPUs and switches under which the checkpoint loads.
+
+  gate checkpoint DIR                         every release read, of both engines
+  gate checkpoint DIR --engine sglang         every sglang release read, reported per rule set
+  gate checkpoint DIR --engine sglang==0.5.23 that release (a .postN release names the rules it follows)
+  gate checkpoint DIR --platform cuda --gpu-arch sm90 --ep 8
+  gate checkpoint DIR --disable-shared-experts-fusion
 
 exit codes: 0 loads correctly in every engine asked for; 1 it would not (or would load wrong);
 2 the input is unreadable or not a checkpoint"""
@@ -33,6 +43,16 @@ def register(sub) -> None:
                    help="all (default), sglang, vllm, or one release such as sglang==0.5.23")
     p.add_argument("--list-engines", action="store_true",
                    help="list the engine releases whose rules are known, with each rule's source, and exit")
+    serve = p.add_argument_group("serving setup (what sglang is started with)")
+    serve.add_argument("--platform", choices=sorted(CAPABILITY), default="rocm", help="rocm (default) or cuda")
+    serve.add_argument("--gpu-arch", metavar="ARCH", help="rocm: " + ", ".join(CAPABILITY["rocm"]) + " (default "
+                       f"{DEFAULT_ARCH['rocm']}, MI355X); cuda: " + ", ".join(CAPABILITY["cuda"]) +
+                       f" (default {DEFAULT_ARCH['cuda']})")
+    serve.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    serve.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    serve.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")
+    serve.add_argument("--disable-shared-experts-fusion", action="store_true",
+                       help="sglang is started with --disable-shared-experts-fusion")
     p.add_argument("--deep", action="store_true",
                    help="also read tensor data: scale bytes in range, no all-zero scale rows, no NaN/Inf in bf16")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
@@ -40,14 +60,29 @@ def register(sub) -> None:
 
 
 def human(report) -> str:
-    lines = [f"checkpoint  {report.checkpoint}  ({report.modules_checked} Linear modules checked)"]
+    lines = [f"checkpoint  {report.checkpoint}  ({report.modules_checked} Linear modules checked)",
+             f"serving     {report.serving.label()}"]
     for engine in report.engines:
         findings = report.for_engine(engine)
         lines.append(f"\n{engine}: {'OK' if not findings else f'{len(findings)} problem(s)'}")
         for f in findings:
             lines += [f"  PROBLEM  [{f.check}] {f.module}", f"           why: {f.why}", f"           fix: {f.fix}"]
+        lines += _conditions(report.conditions.get(engine, []))
     lines.append("\nverdict: " + ("loads correctly" if report.ok else "would NOT load correctly"))
     return "\n".join(lines)
+
+
+def _conditions(conditions) -> list[str]:
+    """The GPUs and switches that fail, where others load (--json lists every condition)."""
+    if not conditions or len({ok for _, ok in conditions}) < 2:
+        return []
+    fails: dict[str, list[str]] = {}
+    for s, ok in conditions:
+        if not ok:
+            how = f"ep {s.ep}" + (" with --disable-shared-experts-fusion" if s.disable_shared_experts_fusion else "")
+            fails.setdefault(f"{s.platform} {s.gpu_arch}", []).append(how)
+    shown = "; ".join(f"{gpu} ({', '.join(how)})" for gpu, how in fails.items())
+    return [f"  fails on  {shown}", "  loads on  the other GPUs and settings checked (--json: loads_under)"]
 
 
 def list_engines(spec: str, as_json: bool) -> str:
@@ -73,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_PASS
     if args.dir is None:
         raise BadInput("give a checkpoint folder (or --list-engines)")
-    report = verify(args.dir, args.engine, args.deep)
+    setup = serving(args.platform, args.gpu_arch, args.tp, args.pp, args.ep, args.disable_shared_experts_fusion)
+    report = verify(args.dir, args.engine, args.deep, setup)
     print(json.dumps(report.to_dict(), indent=2) if args.json else human(report))
     return EXIT_PASS if report.ok else EXIT_BLOCK

@@ -7,8 +7,10 @@ The rules are a ``RuleSet`` (data, with citations); the decisions go through ``q
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from quant.engines.fusion import cite as fusion_cite
+from quant.engines.fusion import loader_mapped, no_fusion_reason
 from quant.engines.match import (
     Exclude,
     MixedShards,
@@ -16,7 +18,8 @@ from quant.engines.match import (
     fp8_skipped,
     quark_excluded,
 )
-from quant.engines.rules import RuleSet
+from quant.engines.rules import RuleSet, rule_sets
+from quant.engines.serving import DEFAULT, Serving
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
@@ -86,8 +89,12 @@ def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_la
 
 
 def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int, kind: str,
-                   whole_draft_bf16: bool = False) -> dict[str, EngineModule]:
-    """The modules the engine builds from the checkpoint's Linear modules."""
+                   whole_draft_bf16: bool = False, indexer_bf16: frozenset[str] | None = None) \
+        -> dict[str, EngineModule]:
+    """The modules the engine builds from the checkpoint's Linear modules (``indexer_bf16``: the
+    indexer leaves built without quant config, from ``indexer_bf16_leaves``)."""
+    if indexer_bf16 is None:
+        indexer_bf16 = indexer_bf16_leaves(rules, DEFAULT, {})
     built: dict[str, EngineModule] = {}
     experts: dict[str, EngineModule] = {}  # checkpoint "<layer>.mlp.experts" -> its FusedMoE (the common case, fast)
     fused_of = {shard: fused for fused, shards in rules["built_fused"].items() for shard in shards}
@@ -114,20 +121,32 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
         entry = built.get(name)
         if entry is None:
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
-                                               build=_build(info.role, leaf, rules, kind, draft and whole_draft_bf16))
+                                               build=_build(info.role, leaf, rules, kind, draft and whole_draft_bf16,
+                                                            indexer_bf16))
             if moe:
                 experts[module[:module.rindex(".experts.") + len(".experts")]] = entry
         entry.members.append(module)
     return built
 
 
-def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool) -> str:
+def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> frozenset[str]:
+    """The DSA indexer's Linear leaves built bf16 (no quant config) on this platform: sglang >= 0.5.15
+    on CUDA fuses wk into a bf16 wk_weights_proj when the indexer's rope is interleaved
+    (``use_dsa_indexer_fusion = CUDA and not is_neox_style``)."""
+    indexer = rules["indexer"]
+    leaves = {leaf for leaf in ("wq_b", "wk", "weights_proj") if indexer[leaf] == "bf16"}
+    if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and config.get("indexer_rope_interleave", True):
+        leaves.add("wk")
+    return frozenset(leaves)
+
+
+def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, indexer_bf16: frozenset[str]) -> str:
     if draft_bf16 or role in rules["unquantized_roles"]:
         return "bf16"
     if role == "mtp_proj":
         return "governed" if rules["eh_proj"] == "quant_config" and kind == "quark" else "bf16"
     if role == "indexer":
-        return "governed" if rules["indexer"].get(leaf) == "quant_config" else "bf16"
+        return "bf16" if leaf in indexer_bf16 else "governed"
     return "governed"
 
 
@@ -152,8 +171,42 @@ def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) 
 
 
 def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
-           kind: str, fmt_name: str) -> list[Finding]:
-    """Findings for one engine release, from the checkpoint's Linear modules and its quantization_config."""
+           kind: str, fmt_name: str, config: dict | None = None, serving: Serving = DEFAULT) -> list[Finding]:
+    """Findings for one engine release, from the checkpoint's Linear modules, its quantization_config
+    and ``config.json`` (``config``: architecture, expert counts, indexer rope), served as ``serving``."""
+    findings, slots, entries = _replay(rules, modules, qconfig, family, num_hidden_layers, kind, fmt_name,
+                                       config or {}, serving)
+    return findings + fusion_findings(rules, modules, entries, slots, family, num_hidden_layers, kind, fmt_name,
+                                      config or {}, serving)
+
+
+GRID = {"rocm": ("gfx950", "gfx942", "gfx90a"), "cuda": ("sm100", "sm90", "sm80", "sm75")}
+
+
+def loads_under(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
+                kind: str, fmt_name: str, config: dict, base: Serving) -> list[tuple[Serving, bool]]:
+    """Whether this release loads the checkpoint on each GPU of ``GRID``, with expert parallelism
+    off and on (ep = tp), with fusion on and off: the module checks once per platform, fusion per
+    condition."""
+    out = []
+    for platform, arches in GRID.items():
+        on_platform = replace(base, platform=platform, gpu_arch=arches[0])
+        findings, slots, entries = _replay(rules, modules, qconfig, family, num_hidden_layers, kind, fmt_name,
+                                           config, on_platform)
+        for arch in arches:
+            for ep in sorted({1, base.tp}):
+                for disable in (False, True):
+                    serving = replace(on_platform, gpu_arch=arch, ep=ep, disable_shared_experts_fusion=disable)
+                    fused = fusion_findings(rules, modules, entries, slots, family, num_hidden_layers, kind,
+                                            fmt_name, config, serving)
+                    out.append((serving, not findings and not fused))
+    return out
+
+
+def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
+            kind: str, fmt_name: str, config: dict, serving: Serving) \
+        -> tuple[list[Finding], dict[str, bool], list[str]]:
+    """The module findings, each FusedMoE's slot scheme (quantized or not), and the exclude entries."""
     entries = exclude_entries(qconfig, rules, kind)
     draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, family, num_hidden_layers, kind)
     lists = {False: Exclude(entries), True: Exclude(draft_entries)}
@@ -163,7 +216,10 @@ def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: st
     def finding(module: str, why: str, fix: str) -> None:
         findings.append(Finding("engine", rules.id, module, why, fix))
 
-    for name, em in sorted(engine_modules(modules, rules, num_hidden_layers, kind, whole_draft_bf16).items()):
+    slots: dict[str, bool] = {}  # FusedMoE name -> whether its expert slots are quantized
+    built = engine_modules(modules, rules, num_hidden_layers, kind, whole_draft_bf16,
+                           indexer_bf16_leaves(rules, serving, config))
+    for name, em in sorted(built.items()):
         on_disk = {modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
         if len(on_disk) > 1:
@@ -172,10 +228,15 @@ def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: st
             continue
         quantized_on_disk = on_disk.pop()
         if em.build == "bf16":
+            if em.moe:
+                slots[name] = False
+            if quantized_on_disk and em.role == "indexer" and kind in rules["indexer"]["wk_dequantized"]:
+                continue  # the loader dequantizes it into the bf16 slot
             if quantized_on_disk:
                 how = "as a plain bf16 Linear" if em.role == "mtp_proj" else f"unquantized ({em.role})"
-                finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}; an {fmt_name} weight cannot "
-                              "load", "keep it bf16 (quantgate's recipes never quantize it)")
+                where = f" on {serving.platform}" if em.role == "indexer" and rules.engine == "sglang" else ""
+                finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{where}; an {fmt_name} weight "
+                              "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
         try:
             expect_quantized = not excluded(name, lists[em.draft], rules, kind, em.moe)
@@ -183,10 +244,8 @@ def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: st
             finding(name, f"the {where} list names some of its shards only: the engine raises {exc}",
                     f"list all shards of {name} or none")
             continue
-        if em.role == "indexer" and quantized_on_disk and rules["indexer"].get("wk_fused_bf16_on_cuda") \
-                and name.endswith(".wk"):
-            finding(name, f"on CUDA {rules.engine} fuses wk into a bf16 wk_weights_proj; an {fmt_name} wk loads on "
-                          "ROCm only", "keep the indexer's wk bf16")
+        if em.moe:
+            slots[name] = expect_quantized
         if expect_quantized and not quantized_on_disk:
             names = ", ".join(repr(n) for n in _names_to_list(name, rules, kind))
             finding(name, _bf16_meets_slot(em, modules, fmt_name, kind), f"list {names} in {where} (quantize "
@@ -194,7 +253,69 @@ def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: st
         elif not expect_quantized and quantized_on_disk:
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
+    return findings, slots, entries
+
+
+def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int) -> dict[str, list[str]]:
+    """Each FusedMoE's engine name -> the checkpoint's shared-expert modules of that layer."""
+    out: dict[str, list[str]] = {}
+    for module, info in modules.items():
+        if info.role == "shared_expert" and ".mlp.shared_experts." in module:
+            layer = module[:module.index(".mlp.shared_experts.")]
+            name = draft_name(f"{layer}.mlp.experts.0.gate_proj", rules, num_hidden_layers)
+            if name is not None:
+                out.setdefault(name[:name.rindex(".experts.") + len(".experts")], []).append(module)
+    return out
+
+
+def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[str], slots: dict[str, bool],
+                    family: str, num_hidden_layers: int, kind: str, fmt_name: str, config: dict,
+                    serving: Serving) -> list[Finding]:
+    """A fused shared expert whose dtype on disk differs from its FusedMoE's expert slots: one
+    finding per runner (main model, MTP draft), naming the ways out."""
+    if rules.engine != "sglang" or "shared_experts_fusion" not in rules.values:
+        return []
+    clashes: dict[bool, list[tuple[str, str]]] = {}
+    for moe, shared in sorted(_shared_by_moe(modules, rules, num_hidden_layers).items()):
+        if moe not in slots:
+            continue
+        draft = bool(m := _LAYER.match(shared[0])) and int(m.group(1)) >= num_hidden_layers
+        bad = [s for s in shared if modules[s].quantized != slots[moe]]
+        if bad:
+            clashes.setdefault(draft, []).append((moe, bad[0]))
+    findings = []
+    for draft, clash in sorted(clashes.items()):
+        runner_entries = loader_mapped(entries, rules, family) if draft else entries
+        if no_fusion_reason(rules, family, config, kind, runner_entries, serving, draft) is not None:
+            continue
+        moe, shared = clash[0]
+        slot = fmt_name if slots[moe] else "bf16"
+        disk = fmt_name if modules[shared].quantized else "bf16"
+        runner = "the MTP draft" if draft else "the main model"
+        ok = [r for r in rule_sets("sglang") if no_fusion_reason(
+            r, family, config, kind, loader_mapped(entries, r, family) if draft else entries, serving, draft)]
+        findings.append(Finding(
+            "fusion", rules.id, moe,
+            f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert "
+            f"{config.get('n_routed_experts')} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
+            f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
+            (f"serve with {release_spans(ok)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
+            + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
     return findings
+
+
+def release_spans(ok: list[RuleSet]) -> str:
+    """Rule sets as release spans ('sglang >= 0.5.18' when a span runs to the last release read)."""
+    order = [r.id for r in rule_sets("sglang")]
+    spans: list[list[RuleSet]] = []
+    for r in ok:
+        if spans and order.index(r.id) == order.index(spans[-1][-1].id) + 1:
+            spans[-1].append(r)
+        else:
+            spans.append([r])
+    last = rule_sets("sglang")[-1].last
+    return " or ".join(f"sglang >= {s[0].first}" if s[-1].last == last else f"sglang {s[0].first}..{s[-1].last}"
+                       for s in spans)
 
 
 def _names_to_list(name: str, rules: RuleSet, kind: str) -> list[str]:

@@ -2,11 +2,14 @@
 
 Each rule carries its value and a citation (file and function in the release it was read in).
 A rule set starts from the previous one and overrides what changed, so the YAML only lists changes.
+Only releases that were read are replayed: ``checked`` lists them, ``post_releases`` maps each
+``.postN`` to the release whose rule set it follows (a post release sorts after its base, so a
+version range alone would hand it the next set's rules).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import yaml
@@ -29,10 +32,12 @@ class RuleSet:
     last: str
     values: dict
     cites: dict
+    release: str | None = None  # the one release asked for (--engine sglang==X), read in the wheel of X
 
     @property
     def id(self) -> str:
-        return f"{self.engine} {self.first}" + (f"..{self.last}" if self.last != self.first else "")
+        span = f"{self.engine} {self.first}" + (f"..{self.last}" if self.last != self.first else "")
+        return span if self.release is None else f"{self.engine} {self.release} (rules of {span.split(' ', 1)[1]})"
 
     def covers(self, version: str) -> bool:
         return Version(self.first) <= Version(version) <= Version(self.last)
@@ -45,8 +50,21 @@ class RuleSet:
 
 
 @cache
+def _manifest(engine: str) -> dict:
+    return yaml.safe_load((manifests_root() / "engines" / f"{engine}.yaml").read_text())
+
+
+def releases_read(engine: str) -> dict[str, str]:
+    """Each release whose sources were read -> the release its rule set is chosen by (itself, or
+    the base of a ``.postN``)."""
+    data = _manifest(engine)
+    posts = {str(k): str(v) for k, v in (data.get("post_releases") or {}).items()}
+    return {**{str(v): str(v) for v in data["checked"]}, **posts}
+
+
+@cache
 def rule_sets(engine: str) -> tuple[RuleSet, ...]:
-    data = yaml.safe_load((manifests_root() / "engines" / f"{engine}.yaml").read_text())
+    data = _manifest(engine)
     values: dict = {}
     cites: dict = {}
     out = []
@@ -70,9 +88,11 @@ def select(spec: str = "all") -> list[RuleSet]:
         Version(version)
     except InvalidVersion:
         raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
-    chosen = [r for r in rule_sets(engine) if r.covers(version)]
-    if not chosen:
-        known = ", ".join(r.id for r in rule_sets(engine))
-        raise UnknownEngine(f"no {engine} rules cover {version}; the rules read so far cover: {known} "
-                            "(read that release's sources before trusting a replay of it)")
-    return chosen
+    read = releases_read(engine)
+    release = next((v for v in read if Version(v) == Version(version)), None)
+    if release is None:
+        raise UnknownEngine(f"{engine} {version} has not been read; the releases read are: {', '.join(read)} "
+                            "(read that release's sources before trusting a replay of it; a .postN release "
+                            "needs its own entry)")
+    chosen = [r for r in rule_sets(engine) if r.covers(read[release])]
+    return [replace(r, release=release) for r in chosen]

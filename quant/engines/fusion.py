@@ -1,0 +1,77 @@
+"""sglang's shared-expert fusion: whether a release folds the shared expert into the routed FusedMoE
+(as expert ``n_routed_experts``), decided as the release decides it, per model (the main model and
+the MTP draft are separate runners).
+
+Fused, the shared expert's weights are copied into the FusedMoE's expert slot, which is built by
+the routed experts' scheme: a bf16 shared expert cannot load into an MXFP4 slot, nor an MXFP4 one
+into a bf16 slot. The rule data is ``shared_experts_fusion`` in ``manifests/engines/sglang.yaml``;
+vLLM's fusion (ROCm AITER, opt-in by environment variable) checks each layer's schemes itself
+(vLLM 0.33.0 ``fused_moe/utils.py: resolve_layer_fused_shared_expert``), so it has no rule here.
+"""
+
+from __future__ import annotations
+
+from quant.engines.rules import RuleSet
+from quant.engines.serving import Serving
+
+_MAPPER_61 = ("model.layers.61", "model.decoder")  # DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
+
+
+def _vetoed(rules: RuleSet, entries: list[str], config: dict) -> bool:
+    """QuarkConfig.can_fuse_shared_expert is False: an exclude entry keeps a shared expert unquantized."""
+    how = rules["shared_experts_fusion"]["exclude_veto"]
+    if how == "none":
+        return False
+    base = config.get("num_hidden_layers")
+    nextn = int(config.get("num_nextn_predict_layers") or 0)
+    draft_prefixes = tuple(f"model.layers.{base + i}." for i in range(nextn)) if isinstance(base, int) else ()
+
+    def draft_layer(entry: str) -> bool:
+        return entry.startswith("mtp.") or (how == "draft_layers" and entry.startswith(draft_prefixes))
+
+    return any("shared_expert" in e and "shared_expert_gate" not in e and not draft_layer(e) for e in entries)
+
+
+def loader_mapped(entries: list[str], rules: RuleSet, family: str) -> list[str]:
+    """The exclude list the draft runner's quant config holds when fusion is decided: the loader has
+    applied the draft class's hf_to_sglang_mapper (model_loader/loader.py: _get_quantization_config),
+    not yet the class's own _resolve_nextn_quant_config."""
+    if rules["draft_exclude"].get(family, "none").startswith("mapper_61"):
+        return [e.replace(*_MAPPER_61, 1) if _MAPPER_61[0] in e else e for e in entries]
+    return list(entries)
+
+
+def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entries: list[str], serving: Serving,
+                     draft: bool) -> str | None:
+    """None when the release fuses the shared expert of this model (main or draft); else why not,
+    in the engine's terms. ``entries``: the exclude list this runner's quant config holds."""
+    if "shared_experts_fusion" not in rules.values:
+        return "no shared-expert fusion modelled for this engine"
+    rule = rules["shared_experts_fusion"]
+    if serving.disable_shared_experts_fusion:
+        return "--disable-shared-experts-fusion"
+    if rule["decided_by"] == "shared_experts_fusion_disable_reason" and kind == "quark" and \
+            _vetoed(rules, entries, config):
+        return "the exclude list keeps shared experts unquantized (quark.py: can_fuse_shared_expert)"
+    architectures = config.get("architectures") or [None]
+    if draft:
+        arch = rule["draft_arch"].get(family)
+        if arch is None or arch["config"] != arch["class"]:
+            return f"the draft class compares {arch and arch['class']!r}, the draft config says {arch and arch['config']!r}"
+    elif architectures[0] != rule["arch"].get(family):
+        return f"architecture {architectures[0]!r} is not {rule['arch'].get(family)!r}"
+    routed, shared = config.get("n_routed_experts"), config.get("n_shared_experts")
+    needs = rule["routed_experts"].get(routed)
+    if needs is None or (needs != "any" and needs != kind) or shared != rule["shared_experts"]:
+        return f"{routed} routed + {shared} shared experts is not a fused configuration"
+    least = tuple(rule["min_capability"][serving.platform])
+    if serving.capability < least:
+        return f"{serving.gpu_arch} is below capability {least}"
+    ep_least = rule["ep_min_capability"].get(serving.platform)
+    if serving.ep > 1 and (ep_least is None or serving.capability < tuple(ep_least)):
+        return f"expert parallelism on {serving.platform} {serving.gpu_arch}"
+    return None
+
+
+def cite(rules: RuleSet) -> str:
+    return f"deepseek_v2.py: {rules['shared_experts_fusion']['decided_by']}"
