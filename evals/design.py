@@ -254,3 +254,26 @@ def planned_look(plan: dict, benchmark: str, items: int, repeats: int, confidenc
     return {"look": look["look"] if look else None, "of": len(looks), "repeats": repeats,
             "confidence": look["confidence"] if look else None, "final": bool(look) and look is looks[-1],
             "findings": findings, "follows": not findings}
+
+
+def restrict_reference(ref_rows: list[dict], cand_rows: list[dict]) -> list[dict]:
+    """The reference rows of the candidate's (item, repeat)s: a look has run only the plan's first
+    repeats, the reference all of them (the same seeds: their settings are compared as usual)."""
+    keys = {(r["item_id"], r["repeat"]) for r in cand_rows}
+    return [r for r in ref_rows if (r["item_id"], r["repeat"]) in keys]
+
+
+def judge_look(result, look: dict) -> None:
+    """Say where ``result`` (a ``gate.BenchmarkResult`` judged at the look's level) stands in the
+    plan: a verdict at a look; not final yet; or no verdict at all, the run not following its plan
+    (judged at an unplanned look, a rerun would inflate the false pass rate the plan holds)."""
+    result.look = look
+    if not look["follows"]:
+        result.verdict, result.decidable = "INCONCLUSIVE", False
+        result.rule = (f"the run does not follow its plan ({'; '.join(look['findings'])}): no planned look to judge "
+                       "it at; run it as planned (`evals run --plan PLAN`)")
+    elif result.verdict == "INCONCLUSIVE" and not look["final"]:
+        result.rule += (f"; look {look['look']} of {look['of']} (one-sided {look['confidence']:.5f}): not final, the "
+                        "plan's next look decides (`evals run --until-decided` continues)")
+    else:
+        result.rule += f"; look {look['look']} of {look['of']} of the plan, at one-sided {look['confidence']:.5f}"

@@ -20,13 +20,13 @@ The overall verdict needs every required benchmark compared: one left out blocks
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from evals import render, tau2_gate
+from evals import design, render, tau2_gate
 from evals.bundle import BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
 from evals.policy import GatePolicy
@@ -72,6 +72,7 @@ class BenchmarkResult:
     setting_differences: list[str] | None = None  # set only when compared despite them
     decidable: bool = True  # False: too few items or too many infrastructure errors to judge at all
     infra: dict | None = None  # tau2: infrastructure errors per arm
+    look: dict | None = None  # a planned run: its look, the level it was judged at, whether final (evals.design)
 
 
 def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | None]:
@@ -295,9 +296,13 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
     if rerun and not set(compared) <= set(rerun[0]["benchmarks"]):
         raise BundleError(f"the reference rerun lacks {sorted(set(compared) - set(rerun[0]['benchmarks']))}")
     all_pairs, differences = {}, {}
+    plan = cand_run.get("plan") or {"benchmarks": {}}  # a run made by `evals run --plan`: judged at its looks
     for bench in compared:
         primary = _check_same_data(bench, ref_run["benchmarks"][bench], cand_run["benchmarks"][bench])
-        all_pairs[bench] = pair(_select(ref_rows, bench, primary), _select(cand_rows, bench, primary))
+        ref_sel, cand_sel = _select(ref_rows, bench, primary), _select(cand_rows, bench, primary)
+        if bench in plan["benchmarks"]:
+            ref_sel = design.restrict_reference(ref_sel, cand_sel)
+        all_pairs[bench] = pair(ref_sel, cand_sel)
         if not all_pairs[bench]:
             raise BundleError(f"{bench}: no rows scored with the {primary} filter in either run")
         found = setting_differences(bench, ref_run["benchmarks"][bench], cand_run["benchmarks"][bench],
@@ -314,8 +319,19 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
         rerun_pairs = None
         if rerun:
             primary = all_pairs[bench][0][0]["filter"]
-            rerun_pairs = pair(_select(ref_rows, bench, primary), _select(rerun[1], bench, primary))
-        result = compare_benchmark(bench, all_pairs[bench], policy, rerun_pairs)
+            ref_sel, rerun_sel = _select(ref_rows, bench, primary), _select(rerun[1], bench, primary)
+            if bench in plan["benchmarks"]:  # the noise floor over the look's items and repeats
+                cand_sel = [b for _, b in all_pairs[bench]]
+                ref_sel, rerun_sel = (design.restrict_reference(rows, cand_sel) for rows in (ref_sel, rerun_sel))
+            rerun_pairs = pair(ref_sel, rerun_sel)
+        look = None
+        if bench in plan["benchmarks"]:
+            look = design.planned_look(plan, bench, len({a["item_id"] for a, _ in all_pairs[bench]}),
+                                       len({a["repeat"] for a, _ in all_pairs[bench]}), policy.confidence)
+        level = replace(policy, confidence=look["confidence"]) if look and look["follows"] else policy
+        result = compare_benchmark(bench, all_pairs[bench], level, rerun_pairs)
+        if look:
+            design.judge_look(result, look)
         result.setting_differences = differences.get(bench)
         results.append(result)
     blocking = []

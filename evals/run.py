@@ -61,12 +61,19 @@ class RunSpec:
     tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
     device: str | None = None  # local model: cuda when present, else cpu
     dtype: str | None = None  # local model: bfloat16 on cuda, float32 on cpu
+    plan: dict | None = None  # `gate plan`'s: each planned benchmark's items and seeds (recorded in run.json)
+    repeats_now: dict[str, int] | None = None  # a sequential look: only a benchmark's first N repeats run yet
+
+    def _planned(self, benchmark: str) -> dict | None:
+        return (self.plan or {}).get("benchmarks", {}).get(benchmark)
 
     def seeds_for(self, benchmark: str) -> list[int]:
-        return self.seeds or PROTOCOLS[benchmark]["seeds"]
+        planned = self._planned(benchmark)
+        return planned["seeds"] if planned else self.seeds or PROTOCOLS[benchmark]["seeds"]
 
     def limit_for(self, benchmark: str) -> int | None:
-        return self.limit if self.limit is not None else PROTOCOLS[benchmark]["limit"]
+        planned = self._planned(benchmark)
+        return planned["items"] if planned else self.limit if self.limit is not None else PROTOCOLS[benchmark]["limit"]
 
     def local_device(self) -> tuple[str, str]:
         import torch
@@ -280,7 +287,8 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         settings = settings_of(spec, benchmark, eos)
         benchmarks[benchmark] = {"settings": settings, "primary_filter": settings["primary_filter"],
                                  "dataset": datasets[benchmark].entry}
-        for repeat, seed in enumerate(spec.seeds_for(benchmark)):
+        seeds = spec.seeds_for(benchmark)  # all of them are the settings; a look runs the first few
+        for repeat, seed in enumerate(seeds[:(spec.repeats_now or {}).get(benchmark, len(seeds))]):
             name, t0 = f"{benchmark}-r{repeat}", time.time()
             # A unit is reused only if measured the same way, of the same model, on the same data.
             identity = {"settings": settings, "seed": seed, "model": spec.model,
@@ -310,6 +318,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
         "created_unix": int(started), "keep_text": spec.keep_text,
         "local": local,  # device, dtype and, for a quantized checkpoint, what was emulated (evals.emulation)
+        **({"plan": spec.plan} if spec.plan else {}),  # the gate judges the run at the plan's looks
     }
     return writer.finish(rows, run_json)
 

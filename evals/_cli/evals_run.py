@@ -51,6 +51,16 @@ def register(sub) -> None:
                    help="local checkpoint only: where it runs (default cuda when present, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
                    help="local checkpoint only: compute dtype (default bfloat16 on cuda, float32 on cpu)")
+    g = p.add_argument_group("a planned run (`gate plan`; README: Planning a release run)")
+    g.add_argument("--plan", type=Path, help="a plan written by `gate plan --out`: its items and seeds per benchmark "
+                                             "(instead of --limit/--seeds); run.json records it and the gate judges the "
+                                             "run at the plan's looks")
+    g.add_argument("--until-decided", action="store_true",
+                   help="with --plan and --reference: run look by look (the plan's repeats), judge each with the gate "
+                        "and stop once every benchmark is PASS or FAIL, or at the plan's last look; each look is "
+                        "printed and kept in OUT/looks.json; exit 0 PASS, 1 FAIL or INCONCLUSIVE")
+    g.add_argument("--reference", type=Path, help="the reference bundle, run with the same --plan (all its repeats)")
+    g.add_argument("--policy", type=Path, help="gate policy for --until-decided (default: manifests/gates/release.yaml)")
     p.set_defaults(func=run)
 
 
@@ -116,12 +126,51 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
+    plan = _plan(args, benchmarks)
     spec = RunSpec(benchmarks=benchmarks, out=args.out, data_dir=args.data_dir, model=args.model,
                    base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                    request_timeout=args.request_timeout, seeds=seeds,
-                   tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype)
+                   tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype,
+                   plan=plan)
+    if args.until_decided:
+        return _until_decided(args, spec)
     result = run_benchmarks(spec, resume=args.resume)
     print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"],
                       "redone_on_resume": result.get("redone_on_resume")}, indent=2))
     return EXIT_PASS
+
+
+def _plan(args: argparse.Namespace, benchmarks: list[str]) -> dict | None:
+    """The plan of ``--plan``, checked against the other flags (it fixes items, seeds, tau2 trials)."""
+    from evals.design import read_plan
+    from evals.errors import BadInput
+
+    if (args.until_decided or args.reference) and not (args.plan and args.until_decided and args.reference):
+        raise BadInput("--until-decided needs --plan PLAN and --reference REF (and --reference is only for it)")
+    if not args.plan:
+        return None
+    plan = read_plan(args.plan)
+    missing = [b for b in benchmarks if b not in plan["benchmarks"]]
+    if missing:
+        raise BadInput(f"--plan {args.plan}: plans {sorted(plan['benchmarks'])}, not {missing}; plan them with `gate plan`")
+    if args.limit is not None or args.seeds:
+        raise BadInput(f"--plan {args.plan} fixes items and seeds per benchmark; drop --limit/--seeds")
+    if "tau2" in benchmarks:
+        args.tau2_trials = plan["benchmarks"]["tau2"]["repeats"]  # set before the tau2 settings are built
+    return plan
+
+
+def _until_decided(args: argparse.Namespace, spec) -> int:
+    from evals.bundle import read_bundle
+    from evals.errors import EXIT_BLOCK
+    from evals.gate import PASS
+    from evals.policy import load_policy
+    from evals.until_decided import render, run_until_decided
+
+    read_bundle(args.reference)  # a bad reference is refused before any model runs
+    result = run_until_decided(spec, args.reference, load_policy(args.policy), args.resume)
+    print(render(result))
+    print(json.dumps({"out": str(args.out), "verdict": result["accuracy"]["verdict"],
+                      "looks": len(result["looks"]), "blocking": result["accuracy"]["blocking"]}, indent=2))
+    return EXIT_PASS if result["accuracy"]["verdict"] == PASS else EXIT_BLOCK

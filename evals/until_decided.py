@@ -1,0 +1,67 @@
+"""``evals run --until-decided``: run a planned candidate look by look and stop once the gate's verdict
+is final, or at the plan's last look.
+
+Look k runs each undecided benchmark's repeats up to the plan's k-th look (finished repeats are
+kept, as by ``--resume``), writes the bundle, and judges it against the reference with the gate
+(``gate.accuracy_gate``), which judges each benchmark at its look's level (``evals.design``,
+``evals.sequential``). A benchmark that PASSes or FAILs stops; an INCONCLUSIVE one goes on to
+its next look; an INCONCLUSIVE at the last look is final. Every look is kept in ``looks.json``
+beside the bundle and printed as it happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from evals.errors import BadInput
+from quant.outputs import write_atomic
+
+LOOKS_FILE = "looks.json"
+log = logging.getLogger(__name__)
+
+
+def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> dict:
+    """``{"looks": [...], "accuracy": the last look's gate result}``; ``spec.plan`` is required."""
+    from evals.gate import FAIL, PASS, accuracy_gate
+    from evals.run import run
+
+    if not spec.plan:
+        raise BadInput("--until-decided needs --plan: the plan fixes the looks and the level each is judged at")
+    if "tau2" in spec.benchmarks:
+        raise BadInput("--until-decided runs lm-eval benchmarks repeat by repeat; tau2 runs its trials in one `tau2 "
+                       "run` per domain: run it with --plan alone and judge it with `gate accuracy`")
+    looks = {b: spec.plan["benchmarks"][b]["looks"] for b in spec.benchmarks}
+    at = dict.fromkeys(spec.benchmarks, 0)  # each benchmark's current look (index)
+    history: list[dict] = []
+    while True:
+        repeats_now = {b: looks[b][at[b]]["repeats"] for b in spec.benchmarks}
+        run(replace(spec, repeats_now=repeats_now), resume=resume or bool(history))
+        accuracy = accuracy_gate(spec.out, reference, policy, benchmarks=spec.benchmarks)
+        by_bench = {r["benchmark"]: r for r in accuracy["benchmarks"]}
+        entry = {"look": len(history) + 1, "repeats": repeats_now, "verdict": accuracy["verdict"], "benchmarks": {
+            b: {"verdict": r["verdict"], "look": (r["look"] or {}).get("look"), "of": (r["look"] or {}).get("of"),
+                "confidence": r["confidence"], "delta": r["delta"], "lower": r["lower"], "upper": r["upper"],
+                "final": r["verdict"] in (PASS, FAIL) or bool((r["look"] or {}).get("final")) or not r["decidable"]}
+            for b, r in by_bench.items()}}
+        history.append(entry)
+        write_atomic(Path(spec.out) / LOOKS_FILE, json.dumps(history, indent=2))
+        log.info("look %d: %s", entry["look"], "; ".join(
+            f"{b} {v['verdict']} at {repeats_now[b]} repeats (one-sided {v['confidence']:.5f}, delta {v['delta']:+.4f})"
+            for b, v in entry["benchmarks"].items()))
+        going_on = [b for b, v in entry["benchmarks"].items() if not v["final"]]
+        if not going_on:
+            return {"looks": history, "accuracy": accuracy}
+        for b in going_on:
+            at[b] += 1
+
+
+def render(result: dict) -> str:
+    lines = ["look  " + "  ".join(f"{b:>28}" for b in result["looks"][0]["benchmarks"]) + "  verdict"]
+    for entry in result["looks"]:
+        cells = [f"{v['verdict']} r{entry['repeats'][b]} [{v['lower']:+.3f},{v['upper']:+.3f}]"
+                 for b, v in entry["benchmarks"].items()]
+        lines.append(f"{entry['look']:>4}  " + "  ".join(f"{c:>28}" for c in cells) + f"  {entry['verdict']}")
+    return "\n".join(lines)
