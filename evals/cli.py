@@ -19,8 +19,8 @@ GATE_COMMANDS = (gate_checkpoint, gate_accuracy, gate_load, gate_release, gate_k
 EVALS_COMMANDS = (evals_data, evals_import_tau2, evals_run, evals_load)
 
 GATE_EPILOG = """\
-exit codes (every subcommand): 0 pass / release; 1 fail or block; 2 bad input or refused
-(gate load: also a sweep that does not bracket its knee; gate plan: 1 when no design reaches the power)"""
+exit codes (every subcommand): 0 pass / release; 1 fail or block (a blocking INCONCLUSIVE too);
+2 bad input or refused (gate plan: 1 when no design reaches the power)"""
 
 EVALS_EPILOG = """\
 examples:
@@ -30,7 +30,8 @@ examples:
       --base-url http://127.0.0.1:30000/v1/completions --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4
   evals run --benchmarks gsm8k --out runs/raw --data-dir /data --model /ckpt/x   # /data/gsm8k/{train,test}.jsonl
 
-  evals load --base-url http://127.0.0.1:30000 --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out load/mxfp4
+  evals load --base-url http://127.0.0.1:30000 --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out load/mxfp4 \
+      --reference-base-url http://127.0.0.1:30001 --reference-model glm-5-fp8 --reference-out load/fp8
 
 exit codes: 0 done; 2 bad input; 3 the run could not finish (evals run: finished units are kept, rerun
 with --resume; evals load: nothing could be measured, the server is down or every request failed)"""

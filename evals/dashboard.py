@@ -151,29 +151,43 @@ def error_heatmap(data: dict):
 
 
 def load_table(data: dict) -> pd.DataFrame:
-    """Both load sweeps, rate by rate (``evals load`` rows)."""
+    """Every load sweep of both arms, rate by rate (``evals load`` rows)."""
     cols = ["rate", "achieved_rps", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "output_tok_s", "successful", "errored",
             "incomplete", "success_fraction"]
-    return pd.DataFrame([{"run": name, **{c: row[c] for c in cols}} for name in ("reference", "candidate")
-                         for row in data["load"]["rates"][name]])
+    return pd.DataFrame([{"run": name, "sweep": n, **{c: row.get(c) for c in cols}}
+                         for name in ("reference", "candidate")
+                         for n, sweep in enumerate(data["load"]["rates"][name], 1) for row in sweep])
 
 
 def load_curves(data: dict):
-    """TTFT p95 against achieved RPS for both sweeps, with the SLO line and each knee circled."""
+    """TTFT p95 against achieved RPS for every sweep of both arms (log scale), the SLO line, each sweep's
+    knee on it with its bootstrap interval, and the ratio's bounds in the title."""
     load_result = data["load"]
-    fig = Figure(figsize=(7, 4))
+    slo = load_result["ttft_slo_s"]
+    fig = Figure(figsize=(7.5, 4.5))
     ax = fig.subplots()
     for name, colour in (("reference", "tab:blue"), ("candidate", "tab:red")):
-        rows = [r for r in sorted(load_result["rates"][name], key=lambda r: r["rate"]) if r["ttft_p95_s"] is not None]
-        ax.plot([r["achieved_rps"] for r in rows], [r["ttft_p95_s"] for r in rows], "o-", color=colour, label=name)
-        knee = load_result["knees"][name]
-        if knee["bracketed"]:
-            ax.plot([knee["rps"]], [knee["ttft_p95_s"]], "o", markersize=14, fillstyle="none", color=colour)
-    ax.axhline(load_result["ttft_slo_s"], linestyle="--", color="grey", label=f"SLO {load_result['ttft_slo_s']:g} s")
+        for n, sweep in enumerate(load_result["rates"][name]):
+            rows = [r for r in sorted(sweep, key=lambda r: r["rate"]) if r.get("ttft_p95_s") is not None]
+            ax.plot([r["achieved_rps"] for r in rows], [r["ttft_p95_s"] for r in rows], "o-", color=colour,
+                    alpha=0.55, markersize=3, linewidth=1, label=f"{name} sweeps" if n == 0 else None)
+        for k in load_result["arms"][name]["sweeps"]:
+            if k["bracketed"]:
+                lo, hi = k["interval"] or (k["rps"], k["rps"])
+                ax.errorbar([k["rps"]], [slo], xerr=[[k["rps"] - lo], [hi - k["rps"]]], fmt="D", color=colour,
+                            markersize=6, capsize=4)
+        geo = load_result["arms"][name]["knee_rps"]
+        if geo:
+            ax.axvline(geo, color=colour, linestyle=":", linewidth=1, label=f"{name} knee {geo:.3g} req/s")
+    ax.axhline(slo, linestyle="--", color="grey", label=f"SLO {slo:g} s")
+    ax.set_yscale("log")
     ax.set_xlabel("achieved requests per second")
     ax.set_ylabel("TTFT p95 (s)")
-    ax.set_title(f"serving load: {load_result['verdict']} (circles: knees)")
-    ax.legend()
+    ratio = load_result.get("ratio")
+    bounds = (f", ratio {ratio:.3f}" + (f" [{load_result['lower']:.3f}, {load_result['upper']:.3f}]"
+                                        if load_result.get("lower") is not None else "")) if ratio else ""
+    ax.set_title(f"serving load: {load_result['verdict']}{bounds} (diamonds: knees, 95%)", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

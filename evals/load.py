@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -90,6 +90,7 @@ class LoadSpec:
     max_requests: int | None = None  # also stop a rate after this many requests (all of them finish)
     ttft_slo_s: float = 5.0
     stop_at_knee: bool = True
+    refine_step: float = 0.1  # bisect the bracketing rates until they are this close (req/s)
 
 
 def server_root(url: str) -> str:
@@ -155,11 +156,15 @@ def summarize(report: dict, rate: float) -> dict:
         errors[msg] = errors.get(msg, 0) + 1
     finished = totals["successful"] + totals["errored"]
     ttft = [ok("time_to_first_token_ms", p) for p in ("p50", "p95")]
+    # each successful request's TTFT (guidellm keeps every request's timings in the report whatever its
+    # sample_size: guidellm/benchmark/schemas/accumulator.py), for the knee's bootstrap over requests
+    ttft_s = [r["time_to_first_token_ms"] / 1000 for r in bench["requests"]["successful"]
+              if r.get("time_to_first_token_ms") is not None]
     return {"rate": rate,
             "achieved_rps": m["requests_per_second"]["successful"]["mean"],
             "output_tok_s": m["output_tokens_per_second"]["total"]["mean"],
             "ttft_p50_s": None if ttft[0] is None else ttft[0] / 1000,
-            "ttft_p95_s": None if ttft[1] is None else ttft[1] / 1000,
+            "ttft_p95_s": None if ttft[1] is None else ttft[1] / 1000, "ttft_s": ttft_s,
             "itl_p50_ms": ok("inter_token_latency_ms", "p50"), "itl_p95_ms": ok("inter_token_latency_ms", "p95"),
             "prompt_tokens_mean": m["prompt_token_count"]["successful"]["mean"] if totals["successful"] else None,
             "output_tokens_mean": m["output_token_count"]["successful"]["mean"] if totals["successful"] else None,
@@ -242,33 +247,62 @@ def slo_breach(row: dict, ttft_slo_s: float, min_success: float) -> str | None:
     return None
 
 
+def next_rate(spec: LoadSpec, rows: list[dict], min_success: float) -> float | None:
+    """The rate to measure next, None when the sweep is done. First the grid upwards (all of it with
+    ``stop_at_knee`` off, else until a rate breaks the SLO); then bisection between the highest rate that
+    met the SLO and the next one above it, which broke it, until they are ``refine_step`` apart."""
+    done = {r["rate"] for r in rows}
+    broken = {r["rate"] for r in rows if slo_breach(r, spec.ttft_slo_s, min_success)}
+    for rate in sorted(spec.rates):
+        if rate not in done and not (spec.stop_at_knee and broken):
+            return rate
+    met = done - broken
+    if not met:
+        return None
+    top = max(met)
+    above = [b for b in broken if b > top]
+    if not above or min(above) - top <= spec.refine_step * (1 + 1e-9):
+        return None
+    mid = round((top + min(above)) / 2, 4)
+    return None if mid in done else mid
+
+
+def _check_served(spec: LoadSpec) -> tuple[str, list[str]]:
+    root = server_root(spec.base_url)
+    reported = served_models(root)
+    if spec.model not in reported:
+        raise ValueError(f"--model {spec.model!r} is not served at {root}; the server reports {reported}")
+    return root, reported
+
+
+def _holds_bundle(out: Path) -> bool:
+    return (out / LOAD_JSON).exists() or bool(sweep_folders(out))
+
+
 def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.99) -> dict:
     """The sweep. Returns the bundle (also in ``out/load.json``); raises LoadError when nothing was measured."""
     try:
         version = metadata.version(GUIDELLM)
     except metadata.PackageNotFoundError:
         raise LoadError("guidellm is not installed: pip install 'quantgate[load]'") from None
-    if (spec.out / LOAD_JSON).exists():
+    if _holds_bundle(spec.out):
         raise ValueError(f"{spec.out} already holds a load bundle; choose a new --out")
-    root = server_root(spec.base_url)
-    reported = served_models(root)
-    if spec.model not in reported:
-        raise ValueError(f"--model {spec.model!r} is not served at {root}; the server reports {reported}")
+    root, reported = _check_served(spec)
     spec.out.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)
     bundle = {"format": FORMAT, "state": "running", "tool": {"name": GUIDELLM, "version": version},
               "server": {"base_url": root, "model": spec.model, "reported_models": reported},
               "tokenizer": str(spec.tokenizer), "workload": spec.workload.to_dict(), "ttft_slo_s": spec.ttft_slo_s,
               "min_success": min_success, "max_seconds": spec.max_seconds,
-              "max_requests": spec.max_requests, "planned_rates": spec.rates,
+              "max_requests": spec.max_requests, "planned_rates": spec.rates, "refine_step": spec.refine_step,
               "rates": [], "stopped": None, "timings": {"started": started.isoformat()}}
     _write_json(spec.out / LOAD_JSON, bundle)
     if show_progress:
         print(f"sweeping {root}: one guidellm run per rate, logs under {spec.out / 'rates'}\n{TABLE_HEAD}",
               file=sys.stderr)
     try:
-        for n, rate in enumerate(spec.rates):
-            if n:
+        while (rate := next_rate(spec, bundle["rates"], min_success)) is not None:
+            if bundle["rates"]:
                 served_models(root)  # a dead server ends the sweep here, with what was measured
             row = _run_rate(spec, rate, show_progress)
             if not row["successful"]:  # a dead server is not the knee: check before counting the rate
@@ -281,13 +315,7 @@ def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.
             _write_json(spec.out / LOAD_JSON, bundle)
             if show_progress:
                 print(format_row(row), file=sys.stderr)
-            breach = slo_breach(row, spec.ttft_slo_s, min_success)
-            if spec.stop_at_knee and breach:  # higher rates only queue longer
-                met = [r["rate"] for r in bundle["rates"] if not slo_breach(r, spec.ttft_slo_s, min_success)]
-                bundle["stopped"] = (f"{rate:g} req/s broke the SLO ({breach}); " +
-                                     (f"the knee lies between {met[-1]:g} and {rate:g} req/s" if met else
-                                      "no lower rate met it: add lower --rates"))
-                break
+        bundle["stopped"] = _bracket(bundle["rates"], spec, min_success)
     except (LoadError, KeyboardInterrupt) as exc:
         bundle["stopped"] = str(exc) or "interrupted"
     finished = datetime.now(timezone.utc)
@@ -298,6 +326,64 @@ def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.
         raise LoadError(f"nothing measured ({bundle['stopped'] or 'no request succeeded'}); "
                         f"see {spec.out / LOAD_JSON}")
     return bundle
+
+
+def _bracket(rows: list[dict], spec: LoadSpec, min_success: float) -> str | None:
+    """Where the finished sweep puts the knee, when it stopped short of the grid's top (None: it ran it all)."""
+    broken = sorted(r["rate"] for r in rows if slo_breach(r, spec.ttft_slo_s, min_success))
+    met = sorted(r["rate"] for r in rows if r["rate"] not in broken)
+    if not broken:
+        return None
+    if not met:
+        return f"{broken[0]:g} req/s broke the SLO and no lower rate met it: add lower --rates"
+    above = [b for b in broken if b > met[-1]]
+    if not above:
+        return None
+    return (f"{above[0]:g} req/s broke the SLO; the knee lies between {met[-1]:g} and {above[0]:g} req/s "
+            f"(refined to {spec.refine_step:g} req/s)")
+
+
+def sweep_folders(out: Path) -> list[Path]:
+    """``out/sweep-1``, ``out/sweep-2``, ...: the repeated sweeps of one server, in the order they ran."""
+    found = [p for p in Path(out).glob("sweep-*") if p.is_dir() and p.name[6:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[6:]))
+
+
+def run_repeats(specs: dict[str, LoadSpec], repeats: int, show_progress: bool = True,
+                min_success: float = 0.99) -> dict[str, list[dict]]:
+    """``repeats`` sweeps of each server into ``out/sweep-K``, interleaved (sweep 1 of every server, then
+    sweep 2, ...: A B A B), so drift on the host hits both arms alike. Servers and folders are checked
+    before the first request; an interrupted sweep ends the run with what was measured."""
+    outs = [spec.out.resolve() for spec in specs.values()]
+    if len(set(outs)) < len(outs):
+        raise ValueError("the candidate and reference sweeps need different --out folders")
+    for spec in specs.values():
+        if _holds_bundle(spec.out):
+            raise ValueError(f"{spec.out} already holds a load bundle; choose a new --out")
+        _check_served(spec)
+    done: dict[str, list[dict]] = {name: [] for name in specs}
+    for k in range(1, repeats + 1):
+        for name, spec in specs.items():
+            if show_progress:
+                print(f"{name}: sweep {k} of {repeats} -> {spec.out / f'sweep-{k}'}", file=sys.stderr)
+            bundle = run_load(replace(spec, out=spec.out / f"sweep-{k}"), show_progress, min_success)
+            done[name].append(bundle)
+            if bundle["stopped"] == "interrupted":
+                return done
+    return done
+
+
+def read_sweeps(folder: Path) -> list[tuple[Path, dict]]:
+    """The sweeps of one server: ``folder/sweep-K/load.json`` (``evals load --repeats``), or a single sweep's
+    ``folder/load.json``; each validated by ``read_load_bundle``."""
+    folder = Path(folder)
+    if (folder / LOAD_JSON).exists():
+        return [(folder, read_load_bundle(folder))]
+    subs = sweep_folders(folder)
+    if not subs:
+        raise BundleError(f"{folder}: not a load bundle (no {LOAD_JSON} and no sweep-*/{LOAD_JSON}; made by "
+                          "`evals load`)")
+    return [(p, read_load_bundle(p)) for p in subs]
 
 
 def read_load_bundle(folder: Path) -> dict:

@@ -49,18 +49,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-LOAD_COLUMNS = ("run", "knee rate", "RPS", "output tok/s", "TTFT p95", "bracket")
+LOAD_COLUMNS = ("run", "sweeps", "knee RPS", "per sweep: knee RPS [bootstrap 95%]")
 
 
 def load_summary(load: dict) -> tuple[str, list[dict]]:
-    """The serving-load section's SLO line and its rows (each sweep's knee), as every rendering writes them."""
-    cell = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    """The serving-load section's SLO and ratio line and its rows (each arm's knees), as every rendering writes them."""
+    from evals.knee import knee_text
+
     slo = f"SLO: TTFT p95 <= {load['ttft_slo_s']:g} s, success >= {load['min_success']:.0%}; margin {load['margin']:g}"
+    if load.get("ratio") is not None:
+        slo += f"; knee ratio {load['ratio']:.3f}"
+        if load.get("lower") is not None:
+            slo += f", one-sided 95% bounds [{load['lower']:.3f}, {load['upper']:.3f}]"
     rows = []
     for name in ("candidate", "reference"):
-        k = load["knees"][name]
-        rows.append(dict(zip(LOAD_COLUMNS, (name, cell(k["rate"], "g"), cell(k["rps"], ".3f"), cell(k["tok_s"], ".1f"),
-                                            cell(k["ttft_p95_s"], ".2f"), k["why"]))))
+        arm = load["arms"][name]
+        knee = "-" if arm["knee_rps"] is None else f"{arm['knee_rps']:.3f}"
+        rows.append(dict(zip(LOAD_COLUMNS, (name, str(arm["n"]), knee,
+                                            "; ".join(knee_text(k) for k in arm["sweeps"])))))
     return slo, rows
 
 

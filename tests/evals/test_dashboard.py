@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -78,12 +79,18 @@ def test_gate_release_plots(runs, tmp_path, capsys):
 def test_load_curves_for_both_sweeps(runs):
     cand, ref, _ = runs
     data = dashboard.load(cand, ref, load_candidate=cand.parent / "load-cand", load_reference=cand.parent / "load-ref")
-    assert set(dashboard.load_table(data)["run"]) == {"reference", "candidate"} and len(dashboard.load_table(data)) == 6
+    table = dashboard.load_table(data)
+    assert set(table["run"]) == {"reference", "candidate"} and len(table) == 18  # 3 sweeps x 3 rates per arm
     ax = dashboard.load_curves(data).axes[0]
+    sweeps = [line for line in ax.lines if line.get_linestyle() == "-" and len(line.get_xdata()) == 3]
+    assert len(sweeps) == 6 and {line.get_color() for line in sweeps} == {"tab:blue", "tab:red"}
+    assert [list(line.get_ydata()) for line in sweeps[:3]] == [[1.0, 2.2, 8.0]] * 3  # the reference's, every sweep
+    assert list(sweeps[0].get_xdata()) == pytest.approx([0.99 * 0.98, 1.98 * 0.98, 2.5 * 0.98])
     curves = {line.get_label(): line for line in ax.lines}
-    assert list(curves["reference"].get_xdata()) == [0.99, 1.98, 2.5]
-    assert list(curves["candidate"].get_ydata()) == [1.1, 6.0, 9.0]
     assert list(curves["SLO 5 s"].get_ydata()) == [5.0, 5.0]
+    knees = [k["rps"] for k in data["load"]["arms"]["reference"]["sweeps"]]
+    assert curves[f"reference knee {math.exp(np.mean(np.log(knees))):.3g} req/s"]  # the arm's geometric-mean knee
+    assert "ratio" in ax.get_title() and data["load"]["verdict"] in ax.get_title()
 
 
 def test_notebook_executes_headless(runs, tmp_path):
