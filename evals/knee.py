@@ -145,9 +145,10 @@ def knee(rows: list[dict], ttft_slo_s: float, min_success: float, resamples: int
     return out
 
 
-def _sweep_knees(bundles: list[dict], names: list[str], slo: float, min_success: float, resamples: int) -> list[dict]:
-    return [knee(b["rates"], slo, min_success, resamples, seed=n, where=name) | {"sweep": name}
-            for n, (b, name) in enumerate(zip(bundles, names))]
+def _sweep_knees(sweeps: list[tuple[Path, dict]], slo: float, min_success: float, resamples: int,
+                 seed: int) -> list[dict]:
+    return [knee(b["rates"], slo, min_success, resamples, seed=seed + n, where=str(path)) | {"sweep": str(path)}
+            for n, (path, b) in enumerate(sweeps)]
 
 
 def _arm(knees: list[dict]) -> dict:
@@ -251,6 +252,9 @@ def load_gate(candidate: Path, reference: Path, margin: float = 0.10, ttft_slo_s
             raise BundleError(f"the sweeps ran different workloads {differ} ({path}, {reference}): rerun one of them")
     if not 0 < margin < 1:
         raise BundleError(f"--margin {margin:g}: expected a fraction in (0, 1)")
+    if (ttft_slo_s is not None and not ttft_slo_s > 0) or (min_success is not None and not 0 <= min_success <= 1):
+        raise BundleError(f"--ttft-slo {ttft_slo_s} / --min-success {min_success}: expected seconds > 0 and a "
+                          "fraction in [0, 1]")
     if ttft_slo_s is None:
         slos = {b["ttft_slo_s"] for _, b in cand_sweeps + ref_sweeps}
         if len(slos) > 1:
@@ -258,16 +262,15 @@ def load_gate(candidate: Path, reference: Path, margin: float = 0.10, ttft_slo_s
                               "give --ttft-slo")
         ttft_slo_s = first_c["ttft_slo_s"]
     min_success = first_c.get("min_success", 0.99) if min_success is None else min_success
-    arms = {}
-    for name, sweeps in (("candidate", cand_sweeps), ("reference", ref_sweeps)):
-        paths = [str(p) for p, _ in sweeps]
-        arms[name] = _arm(_sweep_knees([b for _, b in sweeps], paths, ttft_slo_s, min_success, resamples))
+    arms = {name: _arm(_sweep_knees(sweeps, ttft_slo_s, min_success, resamples, seed))
+            for name, sweeps, seed in (("candidate", cand_sweeps, 0), ("reference", ref_sweeps, 1000))}
     cand, ref = arms["candidate"], arms["reference"]
     result = {"candidate": str(candidate), "reference": str(reference), "ttft_slo_s": ttft_slo_s,
               "min_success": min_success, "margin": margin, "workload": first_c["workload"],
               "tools": {"candidate": first_c["tool"], "reference": first_r["tool"]},
-              "arms": arms, "rates": {name: [b["rates"] for _, b in sweeps]
-                                      for name, sweeps in (("candidate", cand_sweeps), ("reference", ref_sweeps))},
+              "arms": arms,  # every sweep's rows, without the per-request TTFTs (in the bundles)
+              "rates": {name: [[{k: v for k, v in r.items() if k != "ttft_s"} for r in b["rates"]] for _, b in sweeps]
+                        for name, sweeps in (("candidate", cand_sweeps), ("reference", ref_sweeps))},
               "ratio": None, "lower": None, "upper": None, "aa_spread": None, "sweeps_to_decide": None}
     early = _unbracketed(cand, ref, margin)
     if early:

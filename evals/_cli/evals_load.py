@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise BadInput(f"--rates {args.rates!r}: expected positive numbers, e.g. 0.5,1,2") from None
-    if args.repeats < 1 or args.refine_step <= 0:
-        raise BadInput(f"--repeats {args.repeats} / --refine-step {args.refine_step:g}: expected >= 1 and > 0")
+    if args.repeats < 1 or args.refine_step <= 0 or args.ttft_slo <= 0:
+        raise BadInput(f"--repeats {args.repeats} / --refine-step {args.refine_step:g} / --ttft-slo {args.ttft_slo:g}: "
+                       "expected >= 1, > 0 and > 0")
     if bool(args.reference_base_url) != bool(args.reference_out):
         raise BadInput("give both --reference-base-url and --reference-out, or neither")
     try:
