@@ -13,7 +13,13 @@ import sys
 
 from evals._cli import (evals_data, evals_import_tau2, evals_load, evals_run, gate_accuracy, gate_checkpoint,
                         gate_kernels, gate_load, gate_plan, gate_release)
+from evals.errors import EXIT_BAD_INPUT
 from quant.errors import QuantgateError
+
+# Which extra (pyproject.toml) brings a module a subcommand imports on use: the core install converts
+# and checks, and a job that needs more says which extra to add instead of a traceback.
+EXTRA_OF = {"lm_eval": "evals", "transformers": "evals", "pandas": "evals", "matplotlib": "evals",
+            "tau2": "tau2", "guidellm": "load", "papermill": "notebook"}
 
 GATE_COMMANDS = (gate_checkpoint, gate_accuracy, gate_load, gate_release, gate_kernels, gate_plan)
 EVALS_COMMANDS = (evals_data, evals_import_tau2, evals_run, evals_load)
@@ -27,7 +33,7 @@ examples:
   evals run --benchmarks gsm8k --model /ckpt/tiny --limit 20 --out runs/try     # GSM8K ships with quantgate
   evals data --data-dir DATA --gpqa gpqa_diamond.csv                          # GPQA: you supply it (gated)
   evals run --benchmarks gsm8k,gpqa_diamond --out runs/mxfp4 --data-dir DATA \\
-      --base-url http://127.0.0.1:30000/v1/completions --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4
+      --base-url http://127.0.0.1:30000 --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4
   evals run --benchmarks gsm8k --out runs/raw --data-dir /data --model /ckpt/x   # /data/gsm8k/{train,test}.jsonl
 
   evals load --base-url http://127.0.0.1:30000 --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out load/mxfp4 \
@@ -61,6 +67,13 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except QuantgateError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"{parser.prog}: error: {parser.prog} {args.command} needs the [{extra}] extra ({exc.name} is not "
+              f"installed): pip install 'quantgate[{extra}]'", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -265,6 +265,30 @@ def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict],
                   "settings": tau2_measurement(spec.tau2)}
 
 
+def scores_of(rows: list[dict], benchmarks: dict[str, dict]) -> dict:
+    """Per benchmark, on its primary filter: the mean score over items x repeats, with a 95% Wilson
+    interval over items (a repeat of an item is not an independent item), and the shape of its rows."""
+    import numpy as np
+
+    from evals.stats import wilson_interval
+
+    out = {}
+    for bench, entry in benchmarks.items():
+        mine = [r for r in rows if r["benchmark"] == bench]
+        filters = sorted({r["filter"] for r in mine})
+        primary = entry.get("primary_filter") or (filters[0] if filters else None)
+        by_item: dict[str, list[float]] = {}
+        for r in mine:
+            if r["filter"] == primary:
+                by_item.setdefault(str(r["item_id"]), []).append(float(r["score"]))
+        if not by_item:
+            continue
+        score, low, high = wilson_interval(np.array([np.mean(v) for v in by_item.values()]))
+        out[bench] = {"filter": primary, "score": score, "ci_low": low, "ci_high": high, "items": len(by_item),
+                      "repeats": len({r["repeat"] for r in mine}), "filters": len(filters), "rows": len(mine)}
+    return out
+
+
 def run(spec: RunSpec, resume: bool = False) -> dict:
     """Run every unit not already finished under the same identity, then write the bundle."""
     writer = BundleWriter(spec.out, resume)
@@ -319,6 +343,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         "created_unix": int(started), "keep_text": spec.keep_text,
         "local": local,  # device, dtype and, for a quantized checkpoint, what was emulated (evals.emulation)
         **({"plan": spec.plan} if spec.plan else {}),  # the gate judges the run at the plan's looks
+        "scores": scores_of(rows, benchmarks),
     }
     return writer.finish(rows, run_json)
 

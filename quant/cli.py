@@ -16,6 +16,7 @@ from quant.example import FAMILIES, MLA_SIZES
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
+from quant.outputs import check_destination
 from quant.plan import Plan, PlanError, make_decode_plan, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides
 from quant.safetensors_io import ShardError
@@ -108,12 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def size(nbytes: float) -> str:
+    """Bytes in the unit that keeps three significant figures readable (``12.3 MB``, ``1.50 TB``)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(nbytes) < 1000:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.3g} TB"
+
+
 def _human_plan(plan: Plan) -> str:
     s = plan.summary()
     if plan.decodes:
         lines = [f"source      {s['source']}  ({s['from']}, {s['shards']} shards)",
                  f"tensors     {s['tensors_decoded']} {s['from']} weights decoded to bf16, {s['tensors_copied']} copied",
-                 f"bytes       in {s['bytes_in'] / 1e9:.3f} GB -> out {s['bytes_out'] / 1e9:.3f} GB"]
+                 f"bytes       in {size(s['bytes_in'])} -> out {size(s['bytes_out'])}"]
         return "\n".join(lines + [f"warning     {w}" for w in s["warnings"]])
     lines = [
         f"source      {s['source']}  ({s['family']}, {s['shards']} shards, {s['num_hidden_layers']} layers, "
@@ -126,7 +136,7 @@ def _human_plan(plan: Plan) -> str:
     for role, counts in sorted(s["by_role"].items()):
         lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
     lines += [
-        f"bytes       in {s['bytes_in'] / 1e9:.3f} GB -> out {s['bytes_out'] / 1e9:.3f} GB",
+        f"bytes       in {size(s['bytes_in'])} -> out {size(s['bytes_out'])}",
         f"exclude     {s['exclude_count']} exact module names, {len(s['draft_aliases'])} of them MTP draft names (sglang's model.decoder.*)",
     ]
     lines += [f"  alias {a}" for a in s["draft_aliases"][:8]]
@@ -141,8 +151,8 @@ def _human_done(manifest: dict, dst: Path) -> str:
 
     s = manifest["summary"]
     what = f"{s['tensors_decoded']} tensors decoded" if s["tensors_decoded"] else f"{s['tensors_quantized']} tensors quantized"
-    return (f"done        {what}, {s['bytes_in'] / 1e9:.3f} GB in, "
-            f"{s['bytes_out'] / 1e9:.3f} GB out, {manifest['seconds']:.1f} s, {s['gb_per_s'] or 0:.3f} GB/s\n"
+    return (f"done        {what}, {size(s['bytes_in'])} in, {size(s['bytes_out'])} out, "
+            f"{manifest['seconds']:.1f} s, {size((s['gb_per_s'] or 0) * 1e9)}/s\n"
             f"output      {dst}  (manifest: {dst / MANIFEST_NAME})")
 
 
@@ -162,6 +172,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               args.example / args.to)
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
+    if not args.dry_run:  # refuse before a 25-line plan scrolls the reason away
+        check_destination(args.src, args.dst, args.overwrite, args.resume)
     if args.to == "bf16":
         plan = make_decode_plan(args.src)
     else:
@@ -204,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return run(args, argv)
+    except BrokenPipeError:  # `quantize --dry-run --json | head`: the reader left; that is not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush stays quiet
+        return EXIT_OK
     except (DiskFullError, OSError) as exc:  # finished shards stay, no partial file is left: --resume
         print(f"quantize: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED

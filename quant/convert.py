@@ -262,6 +262,7 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
         with tqdm(total=todo_bytes, unit="B", unit_scale=True, desc="decode" if plan.decodes else "quantize",
                   disable=not show_progress) as bar:
             _run_jobs(jobs, workers, bar, record)
+            bar.update(bar.total - bar.n)  # the kernels report tensor bytes; headers and padding finish the bar
         elapsed = time.time() - started
         records = [done[s.file] for s in plan.shards]
         index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}

@@ -431,6 +431,7 @@ class KernelReport:
     triton: dict  # engine -> {status, names, found}
     backend: str
     untuned_rows: list[str]
+    aiter_topk: int  # topk as aiter keys its tables (one less under EP: get_2stage_cfgs' `topk -= is_ep`)
 
     @property
     def fallbacks(self) -> list[dict]:
@@ -499,7 +500,7 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
         triton[engine] = {"status": "tuned" if found else "default", "names": names, "found": found[:1],
                           "searched": [str(d) for d in dirs]}
     return KernelReport(str(checkpoint), asdict(gpu), asdict(shape), [where] + tables.files, rules.where, results,
-                        triton, backend, untuned)
+                        triton, backend, untuned, aiter_key(shape, gpu, 1, rules.ep_strips_topk)[6])
 
 
 def write_untuned(rows: list[str], path: Path) -> None:
@@ -507,11 +508,17 @@ def write_untuned(rows: list[str], path: Path) -> None:
     write_atomic(path, ",".join(UNTUNED_COLUMNS) + "\n" + "".join(r + "\n" for r in rows))
 
 
+def _aiter_topk(report: KernelReport) -> str:
+    if report.aiter_topk == report.shape["topk"]:
+        return ""
+    return f" (aiter's tables and the untuned rows key it as {report.aiter_topk}: `topk -= is_ep` under EP)"
+
+
 def human(report: KernelReport) -> str:
     s, g = report.shape, report.gpu
     lines = [f"kernels  {report.checkpoint}  on {g['name']} ({g['gfx']}, {g['cu_num']} CUs)  TP{s['tp']} EP{s['ep']}",
              f"MoE per rank: model_dim {s['model_dim']}, inter_dim {s['inter_dim']}, experts {s['experts']}, "
-             f"topk {s['topk']}  ({s['format']}: {s['q_type']}, a {s['q_dtype_a']}, w {s['q_dtype_w']}, "
+             f"topk {s['topk']}{_aiter_topk(report)}  ({s['format']}: {s['q_type']}, a {s['q_dtype_a']}, w {s['q_dtype_w']}, "
              f"{s['act_type']})",
              f"shared expert: {s['fusion_reason']}"]
     lines += [f"note: {n}" for n in s["notes"]]

@@ -116,9 +116,7 @@ def prepare_destination(dst: Path, overwrite: bool) -> None:
     if not entries:
         return
     if not overwrite:
-        hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
-        raise ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
-                           f"to replace a previous conversion there{hint}")
+        raise _not_empty(dst)
     if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
             and not (dst / PROGRESS_NAME).exists():
         raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
@@ -128,3 +126,19 @@ def prepare_destination(dst: Path, overwrite: bool) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def _not_empty(dst: Path) -> ConvertError:
+    hint = " or --resume to finish it" if (dst / PROGRESS_NAME).exists() else ""
+    return ConvertError(f"output folder {dst} is not empty; choose an empty folder, pass --overwrite "
+                        f"to replace a previous conversion there{hint}")
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool, resume: bool) -> None:
+    """Read-only and early (before a plan is made or printed): the refusals the run would reach
+    only after planning, an output folder that overlaps the input or holds something else."""
+    check_overlap(src, dst)
+    if overwrite or resume or not dst.is_dir():
+        return
+    if any(p.name != LOCK_NAME for p in dst.iterdir()):
+        raise _not_empty(dst)

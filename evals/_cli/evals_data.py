@@ -8,9 +8,23 @@ from pathlib import Path
 
 from evals.errors import EXIT_PASS
 
+HELP = """\
+Import benchmark data into a data folder that `evals run --data-dir` reads: each file is
+validated row by row and its sha256 recorded in manifest.json, so a run records exactly which
+data it saw and `gate accuracy` refuses runs on different data. GSM8K ships with quantgate (you
+need this only for another copy); GPQA-Diamond is gated and never bundled: you supply its CSV,
+and each question's choice order is frozen at import.
+
+example:
+  evals data --data-dir DATA --gpqa gpqa_diamond.csv
+
+exit codes: 0 imported (a JSON summary is printed); 2 bad input (a missing file, a row not in the
+benchmark's format, the hub out of reach)"""
+
 
 def register(sub) -> None:
-    p = sub.add_parser("data", help="import benchmark data into a data folder, recording sha256s")
+    p = sub.add_parser("data", help="import benchmark data into a data folder, recording sha256s",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", type=Path, required=True, help="where the prepared data goes")
     p.add_argument("--gsm8k", type=Path, metavar="DIR",
                    help="folder with GSM8K's official train.jsonl, test.jsonl; or `hub` to fetch it with datasets")

@@ -8,12 +8,35 @@ from pathlib import Path
 
 from evals.errors import EXIT_PASS
 
+HELP = """\
+Run benchmarks with lm-eval (GSM8K, GPQA-Diamond; tau2 through tau2-bench) against an
+OpenAI-compatible server (--base-url, --model the served name) or a local checkpoint folder
+(--model DIR; MXFP4 / MXFP6 / FP8 checkpoints are evaluated as the engines serve them), and write
+a run bundle: run.json (provenance, settings, scores) and samples.jsonl (one row per item x repeat
+x scoring filter), which `gate accuracy` pairs with a reference bundle question by question.
+
+Protocols default to the Wafer write-up's: GSM8K first 200 test questions, 5-shot, greedy;
+GPQA-Diamond 198 questions, temperature 1.0, two repeats that differ only in the request seed.
+GSM8K ships with quantgate; GPQA-Diamond is gated: prepare it once with `evals data --gpqa`.
+The model is checked first (the folder exists, or the server answers on /v1/models and serves
+it), so a typo costs nothing and leaves nothing behind.
+
+examples:
+  evals run --benchmarks gsm8k --limit 20 --model ex/bf16 --out runs/bf16
+  evals run --benchmarks gsm8k,gpqa_diamond --data-dir DATA --base-url http://127.0.0.1:30000 \\
+      --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out runs/mxfp4
+
+exit codes: 0 done (the scores are printed); 2 bad input (a missing folder, an unknown benchmark,
+a model the server does not serve, ...); 3 the run could not finish (no server, a dead server:
+finished units are kept, rerun with --resume)"""
+
 
 def register(sub) -> None:
     from evals.budget import DEFAULT_MAX_GEN_TOKS
     from evals.run import DEFAULT_REQUEST_TIMEOUT_S
 
-    p = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle")
+    p = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
                    help="comma list of gsm8k, gpqa_diamond, tau2 (tau2 drives `tau2 run` per domain; or run it "
                         "yourself and use `evals import-tau2`)")
@@ -27,8 +50,9 @@ def register(sub) -> None:
                    help="served model name (with --base-url), or a local HF checkpoint folder: bf16, or MXFP4 / MXFP6 "
                         "(Quark) or block FP8 evaluated as served (weights decoded exactly, each quantized "
                         "module's input activations quantize-dequantized as the engines do; run.json records it)")
-    p.add_argument("--base-url", help="full endpoint URL of an OpenAI-compatible server, e.g. "
-                                      "http://127.0.0.1:30000/v1/completions (sglang, vLLM)")
+    p.add_argument("--base-url", help="the OpenAI-compatible server (sglang, vLLM), as for `evals load`: its root "
+                                      "http://127.0.0.1:30000, or .../v1, or the full endpoint .../v1/completions "
+                                      "(.../v1/chat/completions with --api chat); checked on /v1/models first")
     p.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
     p.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
     p.add_argument("--limit", type=int,
@@ -61,6 +85,7 @@ def register(sub) -> None:
                         "printed and kept in OUT/looks.json; exit 0 PASS, 1 FAIL or INCONCLUSIVE")
     g.add_argument("--reference", type=Path, help="the reference bundle, run with the same --plan (all its repeats)")
     g.add_argument("--policy", type=Path, help="gate policy for --until-decided (default: manifests/gates/release.yaml)")
+    p.add_argument("--json", action="store_true", help="machine-readable summary on stdout (scores, rows, timings)")
     p.set_defaults(func=run)
 
 
@@ -103,6 +128,59 @@ def tau2_settings(args: argparse.Namespace):
                         max_retries=args.tau2_max_retries, agent_max_tokens=args.max_gen_toks)
 
 
+def endpoint_url(base_url: str, api: str) -> str:
+    """The full endpoint for ``api`` from any URL form users paste (root, /v1 or the endpoint itself)."""
+    from evals.data import DataError
+    from evals.load import server_root
+
+    want = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    given = base_url.rstrip("/")
+    other = "/v1/completions" if api == "chat" else "/v1/chat/completions"
+    if given.endswith(other) and not given.endswith(want):
+        raise DataError(f"--base-url {base_url} is the {other} endpoint but --api is {api}: give the server root "
+                        f"or {want}")
+    return server_root(given) + want
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Before anything is built or written: the local folder exists, or the server answers and serves it."""
+    from evals.data import DataError
+    from evals.load import LoadError, server_root, served_models
+    from evals.run import RunError
+
+    if not args.base_url:
+        folder = Path(args.model)
+        if not folder.is_dir():
+            raise DataError(f"{args.model}: no such folder; --model is a local checkpoint folder (or, with "
+                            "--base-url, the name a server serves)")
+        if not (folder / "config.json").is_file():
+            raise DataError(f"{folder}: no config.json; --model needs a Hugging Face checkpoint folder "
+                            "(e.g. one written by `quantize`)")
+        return
+    root = server_root(args.base_url)
+    try:
+        served = served_models(root)
+    except LoadError as exc:
+        if not _listening(root):
+            raise RunError(f"{exc}; nothing was written: start the server or fix --base-url") from None
+        served = []  # up, but lists no models: its first request will say whether it serves this one
+    if served and args.model not in served:
+        raise DataError(f"--model {args.model!r} is not served at {root} (it serves {served}); nothing was written")
+
+
+def _listening(root: str) -> bool:
+    """Whether anything accepts a connection at the URL's host and port."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(root)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     from evals.data import DataError
     from evals.run import PROTOCOLS, RunSpec
@@ -121,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--seeds {args.seeds!r}: expected a comma list of integers, e.g. 0,1") from None
     if args.base_url and (args.device or args.dtype):
         raise DataError("--device/--dtype apply to a local checkpoint; with --base-url the server decides")
+    if args.base_url:
+        args.base_url = endpoint_url(args.base_url, args.api)
+    check_model(args)
     if args.device == "cuda":
         import torch
 
@@ -136,8 +217,12 @@ def run(args: argparse.Namespace) -> int:
     if args.until_decided:
         return _until_decided(args, spec)
     result = run_benchmarks(spec, resume=args.resume)
-    print(json.dumps({"out": str(args.out), "rows": result["rows"], "timings_s": result["timings_s"],
-                      "redone_on_resume": result.get("redone_on_resume")}, indent=2))
+    if args.json:
+        print(json.dumps({"out": str(args.out), "scores": result["scores"], "rows": result["rows"],
+                          "timings_s": result["timings_s"], "redone_on_resume": result.get("redone_on_resume")},
+                         indent=2))
+    else:
+        print(human_summary(args.out, result))
     return EXIT_PASS
 
 
@@ -174,3 +259,17 @@ def _until_decided(args: argparse.Namespace, spec) -> int:
     print(json.dumps({"out": str(args.out), "verdict": result["accuracy"]["verdict"],
                       "looks": len(result["looks"]), "blocking": result["accuracy"]["blocking"]}, indent=2))
     return EXIT_PASS if result["accuracy"]["verdict"] == PASS else EXIT_BLOCK
+def human_summary(out: Path, result: dict) -> str:
+    """Each benchmark's score with its n and 95% interval, then what the bundle holds."""
+    lines = []
+    for bench, s in result["scores"].items():
+        repeats = f"{s['repeats']} repeats" if s["repeats"] != 1 else "1 repeat"
+        lines.append(f"{bench:<14} {100 * s['score']:5.1f}%  (95% CI {100 * s['ci_low']:.1f}-{100 * s['ci_high']:.1f}%; "
+                     f"{s['items']} items x {repeats}, filter {s['filter']})")
+    shape = " + ".join(f"{s['rows']} {b} ({s['items']} items x {s['repeats']} repeats x {s['filters']} filters)"
+                       for b, s in result["scores"].items())
+    lines.append(f"wrote {out}: run.json and samples.jsonl, {result['rows']} rows = {shape}")
+    if result.get("redone_on_resume"):
+        lines.append(f"redone on resume: {', '.join(result['redone_on_resume'])}")
+    lines.append(f"compare it: gate accuracy --candidate {out} --reference REFERENCE_BUNDLE")
+    return "\n".join(lines)

@@ -59,11 +59,15 @@ def run_cli(*args) -> int:
     return evals_main(["run", *map(str, args)])
 
 
-def test_local_model_bundle(glm_ckpt, data_dir, tmp_path):
+def test_local_model_bundle(glm_ckpt, data_dir, tmp_path, capsys):
     out = tmp_path / "local"
     assert run_cli("--benchmarks", "gsm8k", "--out", out, "--data-dir", data_dir, "--model", glm_ckpt,
                    "--limit", 3, *GEN) == 0
+    printed = capsys.readouterr().out  # the score a person reads, with its n and interval
+    assert re.search(r"gsm8k +0\.0%  \(95% CI 0\.0-\d+\.\d%; 3 items x 1 repeat, filter flexible-extract\)", printed), printed
+    assert "6 rows = 6 gsm8k (3 items x 1 repeats x 2 filters)" in printed
     run, rows = read_bundle(out)
+    assert run["scores"]["gsm8k"] == {**run["scores"]["gsm8k"], "score": 0.0, "items": 3, "repeats": 1, "rows": 6}
     manifest = json.loads((data_dir / "manifest.json").read_text())
     assert run["benchmarks"]["gsm8k"]["dataset"]["files"] == manifest["gsm8k"]["files"]
     assert run["versions"]["lm_eval"] == "0.4.13" and run["chat_template_sha256"]
@@ -186,9 +190,9 @@ def test_dead_server_fails_clearly_and_resume_completes(glm_ckpt, data_dir, serv
     args = ["--benchmarks", "gsm8k,gpqa_diamond", "--out", tmp_path / "r", "--data-dir", data_dir,
             "--model", glm_ckpt, "--limit", 2, "--seeds", "0", *GEN]
     dead = f"http://127.0.0.1:{free_port()}/v1/completions"
-    assert run_cli(*args, "--base-url", dead) == 3  # a run that could not finish
-    assert "rerun with --resume" in capsys.readouterr().err
-    assert not (tmp_path / "r" / "run.json").exists()
+    assert run_cli(*args, "--base-url", dead) == 3  # a run that could not start: checked before anything is written
+    assert "start the server or fix --base-url" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
     assert run_cli(*args, "--base-url", served, "--resume") == 0
     assert len(read_bundle(tmp_path / "r")[1]) == 8
 
