@@ -29,7 +29,7 @@ import yaml
 from evals import design, render, tau2_gate
 from evals.bundle import BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
-from evals.policy import GatePolicy
+from evals.policy import BenchmarkPolicy, GatePolicy
 from evals.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
                          noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
 
@@ -84,7 +84,7 @@ def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | 
         if "domain" in r:
             strata[r["item_id"]] = r["domain"]
     items = sorted(by_item)
-    scores = np.array([np.mean(by_item[i]) for i in items])
+    scores = np.array([sum(by_item[i]) / len(by_item[i]) for i in items])  # not np.mean: 1000s of tiny lists
     return items, scores, (np.array([strata[i] for i in items]) if strata else None)
 
 
@@ -141,6 +141,16 @@ def _rule(p: Paired, rules, cand_score: float, n_items: int, confidence: float) 
     return INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin} ({p.method})"
 
 
+def judge(ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | None, rules: BenchmarkPolicy,
+          policy: GatePolicy) -> tuple[Paired, str, str]:
+    """``(bounds, verdict, rule)`` of per-item scores (repeats averaged; tau2: with their domains) by
+    a benchmark's rules, before infrastructure errors are weighed. Every comparison is decided here
+    (``tests/benchmarks/sim_gate.py`` measures this function's error rates)."""
+    p = paired_delta(ref, cand, policy.confidence, policy.bootstrap.resamples, policy.bootstrap.seed, strata)
+    score = float(cand.mean()) if strata is None else float(np.mean([cand[strata == s].mean() for s in np.unique(strata)]))
+    return (p, *_rule(p, rules, score, len(ref), policy.confidence))
+
+
 def _infra_verdict(verdict: str, rule: str, kept: list, dropped: list, breaches: list[str], margin: float,
                    confidence: float, policy: GatePolicy) -> tuple[str, str, bool]:
     """``(verdict, rule, decidable)`` once the pairs dropped for infrastructure errors are weighed:
@@ -181,13 +191,12 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
     items, ref_scores, strata = _item_scores([a for a, _ in pairs])
     _, cand_scores, _ = _item_scores([b for _, b in pairs])
     resamples, seed = policy.bootstrap.resamples, policy.bootstrap.seed
-    p = paired_delta(ref_scores, cand_scores, confidence, resamples, seed, strata)
+    p, verdict, rule = judge(ref_scores, cand_scores, strata, rules, policy)
     repeats = len({a["repeat"] for a, _ in pairs})
     if strata is not None:  # tau2: the macro over domains, as the benchmark reports it
         ref_ci, cand_ci, per_domain = tau2_gate.macro_table(ref_scores, cand_scores, strata, confidence, resamples, seed)
     else:
         ref_ci, cand_ci = (dict(zip(("score", "ci_low", "ci_high"), wilson_interval(s))) for s in (ref_scores, cand_scores))
-    verdict, rule = _rule(p, rules, cand_ci["score"], len(items), confidence)
     decidable = len(items) >= rules.min_items
     if dropped or breaches:
         verdict, rule, infra_decidable = _infra_verdict(verdict, rule, kept, dropped,

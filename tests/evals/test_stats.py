@@ -8,7 +8,7 @@ import pytest
 
 from evals.gate import compare_benchmark
 from evals.policy import load_policy
-from evals.stats import exact_loss_bound, paired_delta
+from evals.stats import _score_z, exact_loss_bound, paired_delta, score_bounds
 from tests.evals.test_gate import binary_pair
 
 
@@ -46,19 +46,31 @@ def test_no_discordance_is_bounded_by_the_rule_of_three_not_zero():
 def test_the_more_conservative_bound_is_taken_and_named():
     few = bound(300, 2, 0)
     assert few.lower == pytest.approx(-0.0208, abs=1e-4) and "2 of 300 items lost" in few.method
-    assert "BCa bootstrap's -0.0200" in few.method  # the bootstrap alone would have said -0.0200
-    many = bound(1319, 20, 20)  # many discordant items: the bootstrap's bound, not the exact one
-    assert many.method.startswith("BCa paired bootstrap") and -0.012 < many.lower < -0.005
+    assert "Tango score bound's -0.01" in few.method  # the score bound alone would have passed it
+    many = bound(1319, 20, 20)  # many discordant items: the score bound, not the exact one
+    assert many.method.startswith("Tango score bound") and -0.012 < many.lower < -0.005
     assert many.lower < many.delta < many.upper
 
 
+def test_score_bounds_take_the_variance_under_the_tested_delta():
+    lower, upper = score_bounds(4, 4, 200, 0.95)
+    assert lower == pytest.approx(-upper) and lower == pytest.approx(-0.0266, abs=1e-4)
+    assert lower < paired_delta(*(np.array(x, float) for x in binary_pair(200, 4, 4)), 0.95, 10, 0).normal_lower
+    # at the bound the statistic is exactly z: the bound is the root, not an approximation of it
+    assert _score_z(4, 4, 200, lower) == pytest.approx(1.6449, abs=1e-4)
+    low, high = score_bounds(0, 0, 200, 0.95)  # no discordance: about -z^2 / n, not 0
+    assert low == pytest.approx(-1.6449 ** 2 / (200 + 1.6449 ** 2), rel=1e-3) and high == pytest.approx(-low)
+
+
 def test_bca_moves_the_bound_for_skew():
-    """Losses only (skewed deltas): BCa's lower bound lies below the percentile bootstrap's."""
-    ref, cand = binary_pair(1319, 12, 0)
-    d = np.array(cand, float) - np.array(ref, float)
+    """Two repeats per item, losses only (skewed deltas): BCa's lower bound lies below the percentile bootstrap's."""
+    ref = np.ones(1319)
+    cand = np.ones(1319)
+    cand[:24] = 0.5  # 24 items lost one of their two repeats
+    d = cand - ref
     rng = np.random.default_rng(0)
     percentile = np.quantile(d[rng.integers(0, len(d), size=(10000, len(d)))].mean(axis=1), 0.05)
-    p = paired_delta(np.array(ref, float), np.array(cand, float), 0.95, 10000, 0)
+    p = paired_delta(ref, cand, 0.95, 10000, 0)
     assert p.method.startswith("BCa") and p.lower < percentile
 
 
