@@ -40,7 +40,7 @@ def test_designs_stay_within_the_benchmark_and_say_when_none_certifies():
     assert easy.feasible and 150 <= easy.items < 1319 and easy.power >= 0.8
     smaller = replace(easy, items=easy.items - 1)  # the fewest items that reach the power
     assert operating(easy.looks, 0.04 / se_of("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], smaller.items, 1))["pass"] < 0.8
-    gpqa = design("gpqa_diamond", DEFAULT_ASSUMPTIONS["gpqa_diamond"], 0.03, 0.01, 0.05, 0.8, 198, 8, 100)
+    gpqa = design("gpqa_diamond", Assumptions(0.005, 0.05, "stated"), 0.03, 0.01, 0.05, 0.8, 198, 8, 100)
     assert gpqa.feasible and gpqa.items <= 198 and 1 < gpqa.repeats <= 8 and len(gpqa.looks) == gpqa.repeats
     assert gpqa.expected_repeats < gpqa.repeats  # looks stop early at the drop on average
 
@@ -115,17 +115,20 @@ def test_planned_look_says_whether_a_run_follows_its_plan():
 
 def test_gate_plan_cli_prints_writes_and_refuses_bad_flags(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
+    small_shifts = ["--between", "gpqa_diamond=0.005", "--within", "gpqa_diamond=0.05"]
     code = gate(["plan", "--benchmarks", "gsm8k,gpqa_diamond", "--throughput", "gpqa_diamond=1000", "--out", str(out),
-                 "--json"])
+                 "--json", *small_shifts])
     printed = json.loads(capsys.readouterr().out)
     assert code == 1  # GSM8K cannot certify 0.02 at a drop of 0.01 on 1319 items: said, and exit 1
     assert printed == yaml.safe_load(out.read_text()) == read_plan(out)
     gpqa = printed["benchmarks"]["gpqa_diamond"]
     assert gpqa["feasible"] and gpqa["seeds"] == list(range(gpqa["repeats"]))
     assert gpqa["gpu_hours"]["max"] == pytest.approx(198 * gpqa["repeats"] / 1000)
-    assert gate(["plan", "--benchmarks", "gpqa_diamond", "--drop", "0.005"]) == 0
+    assert gate(["plan", "--benchmarks", "gpqa_diamond", "--drop", "0.005", *small_shifts]) == 0
     text = capsys.readouterr().out
-    assert "gpqa_diamond: " in text and "looks: 1 rep at 0.99" in text
+    assert "gpqa_diamond: " in text and "looks: 1 rep at 0.99" in text and "stated: --between/--within" in text
+    assert gate(["plan", "--benchmarks", "gpqa_diamond"]) == 1  # the default items: 0.03 is out of reach at 198
+    assert "no design within 198 items x 8 repeats certifies a margin of 0.03" in capsys.readouterr().out
     assert gate(["plan", "--benchmarks", "gsm8k", "--margin", "gsm8k=0.05"]) == 0
     assert "NO DESIGN" not in capsys.readouterr().out
     for bad, says in ((["--items", "gsm8k=5000"], "the benchmark has 1319"), (["--drop", "gsm8k=x"], "--drop"),
