@@ -24,7 +24,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from quant.formats.constants import E4M3_MAX, FP8_TILE as TILE
+from quant.formats.constants import E4M3_MAX
+from quant.formats.constants import FP8_TILE as TILE
 from quant.formats.numba_threads import numba_threads
 
 if sys.byteorder != "little":
@@ -176,7 +177,7 @@ def _bf16(x):  # pragma: no cover
     """torch's float32 -> bf16: round to nearest even (c10 ``round_to_nearest_even``), NaN as 0xFFFF
     (what its vectorized conversion writes)."""
     u = _bits(x)
-    return np.uint16(0xFFFF) if x != x else np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return np.uint16(0xFFFF) if np.isnan(x) else np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
