@@ -37,6 +37,7 @@ class Report:
     engines: list[str]
     findings: list[Finding] = field(default_factory=list)
     modules_checked: int = 0
+    modules_quantized: int = 0  # 0: a plain (e.g. bf16) checkpoint; it loads, but nothing was quantized
     serving: Serving = DEFAULT
     conditions: dict[str, list[tuple[Serving, bool]]] = field(default_factory=dict)  # rule set id -> loads per condition
 
@@ -49,6 +50,7 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "ok": self.ok, "modules_checked": self.modules_checked,
+                "modules_quantized": self.modules_quantized,
                 "serving": asdict(self.serving),
                 "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
                                 "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])]}
@@ -233,6 +235,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)
             modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
     report.modules_checked = len(modules)
+    report.modules_quantized = sum(m.quantized for m in modules.values())
     if not modules:
         report.findings.append(Finding("layout", None, "checkpoint", f"no Linear module of family {family.name} "
                                        "found: nothing the engines would load was checked",

@@ -182,3 +182,9 @@ def test_every_readme_command_parses_with_the_flags_its_help_lists():
             if stop.code:
                 refused.append(command)
     assert not refused, "README commands the CLI refuses:\n" + "\n".join(refused)
+
+
+def test_gate_checkpoint_says_when_nothing_is_quantized(glm_ckpt, capsys):
+    assert gate_main(["checkpoint", str(glm_ckpt), "--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing here is quantized" in out and "verdict: loads correctly" in out

@@ -68,6 +68,9 @@ def human(report) -> str:
         for f in findings:
             lines += [f"  PROBLEM  [{f.check}] {f.module}", f"           why: {f.why}", f"           fix: {f.fix}"]
         lines += _conditions(report.conditions.get(engine, []))
+    if report.modules_quantized == 0 and report.modules_checked:
+        lines.append("\nnote: nothing here is quantized (no quantized Linear weight, "
+                     "no quantization_config): it loads as a plain checkpoint")
     lines.append("\nverdict: " + ("loads correctly" if report.ok else "would NOT load correctly"))
     return "\n".join(lines)
 
