@@ -55,26 +55,47 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
     return data
 
 
+def headline(data: dict) -> tuple[str, list[str]]:
+    """The decision first, as every rendering shows it: the release verdict (RELEASE / BLOCK) when a
+    `gate release` report is given, else the accuracy verdict, with the reasons that decided it."""
+    release, accuracy = data.get("release"), data.get("accuracy")
+    if release:
+        return release["verdict"], list(release["reasons"])
+    return accuracy["verdict"], list(accuracy["blocking"])
+
+
 def published_table(data: dict) -> pd.DataFrame:
     """The comparison table (as in the published GLM-5.2 results), with n, 95% intervals, the paired delta and bounds, and the verdict."""
     return pd.DataFrame(render.table(data["accuracy"]), columns=render.COLUMNS)
 
 
 def forest_plot(data: dict):
-    """Paired delta per benchmark with its one-sided bounds and the margin line."""
+    """Paired delta per benchmark (percentage points) with its one-sided bounds and the margin line.
+    The axis always spans from twice the largest margin below 0 to the margin above, so a small run's
+    tight or empty interval does not blow the scale up into hundredths of a point."""
+    from matplotlib.ticker import MaxNLocator
+
     benches = data["accuracy"]["benchmarks"]
     fig = Figure(figsize=(7, 1.2 + 0.8 * len(benches)))
     ax = fig.subplots()
     colours = {"PASS": "tab:green", "FAIL": "tab:red", "INCONCLUSIVE": "tab:orange"}
+    widest = max(b["margin"] for b in benches)
+    lo = max(-100.0, min([100 * b["lower"] for b in benches] + [-200 * widest]))
+    hi = min(100.0, max([100 * b["upper"] for b in benches] + [100 * widest]))
+    pad = 0.08 * (hi - lo)
     for y, b in enumerate(benches):
-        ax.plot([b["lower"], b["upper"]], [y, y], color=colours[b["verdict"]], linewidth=3)
-        ax.plot([b["delta"]], [y], "o", color="black")
-        ax.plot([-b["margin"]] * 2, [y - 0.35, y + 0.35], "--", color="grey")
-        ax.annotate(b["verdict"], (max(b["upper"], 0) + 0.002, y), va="center", fontsize=8)
+        ax.plot([100 * b["lower"], 100 * b["upper"]], [y, y], color=colours[b["verdict"]], linewidth=3)
+        ax.plot([100 * b["delta"]], [y], "o", color="black")
+        ax.plot([-100 * b["margin"]] * 2, [y - 0.35, y + 0.35], "--", color="grey")
+        ax.annotate(b["verdict"], (min(max(100 * b["upper"], 0) + pad / 4, hi), y), va="center", fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(benches)), [b["benchmark"] for b in benches])
-    ax.set_xlabel("paired delta, candidate - reference (bar: one-sided bounds; dashed: -margin)")
-    ax.set_title(f"gate verdict: {data['accuracy']['verdict']}")
+    ax.set_xlim(lo - pad, hi + 2 * pad)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
+    ax.set_yticks(range(len(benches)), [f"{b['benchmark']}\n{b['n_items']} x {b['repeats']}" for b in benches])
+    ax.set_xlabel("paired delta, candidate - reference, percentage points (bar: one-sided bounds; dashed: -margin)")
+    word, _ = headline(data)
+    ax.set_title(f"verdict: {word}" + (f" (accuracy {data['accuracy']['verdict']})" if word != data["accuracy"]["verdict"]
+                                        else ""))
     fig.tight_layout()
     return fig
 
@@ -136,8 +157,14 @@ def error_heatmap(data: dict):
     mtp = [i for i, layer in enumerate(layers) if first_mtp is not None and layer >= first_mtp]
     fig = Figure(figsize=(max(7.0, 3.0 + 0.17 * len(layers)), 2.0 + 0.32 * len(kinds)), layout="constrained")
     ax = fig.subplots()
-    image = ax.imshow(np.ma.masked_invalid(matrix.to_numpy(dtype=float)), aspect="auto", cmap="viridis",
-                      interpolation="nearest")
+    values = matrix.to_numpy(dtype=float)
+    expected = format_error((data["manifest"] or {}).get("format") or "mxfp4")
+    observed = float(np.nanmax(values)) if np.isfinite(values).any() else 0.0
+    top = max(2 * expected, observed) if expected == expected else observed
+    # Anchored at 0 and at twice the format's own error on Gaussian weights, so a typical cell sits
+    # mid-scale and small differences between cells look small (an auto-scaled bar made 0.105 vs 0.12 dramatic).
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis", interpolation="nearest",
+                      vmin=0.0, vmax=top)
     ax.set_xticks(range(len(layers)), [f"{layer} MTP" if i in mtp else str(layer) for i, layer in enumerate(layers)],
                   rotation=90, fontsize=7)
     for i in mtp:
@@ -145,9 +172,28 @@ def error_heatmap(data: dict):
         ax.add_patch(Rectangle((i - 0.5, -0.5), 1, len(kinds), fill=False, edgecolor="tab:red", linewidth=2))
     ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_xlabel("decoder layer" + (" (red: the MTP draft's layers)" if mtp else ""))
-    fig.colorbar(image, ax=ax, label="relative RMS error", fraction=0.03, pad=0.01)
+    label = "relative RMS error" + (f"\n(0 to 2x dashed: {expected:.3f} on Gaussian)"
+                                     if expected == expected else "")
+    bar = fig.colorbar(image, ax=ax, label=label, fraction=0.03, pad=0.01)
+    if expected == expected:
+        bar.ax.axhline(expected, color="white", linestyle="--", linewidth=1)
     ax.set_title("MXFP4 quantization error per layer and projection", fontsize=11)
     return fig
+
+
+def format_error(name: str) -> float:
+    """The relative RMS error a format gives on Gaussian weights (4096 x 64 standard normal values,
+    fixed random seed): the yardstick the heatmap's colours are read against."""
+    import torch
+
+    from quant.formats.codecs import get_codec
+
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    try:
+        q = get_codec(name).quantize_dequantize(x).float()
+    except (KeyError, ValueError, AttributeError, NotImplementedError):
+        return float("nan")
+    return float((x - q).norm() / x.norm())
 
 
 def load_table(data: dict) -> pd.DataFrame:

@@ -80,9 +80,7 @@ def _figure(png: bytes | None, alt: str) -> str:
 
 
 def _verdict(data: dict) -> str:
-    release, acc = data.get("release"), data.get("accuracy")
-    word = release["verdict"] if release else acc["verdict"]
-    reasons = release["reasons"] if release else acc["blocking"]
+    word, reasons = dashboard.headline(data)
     items = "".join(f"<li>{escape(r)}</li>" for r in reasons)
     return (f"<section class='verdict {TONE.get(word, 'unsure')}' id='verdict'><div class='word'>{escape(word)}</div>"
             f"<div>{escape(WORDS.get(word, ''))}</div>{f'<ul>{items}</ul>' if items else ''}</section>")

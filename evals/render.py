@@ -3,7 +3,7 @@ the dashboard (a score with its interval, a delta with its bounds, each written 
 
 from __future__ import annotations
 
-CONVENTION = ("Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
+CONVENTION = ("Scores in percent, deltas, bounds and margins in percentage points (pts). Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
               "macro (mean of per-domain pass^1) with a 95% interval from resampling tasks within domains. Delta: "
               "paired (candidate - reference, same items); bounds: one-sided BCa paired bootstrap "
               "(resampling items; tau2 within domains) at the policy's confidence, or the exact Clopper-Pearson "
@@ -18,20 +18,35 @@ def _num(x: float | None, fmt: str = ".4f") -> str:
     return "-" if x is None or x != x else format(x, fmt)
 
 
+def pct(x: float | None) -> str:
+    """A score as a percentage, one decimal (``96.5%``)."""
+    return "-" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def points(x: float | None) -> str:
+    """A difference of scores in percentage points, two decimals, signed (``-1.05 pts``)."""
+    return "-" if x is None or x != x else f"{100 * x:+.2f} pts"
+
+
 def score(s: dict) -> str:
-    """``0.9650 [0.9393, 0.9907]``: a score with its two-sided interval."""
-    return f"{_num(s['score'])} [{_num(s['ci_low'])}, {_num(s['ci_high'])}]"
+    """``96.5% [93.9, 99.1]``: a score with its two-sided 95% interval, in percent."""
+    return f"{pct(s['score'])} [{_num(_100(s['ci_low']), '.1f')}, {_num(_100(s['ci_high']), '.1f')}]"
+
+
+def _100(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def bounds(b: dict) -> str:
-    return f"[{b['lower']:+.4f}, {b['upper']:+.4f}]"
+    return f"[{100 * b['lower']:+.2f}, {100 * b['upper']:+.2f}] pts"
 
 
 def table(accuracy: dict) -> list[dict]:
     """One row per benchmark, every cell a string, keyed by ``COLUMNS``."""
-    return [dict(zip(COLUMNS, ("tau2 macro" if b["benchmark"] == "tau2" else b["benchmark"], b["filter"], f"{b['n_items']} x {b['repeats']}", score(b["reference"]),
-                               score(b["candidate"]), f"{b['delta']:+.4f}", bounds(b), f"-{b['margin']}",
-                               b["verdict"]))) for b in accuracy["benchmarks"]]
+    return [dict(zip(COLUMNS, ("tau2 macro" if b["benchmark"] == "tau2" else b["benchmark"], b["filter"],
+                               f"{b['n_items']} x {b['repeats']}", score(b["reference"]), score(b["candidate"]),
+                               points(b["delta"]), bounds(b), points(-b["margin"]), b["verdict"])))
+            for b in accuracy["benchmarks"]]
 
 
 def notes(b: dict) -> list[str]:

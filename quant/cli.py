@@ -152,7 +152,7 @@ def _human_done(manifest: dict, dst: Path) -> str:
     s = manifest["summary"]
     what = f"{s['tensors_decoded']} tensors decoded" if s["tensors_decoded"] else f"{s['tensors_quantized']} tensors quantized"
     return (f"done        {what}, {size(s['bytes_in'])} in, {size(s['bytes_out'])} out, "
-            f"{manifest['seconds']:.1f} s, {size((s['gb_per_s'] or 0) * 1e9)}/s\n"
+            f"{manifest['seconds']:.1f} s, {size(s['bytes_in'] / max(manifest['seconds'], 1e-9))}/s\n"
             f"output      {dst}  (manifest: {dst / MANIFEST_NAME})")
 
 

@@ -107,3 +107,22 @@ def test_notebook_executes_headless(runs, tmp_path):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 3  # forest plot, load curves and heatmap
+
+
+def test_scales_a_reader_can_trust(runs):
+    """Percent and points, an axis that always shows the margin, colours anchored at 0 and the format's error."""
+    cand, ref, ckpt = runs
+    data = dashboard.load(cand, ref, ckpt)
+    row = dashboard.published_table(data).iloc[0]
+    assert row["reference"].endswith("]") and "%" in row["reference"] and row["delta"].endswith(" pts")
+    ax = dashboard.forest_plot(data).axes[0]
+    widest = max(b["margin"] for b in data["accuracy"]["benchmarks"])
+    low, high = ax.get_xlim()
+    assert low <= -200 * widest and high >= 100 * widest and len(ax.get_xticks()) <= 10
+    expected = dashboard.format_error("mxfp4")
+    assert 0.05 < expected < 0.2  # E2M1 with a shared power-of-two scale on Gaussian weights
+    vmin, vmax = dashboard.error_heatmap(data).axes[0].images[0].get_clim()
+    assert vmin == 0.0 and vmax >= 2 * expected
+    assert dashboard.headline(data) == (data["accuracy"]["verdict"], data["accuracy"]["blocking"])
+    released = {**data, "release": {"verdict": "BLOCK", "reasons": ["accuracy: INCONCLUSIVE"]}}
+    assert dashboard.headline(released) == ("BLOCK", ["accuracy: INCONCLUSIVE"])

@@ -51,7 +51,7 @@ def test_glm5_sized_heatmap_is_readable_and_marks_the_mtp_layer():
     assert ax.get_window_extent().width / 79 >= 10
     box = fig.bbox
     colorbar_label = fig.axes[1].yaxis.label
-    assert colorbar_label.get_text() == "relative RMS error"
+    assert colorbar_label.get_text().startswith("relative RMS error\n(0 to 2x dashed: 0.1")
     for text in [colorbar_label, ax.title, *ax.get_xticklabels(), *ax.get_yticklabels()]:
         extent = text.get_window_extent(renderer)
         assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, text
