@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import logging
 import os
 import re
@@ -44,9 +45,16 @@ def wheel(package: str, version: str) -> Path:
     return found[0]
 
 
+@functools.cache
 def source(whl: Path, path: str) -> str:
     with zipfile.ZipFile(whl) as z:
         return z.read(path).decode()
+
+
+@functools.cache
+def parsed(whl: Path, path: str) -> ast.Module:
+    """The parsed source (cached: the model files run to thousands of lines and many tests read them)."""
+    return ast.parse(source(whl, path))
 
 
 def _base_namespace() -> dict:
@@ -61,7 +69,7 @@ def _base_namespace() -> dict:
 def load(whl: Path, path: str, names: Iterable[str], extra: dict | None = None,
          namespace: dict | None = None) -> dict:
     """Execute the top-level functions, classes and assignments called ``names`` of ``path``."""
-    tree = ast.parse(source(whl, path))
+    tree = parsed(whl, path)
     wanted = set(names)
     nodes = []
     for node in tree.body:
@@ -83,7 +91,7 @@ def load(whl: Path, path: str, names: Iterable[str], extra: dict | None = None,
 
 def methods(whl: Path, path: str, cls: str, names: Iterable[str], extra: dict | None = None) -> dict:
     """The methods (and class attributes) ``names`` of class ``cls`` in ``path``, as plain functions."""
-    tree = ast.parse(source(whl, path))
+    tree = parsed(whl, path)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
     wanted = set(names)
     body = [n for n in node.body if (getattr(n, "name", None) in wanted) or any(
@@ -100,3 +108,66 @@ def fake_quant_config(name: str, exclude: list[str]) -> SimpleNamespace:
     """What ``_resolve_nextn_quant_config`` reads of a QuarkConfig: its name, exclude list and dict."""
     return SimpleNamespace(get_name=lambda: name, exclude_layers=list(exclude),
                            quant_config={"exclude": list(exclude), "layer_quant_config": {}})
+
+
+def class_def(whl: Path, path: str, cls: str) -> ast.ClassDef | None:
+    """The top-level class ``cls`` of ``path`` (None when the release has no such class)."""
+    tree = parsed(whl, path)
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+
+
+def method_def(node: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def class_constant(node: ast.ClassDef, name: str):
+    """A class attribute assigned a literal in the class body (None when absent)."""
+    for stmt in node.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
+            return ast.literal_eval(stmt.value)
+    return None
+
+
+@dataclass
+class Built:
+    """One ``self.<attr> = Call(...)`` in a constructor, with the ``if`` tests it sits under."""
+    call: str
+    keywords: dict[str, str]
+    under: list[str]
+
+
+def attribute_builds(fn: ast.FunctionDef, attr: str) -> list[Built]:
+    """Every ``self.<attr> = <call>(...)`` in ``fn``: the call's name, its keywords (as source text)
+    and the enclosing ``if`` tests (an ``else`` branch as ``not (<test>)``)."""
+    found: list[Built] = []
+
+    def visit(body, under):
+        for stmt in body:
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and any(
+                    isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                    and t.value.id == "self" for t in stmt.targets):
+                call = stmt.value
+                found.append(Built(ast.unparse(call.func), {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg},
+                                   list(under)))
+            if isinstance(stmt, ast.If):
+                test = ast.unparse(stmt.test)
+                visit(stmt.body, [*under, test])
+                visit(stmt.orelse, [*under, f"not ({test})"])
+            elif isinstance(stmt, (ast.With, ast.For, ast.Try)):
+                visit(stmt.body, under)
+    visit(fn.body, [])
+    return found
+
+
+def free_names(fn: ast.FunctionDef) -> set[str]:
+    """Names a function reads from its module (what a stub namespace has to provide)."""
+    import builtins
+
+    bound = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    read = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else read).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names}
+    return read - bound - set(dir(builtins))

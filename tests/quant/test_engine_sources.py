@@ -1,21 +1,29 @@
 """Differential tests: the replay's per-module decision equals the engines' own code, release by release.
 
-For each rule set, the last release it covers is downloaded once (``tests/quant/engine_sources.py``)
-and its own ``should_ignore_layer`` (Quark exclude), ``is_layer_skipped`` + ``Fp8Config.from_config``
-(FP8 skip list), and, in sglang, the draft's ``_resolve_nextn_quant_config`` / ``_map_mtp_ckpt_name``
-are run on generated cases beside ``quant.engines``. Without the registry the tests skip, saying why.
+For each rule set, its first and last release and every ``.postN`` mapped to it are downloaded once
+(``tests/quant/engine_sources.py``; a first run fetches ~20 wheels, ~700 MB, about a minute here)
+and their own ``should_ignore_layer`` (Quark exclude, fed the packed-modules mapping read from the
+same wheel, not the YAML under test), ``is_layer_skipped`` + ``Fp8Config.from_config`` (FP8 skip
+list), the draft's ``_resolve_nextn_quant_config`` / ``_map_mtp_ckpt_name``, and the shared-expert
+fusion decision (``determine_num_fused_shared_experts`` / ``shared_experts_fusion_disable_reason``
+with ``QuarkConfig.can_fuse_shared_expert``, hardware queries stubbed) are run on generated cases
+beside ``quant.engines``; how modules are built (eh_proj, indexer, router, fused modules, MTP count)
+is read from the model classes' constructors. Without the registry the tests skip, saying why.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import random
 import sys
 import types
 
 import pytest
+from packaging.version import Version
 
 from quant.engines import (
+    ENGINES,
     Exclude,
     MixedShards,
     draft_exclude,
@@ -24,25 +32,50 @@ from quant.engines import (
     rule_sets,
 )
 from quant.engines.match import fp8_ignored_layers, fp8_skipped
+from quant.engines.rules import releases_read
 from tests.quant.engine_sources import (
+    Built,
     WheelUnavailable,
+    attribute_builds,
+    class_constant,
+    class_def,
     fake_quant_config,
     load,
+    method_def,
     methods,
+    parsed,
     source,
     wheel,
 )
 
 N = 3  # num_hidden_layers of the generated model: the MTP layer is model.layers.3
-RULE_SETS = [r for engine in ("sglang", "vllm") for r in rule_sets(engine)]
-CASES = 260  # per rule set and kind; 7 rule sets x (Quark + FP8 + draft) > 1,000
+CASES = 120  # per release and kind; 25 releases x (Quark + FP8 + draft) > 1,000
 
 
-def engine_wheel(rules):
+def _releases() -> list[tuple]:
+    """(rule set, release): each set's first and last release, and the .postN releases mapped to it."""
+    out = []
+    for engine in ENGINES:
+        for rules in rule_sets(engine):
+            mine = {v for v, base in releases_read(engine).items() if rules.covers(base)
+                    and (v in (rules.first, rules.last) or v != base)}
+            out += [(rules, v) for v in sorted(mine, key=Version)]
+    return out
+
+
+RELEASES = _releases()
+SGLANG_RELEASES = [(r, v) for r, v in RELEASES if r.engine == "sglang"]
+
+
+def release_ids(cases) -> list[str]:
+    return [f"{rules.engine} {release}" for rules, release in cases]
+
+
+def engine_wheel(rules, release):
     try:
-        return wheel(rules.engine, rules.last)
+        return wheel(rules.engine, release)
     except (WheelUnavailable, OSError) as exc:
-        pytest.skip(f"cannot obtain {rules.engine}=={rules.last} from the package registry: {exc}")
+        pytest.skip(f"cannot obtain {rules.engine}=={release} from the package registry: {exc}")
 
 
 def _quark_engine(rules, whl):
@@ -62,8 +95,8 @@ def _fp8_engine(rules, whl):
         from_config = methods(whl, "vllm/model_executor/layers/quantization/fp8.py", "Fp8Config", ["from_config"])
         base = "vllm/model_executor/layers/quantization/base_config.py"
     else:
-        names = ["is_layer_skipped", "_module_path_match", "_FALLBACK_FUSED_SHARDS"] if rules.last != "0.5.10" \
-            and rules.last != "0.5.9" else ["is_layer_skipped"]
+        text = source(whl, "sglang/srt/layers/quantization/utils.py")
+        names = ["is_layer_skipped"] + [n for n in ("_module_path_match", "_FALLBACK_FUSED_SHARDS") if n in text]
         skip = load(whl, "sglang/srt/layers/quantization/utils.py", names)
         from_config = methods(whl, "sglang/srt/layers/quantization/fp8.py", "Fp8Config", ["from_config"])
         base = "sglang/srt/layers/quantization/base_config.py"
@@ -115,12 +148,19 @@ def _outcome(decide, *args, **kwargs):
         return f"raises {str(exc).removeprefix('ValueError: ')}"
 
 
-@pytest.mark.parametrize("rules", RULE_SETS, ids=lambda r: r.id)
-def test_quark_exclude_decisions_equal_the_engines(rules):
-    engine = _quark_engine(rules, engine_wheel(rules))
+@pytest.mark.parametrize(("rules", "release"), RELEASES, ids=release_ids(RELEASES))
+def test_quark_packed_mapping_is_the_wheels(rules, release):
+    assert wheel_quark_mapping(engine_wheel(rules, release), rules.engine) == \
+        {k: list(v) for k, v in rules["quark_fused"].items()}
+
+
+@pytest.mark.parametrize(("rules", "release"), RELEASES, ids=release_ids(RELEASES))
+def test_quark_exclude_decisions_equal_the_engines(rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
     modules, entries = _pool(rules)
-    rng = random.Random(rules.id)
-    fused = {k: list(v) for k, v in rules["quark_fused"].items()}
+    rng = random.Random(rules.id + release)
+    fused = wheel_quark_mapping(whl, rules.engine)  # the engine's own mapping, not the rule data under test
     disagree = []
     for _ in range(CASES):
         exclude = rng.sample(entries, rng.randint(0, 12))
@@ -133,12 +173,12 @@ def test_quark_exclude_decisions_equal_the_engines(rules):
     assert not disagree, disagree[:3]
 
 
-@pytest.mark.parametrize("rules", RULE_SETS, ids=lambda r: r.id)
-def test_fp8_skip_decisions_equal_the_engines(rules):
-    engine = _fp8_engine(rules, engine_wheel(rules))
+@pytest.mark.parametrize(("rules", "release"), RELEASES, ids=release_ids(RELEASES))
+def test_fp8_skip_decisions_equal_the_engines(rules, release):
+    engine = _fp8_engine(rules, engine_wheel(rules, release))
     modules, entries = _pool(rules)
     entries = [e for e in entries if not e.startswith(("re:", "*"))] + [e.removeprefix("model.") for e in entries[:8]]
-    rng = random.Random("fp8" + rules.id)
+    rng = random.Random("fp8" + rules.id + release)
     skip = rules["fp8_skip"]
     disagree = []
     for _ in range(CASES):
@@ -215,12 +255,13 @@ class _Config:
 
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3"])
-@pytest.mark.parametrize("rules", rule_sets("sglang"), ids=lambda r: r.id)
-def test_sglang_draft_exclude_and_decisions_equal_the_engine(rules, family):
-    engine = _sglang_draft_engine(engine_wheel(rules), family)
-    quark = _quark_engine(rules, engine_wheel(rules))
-    rng = random.Random(f"draft{rules.id}{family}")
-    fused = {k: list(v) for k, v in rules["quark_fused"].items()}
+@pytest.mark.parametrize(("rules", "release"), SGLANG_RELEASES, ids=release_ids(SGLANG_RELEASES))
+def test_sglang_draft_exclude_and_decisions_equal_the_engine(rules, release, family):
+    whl = engine_wheel(rules, release)
+    engine = _sglang_draft_engine(whl, family)
+    quark = _quark_engine(rules, whl)
+    rng = random.Random(f"draft{rules.id}{release}{family}")
+    fused = wheel_quark_mapping(whl, "sglang")
     disagree, checked = [], 0
     for _ in range(CASES // 4):
         num_layers = rng.choice([3, 61, 78])
@@ -250,10 +291,10 @@ def test_sglang_draft_exclude_and_decisions_equal_the_engine(rules, family):
     assert checked > 50
 
 
-@pytest.mark.parametrize("rules", [r for r in rule_sets("sglang")], ids=lambda r: r.id)
-def test_sglang_draft_names_are_the_loaders(rules):
+@pytest.mark.parametrize(("rules", "release"), SGLANG_RELEASES, ids=release_ids(SGLANG_RELEASES))
+def test_sglang_draft_names_are_the_loaders(rules, release):
     """The MTP naming rule (spec names -> model.*, rest -> model.decoder.*, skipped names) is the loader's."""
-    text = source(engine_wheel(rules), "sglang/srt/models/deepseek_common/deepseek_weight_loader.py")
+    text = source(engine_wheel(rules, release), "sglang/srt/models/deepseek_common/deepseek_weight_loader.py")
     naming = rules["mtp_naming"]
     spec = text[text.index("nextn_spec_weight_names=["):]
     spec = spec[:spec.index("]")]
@@ -262,3 +303,296 @@ def test_sglang_draft_names_are_the_loaders(rules):
     for skipped in naming["skipped"]:
         assert f'"{skipped}" in name' in text
     assert 'name.replace(layer_prefix, "model.decoder")' in text and "Only 1 nextn layer is supported" in text
+
+
+# --- The packed-modules mapping, read from the wheel -------------------------------------------
+
+def wheel_quark_mapping(whl, engine) -> dict[str, list[str]]:
+    """The packed_modules_mapping a release hands the Quark config of an MLA model with q_lora_rank:
+    DeepseekV2ForCausalLM's class literal, the entries its __init__ adds (not the use_mha ones), and
+    in sglang the loader's additions for quantization == "quark" (model_loader/loader.py)."""
+    path = "vllm/model_executor/models/deepseek_v2.py" if engine == "vllm" else "sglang/srt/models/deepseek_v2.py"
+    cls = class_def(whl, path, "DeepseekV2ForCausalLM")
+    mapping = dict(class_constant(cls, "packed_modules_mapping") or {})
+    for stmt in ast.walk(method_def(cls, "__init__")):
+        if isinstance(stmt, ast.If) and "use_mha" not in ast.unparse(stmt.test):
+            for inner in stmt.body:
+                target = inner.targets[0] if isinstance(inner, ast.Assign) else None
+                if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "self.packed_modules_mapping":
+                    mapping[ast.literal_eval(target.slice)] = ast.literal_eval(inner.value)
+    if engine == "sglang":
+        loader = parsed(whl, "sglang/srt/model_loader/loader.py")
+        fn = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "_get_quantization_config")
+        for stmt in ast.walk(fn):
+            if isinstance(stmt, ast.If) and "'quark'" in ast.unparse(stmt.test).replace('"', "'"):
+                for call in ast.walk(stmt):
+                    if isinstance(call, ast.Call) and ast.unparse(call.func) == "packed_modules_mapping.update":
+                        mapping.update(ast.literal_eval(call.args[0]))
+    return {k: list(v) for k, v in mapping.items()}
+
+
+# --- How modules are built, read from the constructors -------------------------------------------
+
+def _quantized_by(builds: list[Built]) -> str:
+    """quant_config when the (non-fused) construction passes the quant config, else bf16."""
+    plain = [b for b in builds if not any("use_dsa_indexer_fusion" in u and not u.startswith("not") for u in b.under)]
+    return "quant_config" if any(b.keywords.get("quant_config") not in (None, "None") for b in plain) else "bf16"
+
+
+def _sglang_construction(whl) -> dict:
+    nextn = method_def(class_def(whl, "sglang/srt/models/deepseek_nextn.py", "DeepseekModelNextN"), "__init__")
+    eh = attribute_builds(nextn, "eh_proj")
+    indexer_path = next(p for p in ("sglang/srt/layers/attention/dsa/dsa_indexer.py",
+                                    "sglang/srt/layers/attention/nsa/nsa_indexer.py") if _has(whl, p))
+    init = method_def(class_def(whl, indexer_path, "Indexer"), "__init__")
+    fusion = next((n for n in ast.walk(init) if isinstance(n, ast.Assign)
+                   and ast.unparse(n.targets[0]) == "self.use_dsa_indexer_fusion"), None)
+    fused_wk = attribute_builds(init, "wk_weights_proj")
+    loader = source(whl, "sglang/srt/models/deepseek_common/deepseek_weight_loader.py")
+    dequant = loader[loader.find("def _load_fused_indexer_wk"):] if "def _load_fused_indexer_wk" in loader else ""
+    models = source(whl, "sglang/srt/models/deepseek_v2.py")
+    gate = method_def(class_def(whl, "sglang/srt/models/deepseek_v2.py", "MoEGate"), "__init__")
+    moe = method_def(class_def(whl, "sglang/srt/models/deepseek_v2.py", "DeepseekV2MoE"), "__init__")
+    return {
+        "eh_proj": "quant_config" if any(b.call == "ReplicatedLinear" and b.keywords.get("quant_config") not in
+                                         (None, "None") for b in eh) else "plain",
+        "indexer": {leaf: _quantized_by(attribute_builds(init, leaf)) for leaf in ("wq_b", "wk", "weights_proj")}
+        | {"wk_fused_bf16_on_cuda": bool(fused_wk) and fusion is not None
+           and {"_is_cuda", "is_neox_style"} <= {n.id for n in ast.walk(fusion.value) if isinstance(n, ast.Name)}
+           and all("quant_config" not in b.keywords for b in fused_wk),
+           "wk_dequantized": ["fp8"] if "float8_e4m3fn" in dequant and "block_quant_dequant" in dequant else []},
+        "router_plain": any(b.call == "nn.Parameter" for b in attribute_builds(gate, "weight")),
+        "router_reads": _config_reads(gate) | _config_reads(moe),
+        "built_fused": {name for name in ("gate_up_proj", "fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj")
+                        if f"self.{name} = " in models},
+        "max_nextn": 1 if "Only 1 nextn layer is supported" in loader else None,
+    }
+
+
+def _vllm_construction(whl) -> dict:
+    ehs = [b for p in ("vllm/models/deepseek_v32/nvidia/mtp.py", "vllm/models/deepseek_v32/amd/mtp.py")
+           for b in attribute_builds(method_def(class_def(whl, p, "DeepseekV32MultiTokenPredictorLayer"), "__init__"),
+                                     "eh_proj")]
+    indexers = [method_def(class_def(whl, "vllm/models/deepseek_v32/attention.py", "DeepseekV32Indexer"), "__init__"),
+                method_def(class_def(whl, "vllm/model_executor/models/deepseek_v2.py", "Indexer"), "__init__")]
+    models = source(whl, "vllm/model_executor/models/deepseek_v2.py")
+    dequant = models[models.find("def _try_load_fp8_indexer_wk"):] if "def _try_load_fp8_indexer_wk" in models else ""
+    fused = {_quantized_by(attribute_builds(i, "wk_weights_proj")) for i in indexers}
+    moe = method_def(class_def(whl, "vllm/model_executor/models/deepseek_v2.py", "DeepseekV2MoE"), "__init__")
+    gate = attribute_builds(moe, "gate")
+    return {
+        "eh_proj": "plain" if ehs and all(b.call == "nn.Linear" for b in ehs) else "quant_config",
+        "indexer": {"wq_b": _quantized_by([b for i in indexers for b in attribute_builds(i, "wq_b")]),
+                    "wk": fused.pop() if len(fused) == 1 else "mixed", "weights_proj": "bf16",
+                    "wk_fused_bf16_on_cuda": False,
+                    "wk_dequantized": ["fp8"] if "float8_e4m3fn" in dequant and "scaled_dequantize" in dequant else []},
+        "router_plain": bool(gate) and all("quant_config" not in b.keywords for b in gate),
+        "router_reads": _config_reads(moe),
+        "built_fused": {name for name in ("gate_up_proj", "fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj")
+                        if f"self.{name} = " in models},
+        "max_nextn": None,
+    }
+
+
+def _has(whl, path) -> bool:
+    try:
+        source(whl, path)
+    except KeyError:
+        return False
+    return True
+
+
+ROUTER_KEYS = {"topk_method", "n_group", "topk_group", "scoring_func", "norm_topk_prob"}
+NOT_TAKEN = ("is_hash", "is_deepseek_v4")  # branches GLM-5 / DeepSeek-V3 never take (hash routing, V4)
+
+
+def _config_reads(fn) -> set[str]:
+    """Router keys read as ``config.<key>`` attributes (a missing key raises; getattr does not) on
+    the path GLM-5 / DeepSeek-V3 take through the constructor."""
+    reads: set[str] = set()
+
+    def attrs(node):
+        reads.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                     and n.value.id == "config" and n.attr in ROUTER_KEYS)
+
+    def visit(body):
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                attrs(stmt.test)
+                taken = [stmt.orelse] if any(k in ast.unparse(stmt.test) for k in NOT_TAKEN) else [stmt.body, stmt.orelse]
+                for branch in taken:
+                    visit(branch)
+            elif not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+                attrs(stmt)
+    visit(fn.body)
+    return reads
+
+
+def _supplied_by_transformers() -> set[str]:
+    """Router keys both families' transformers config classes define (no AttributeError when absent)."""
+    from transformers import DeepseekV3Config, GlmMoeDsaConfig
+
+    return {k for k in ROUTER_KEYS if all(hasattr(c(), k) for c in (DeepseekV3Config, GlmMoeDsaConfig))}
+
+
+@pytest.mark.parametrize(("rules", "release"), RELEASES, ids=release_ids(RELEASES))
+def test_module_construction_is_the_engine_classes(rules, release):
+    whl = engine_wheel(rules, release)
+    built = (_vllm_construction if rules.engine == "vllm" else _sglang_construction)(whl)
+    assert built["eh_proj"] == rules["eh_proj"]
+    assert built["indexer"] == rules["indexer"]
+    assert built["router_plain"] == ("router" in rules["unquantized_roles"])
+    reads = set(rules["router"]["reads"])  # a key the engine reads directly, and one a config lacks raises on
+    assert reads <= built["router_reads"] and built["router_reads"] - _supplied_by_transformers() <= reads
+    assert built["built_fused"] == set(rules["built_fused"])
+    assert built["max_nextn"] == rules["mtp_naming"]["max_layers"]
+
+
+# --- Shared-expert fusion, decided by the engine's own functions ---------------------------------
+
+GPUS = [("rocm", "gfx950"), ("rocm", "gfx942"), ("rocm", "gfx90a"), ("cuda", "sm90"), ("cuda", "sm80"),
+        ("cuda", "sm75")]
+
+
+class _Flags(types.SimpleNamespace):
+    """Server args / runtime flags: only the fusion switches are read; anything else is off."""
+
+    def __getattr__(self, name):
+        return False
+
+
+def _stubs(whl, serving, quant_blocks) -> dict:
+    cap = serving.capability
+    flags = _Flags(disable_shared_experts_fusion=serving.disable_shared_experts_fusion,
+                   enforce_shared_experts_fusion=False, ep_num_redundant_experts=0)
+    flags.moe = flags
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_capability=lambda *a: cap),
+                                  musa=types.SimpleNamespace(get_device_capability=lambda *a: (0, 0)),
+                                  nn=types.SimpleNamespace(Module=object))
+    off = lambda *a, **k: False
+    backend = types.SimpleNamespace(is_deepep=off, is_mori=off, is_marlin=off)
+    return {"_is_cuda": serving.platform == "cuda", "_is_hip": serving.platform == "rocm", "_is_musa": False,
+            "torch": torch, "get_global_server_args": lambda: flags, "get_server_args": lambda: flags,
+            "get_exec": lambda: flags, "get_flags": lambda: flags,
+            "get_parallel": lambda: types.SimpleNamespace(moe_ep_size=serving.ep, tp_size=serving.tp),
+            "get_moe_expert_parallel_world_size": lambda: serving.ep, "get_moe_a2a_backend": lambda: backend,
+            "get_moe_runner_backend": lambda: backend, "is_sbo_enabled": off, "is_tbo_enabled": off,
+            "is_deepep_class_backend": off, "is_wint4afp8_or_wint4a16_config": off, "is_sm90_supported": off,
+            "should_apply_glm_nextn_moe_ptpc": off, "log_info_on_rank0": lambda *a: None,
+            "quant_blocks_shared_experts_fusion": quant_blocks}
+
+
+def _draft_config_arch(whl, main_arch: str) -> str:
+    """The architecture configs/model_config.py gives a draft of ``main_arch`` (the last rewrite wins)."""
+    arch = main_arch
+    for node in ast.walk(parsed(whl, "sglang/srt/configs/model_config.py")):
+        if isinstance(node, ast.If) and "is_draft_model" in ast.unparse(node.test) and arch in {
+                c.value for c in ast.walk(node.test) if isinstance(c, ast.Constant)}:
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "self.hf_config.architectures[0]":
+                    arch = ast.literal_eval(stmt.value)
+    return arch
+
+
+def _class_arch(whl, family: str, draft: bool) -> str:
+    """The architecture the model class compares: the argument it passes to
+    determine_num_fused_shared_experts (<= 0.5.17) or its fused_shared_experts_architecture."""
+    glm = class_def(whl, "sglang/srt/models/glm4_moe.py", "GlmMoeDsaForCausalLMNextN" if draft else
+                    "GlmMoeDsaForCausalLM") if family == "glm_moe_dsa" else None
+    deepseek = class_def(whl, "sglang/srt/models/deepseek_nextn.py", "DeepseekV3ForCausalLMNextN") if draft else \
+        class_def(whl, "sglang/srt/models/deepseek_v2.py", "DeepseekV2ForCausalLM")
+    for cls in (glm, deepseek):
+        if cls is None:
+            continue
+        if (arch := class_constant(cls, "fused_shared_experts_architecture")) is not None:
+            return arch
+        for call in ast.walk(cls):
+            if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("determine_num_fused_shared_experts") \
+                    and call.args:
+                return ast.literal_eval(call.args[0])
+    default = method_def(class_def(whl, "sglang/srt/models/deepseek_v2.py", "DeepseekV2ForCausalLM"),
+                         "determine_num_fused_shared_experts")
+    return ast.literal_eval(default.args.defaults[0])
+
+
+def _fusion_engine(whl, family: str, draft: bool):
+    """(config, exclude, kind, serving) -> whether this release fuses, decided by its own functions."""
+    model = "sglang/srt/models/deepseek_v2.py"
+    names = {"shared_experts_fusion_disable_reason", "determine_num_fused_shared_experts",
+             "fused_shared_experts_architecture"}
+    cls = methods(whl, model, "DeepseekV2ForCausalLM", names)["cls"]
+    gate = cls.__dict__.get("shared_experts_fusion_disable_reason")
+    quark = None
+    if gate is not None:
+        qpath = "sglang/srt/layers/quantization/quark/quark.py"
+        consts = load(whl, qpath, [n for n in ("_MOE_SHARED_EXPERT_QUANT_LAYER0_BASES", "_SHARED_EXPERT_BODY_PROJ_SUFFIXES",
+                                               "_MOE_SHARED_EXPERT_QUANT_DRAFT_BASES") if n in source(whl, qpath)])
+        wanted = ["can_fuse_shared_expert", "shared_expert_excluded_from_quant", "_is_draft_layer",
+                  "shared_expert_online_mxfp4_supported", "_warn_online_mxfp4_unavailable"]
+        quark = methods(whl, qpath, "QuarkConfig", wanted)
+        blocks = load(whl, "sglang/srt/models/deepseek_common/utils.py", ["quant_blocks_shared_experts_fusion"])
+    class_arch = _class_arch(whl, family, draft)
+    main_arch = "GlmMoeDsaForCausalLM" if family == "glm_moe_dsa" else "DeepseekV3ForCausalLM"
+    config_arch = _draft_config_arch(whl, main_arch) if draft else main_arch
+
+    def decide(config, exclude, kind, serving) -> bool:
+        hf = types.SimpleNamespace(**{**config, "architectures": [config_arch]})
+        if kind == "quark":
+            qc = object.__new__(quark["cls"]) if quark else types.SimpleNamespace()
+            qc.exclude_layers, qc.quant_config = list(exclude), {"exclude": list(exclude), "layer_quant_config": {}}
+            qc.num_hidden_layers, qc.num_nextn_predict_layers = config["num_hidden_layers"], 1
+            qc.get_name = lambda: "quark"
+        else:
+            qc = types.SimpleNamespace(get_name=lambda: kind)
+        if gate is None:  # <= 0.5.17: the model instance decides in __init__
+            stubs = _stubs(whl, serving, None)
+            fn = cls.__dict__["determine_num_fused_shared_experts"]
+            fn.__globals__.update(stubs)
+            model_self = types.SimpleNamespace(config=hf, quant_config=qc)
+            with _served("sglang.srt.arg_groups.overrides", declare_load_time_override=lambda *a: None):
+                fn(model_self, class_arch)
+            return model_self.num_fused_shared_experts > 0
+        blocks["quant_blocks_shared_experts_fusion"].__globals__.update(blocks)
+        quark["ns"].update(consts, **_stubs(whl, serving, None), is_hip=lambda: serving.platform == "rocm")
+        stubs = _stubs(whl, serving, blocks["quant_blocks_shared_experts_fusion"])
+        fn = gate.__func__
+        fn.__globals__.update(stubs)
+        owner = type("Model", (), {"fused_shared_experts_architecture": class_arch})
+        disabled = serving.disable_shared_experts_fusion  # resolve_shared_experts_config / install_..._decision
+        return not disabled and fn(owner, hf, qc) is None
+    return decide
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["main", "draft"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3"])
+@pytest.mark.parametrize(("rules", "release"), SGLANG_RELEASES, ids=release_ids(SGLANG_RELEASES))
+def test_shared_expert_fusion_decisions_are_the_engines(rules, release, family, draft):
+    from quant.engines.fusion import loader_mapped, no_fusion_reason
+    from quant.engines.serving import serving
+
+    engine = _fusion_engine(engine_wheel(rules, release), family, draft)
+    rng = random.Random(f"fusion{release}{family}{draft}")
+    layers = 61 if family == "deepseek_v3" else 78
+    pool = [f"model.layers.{n}.mlp.shared_experts.{p}" for n in (3, layers) for p in ("gate_proj", "down_proj")] + [
+        "re:.*shared_experts.*", "mtp.layers.0.mlp.shared_experts.up_proj", "model.decoder.mlp.shared_experts.gate_proj",
+        "model.layers.3.mlp.shared_expert_gate", f"model.layers.{layers}.mlp.experts", "model.layers.3.mlp.experts",
+        "lm_head", "model.layers.3.self_attn.q_a_proj"]
+    disagree, fused = [], 0
+    for _ in range(CASES):
+        config = {"num_hidden_layers": layers, "n_routed_experts": rng.choice([256, 256, 384, 160]),
+                  "n_shared_experts": rng.choice([1, 1, 1, 2]), "num_nextn_predict_layers": 1}
+        exclude = rng.sample(pool, rng.randint(0, 4))
+        kind = rng.choice(["quark", "quark", "fp8"])
+        platform, arch = rng.choice(GPUS)
+        setup = serving(platform, arch, tp=8, ep=rng.choice([1, 1, 8]),
+                        disable_shared_experts_fusion=rng.random() < 0.15)
+        entries = loader_mapped(exclude, rules, family) if draft else exclude
+        theirs = engine(config, entries, kind, setup)
+        ours = no_fusion_reason(rules, family, {**config, "architectures": [
+            "GlmMoeDsaForCausalLM" if family == "glm_moe_dsa" else "DeepseekV3ForCausalLM"]}, kind, entries, setup,
+            draft) is None
+        fused += theirs
+        if theirs != ours:
+            disagree.append((config, exclude, kind, setup.label(), theirs, ours))
+    assert not disagree, disagree[:3]
+    assert fused or (family, draft) == ("glm_moe_dsa", True)  # the cases reach both answers
