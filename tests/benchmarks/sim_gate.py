@@ -19,6 +19,11 @@ domain's), trials as repeats and, in one cell, infrastructure errors in the refe
 few-discordance cells have losses only (the percentile bootstrap passed them too often).
 
 False pass is PASS at the margin: the policy promises at most 5% (one-sided 95% bounds).
+
+Sequential cells judge one run after each repeat and stop at the first PASS or FAIL: at the levels
+`gate plan` fixes (Lan-DeMets O'Brien-Fleming spending, ``evals.design.plan_looks`` from its stated
+item model), and, to show why, naively at the policy's 95% at every look; "mean repeats" is how
+many repeats the looks used on average.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import Pool
 
 import numpy as np
 
+from evals.design import DEFAULT_ASSUMPTIONS, plan_looks
 from evals.gate import compare_benchmark, judge
 from evals.policy import load_policy
 
@@ -70,6 +76,7 @@ class Cell:
     mix: Mix | None  # None: tau2's domains
     discordance: float | None  # expected share of (item, repeat) outcomes flipped; None: losses only
     infra: float = 0.0  # reference simulations lost to infrastructure errors (tau2)
+    looks: str = ""  # "planned": judged after each repeat at the plan's levels; "naive": each at the policy's
 
 
 CELLS = [
@@ -83,7 +90,27 @@ CELLS = [
     Cell("tau2 278x4, ref 4.5% infra", "tau2", 278, 4, None, 0.15, infra=0.045),
     Cell("few: GSM8K 200x1 losses only", "gsm8k", 200, 1, GREEDY, None),
     Cell("few: GSM8K 300x1 losses only", "gsm8k", 300, 1, GREEDY, None),
+    Cell("GPQA 198x8, planned looks", "gpqa_diamond", 198, 8, GPQA, 0.10, looks="planned"),
+    Cell("GPQA 198x8, naive looks at 95%", "gpqa_diamond", 198, 8, GPQA, 0.10, looks="naive"),
+    Cell("tau2 278x4, planned looks", "tau2", 278, 4, None, 0.15, looks="planned"),
 ]
+
+
+def look_levels(cell: Cell, policy) -> list[float]:
+    """The one-sided level of each look after repeat 1..R: the plan's (spent) or, naively, the policy's."""
+    if cell.looks == "naive":
+        return [policy.confidence] * cell.repeats
+    return [lk["confidence"] for lk in plan_looks(DEFAULT_ASSUMPTIONS[cell.benchmark], cell.repeats, 1 - policy.confidence)]
+
+
+def sequential_verdict(ref: np.ndarray, cand: np.ndarray, strata, rules, policy, levels: list[float]) -> tuple[str, int]:
+    """``(verdict, repeats used)`` of a run judged after each repeat, stopping at the first PASS or FAIL."""
+    for k, level in enumerate(levels, 1):
+        verdict = judge(ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), strata, rules,
+                        replace(policy, confidence=level))[1]
+        if verdict != "INCONCLUSIVE":
+            break
+    return verdict, k
 
 
 def arms(rng: np.random.Generator, mix: Mix, n: int, repeats: int, discordance: float | None,
@@ -138,9 +165,14 @@ def run(task: tuple[Cell, float, int, int]) -> Counter:
     policy, rng = load_policy(), np.random.default_rng(seed)
     rules = policy.of(cell.benchmark)
     out: Counter = Counter()
+    levels = look_levels(cell, policy) if cell.looks else None
     for _ in range(sims):
         ref, cand, strata, infra = simulate(rng, cell, delta)
-        if cell.infra:
+        if levels:
+            verdict, used = sequential_verdict(ref, cand, strata, rules, policy, levels)
+            out[verdict] += 1
+            out["repeats used"] += used
+        elif cell.infra:
             out[compare_benchmark(cell.benchmark, rows(cell, ref, cand, strata, infra), policy).verdict] += 1
         else:
             out[judge(ref.mean(axis=1), cand.mean(axis=1), strata, rules, policy)[1]] += 1
@@ -165,6 +197,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes (default 2; this is a shared machine)")
     parser.add_argument("--cells", default="", help="comma-separated name fragments; default: every cell")
     parser.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
+    parser.add_argument("--at", default="0,-margin,-margin-0.01",
+                        help="true deltas to simulate, of 0,-margin,-margin-0.01 (default: all three)")
     args = parser.parse_args()
     policy = load_policy()
     cells = [c for c in CELLS if not args.cells or any(f.lower() in c.name.lower() for f in args.cells.split(","))]
@@ -173,6 +207,8 @@ def main() -> None:
     for k, cell in enumerate(cells):
         margin = policy.of(cell.benchmark).margin
         for j, (label, delta) in enumerate((("0", 0.0), ("-margin", -margin), ("-margin-0.01", -margin - 0.01))):
+            if label not in args.at.split(","):
+                continue
             for part in range(chunks):
                 tasks.append((cell, delta, args.sims // chunks + (part < args.sims % chunks), 1000 * (100 * k + 10 * j) + part))
                 keys.append((cell.name, label, delta, margin))
@@ -186,14 +222,16 @@ def main() -> None:
     if not args.json:
         print(f"{'cell':<32} {'margin':>6} {'true delta':>10} {'PASS':>6} {'INCONCL':>7} {'FAIL':>6} {'sims':>5}")
     for (name, label, delta, margin), c in merged.items():
-        total = sum(c.values())
+        total = sum(c[v] for v in ("PASS", "INCONCLUSIVE", "FAIL"))
         rates = {v: c[v] / total for v in ("PASS", "INCONCLUSIVE", "FAIL")}
+        used = c["repeats used"] / total if c["repeats used"] else None  # sequential cells only
         if args.json:
-            print(json.dumps({"cell": name, "margin": margin, "delta": delta, "sims": total, **rates}))
+            print(json.dumps({"cell": name, "margin": margin, "delta": delta, "sims": total, **rates,
+                              "mean_repeats": used}))
         else:
             flag = "  <- false pass above 5.5%" if label == "-margin" and rates["PASS"] > 0.055 else ""
             print(f"{name:<32} {margin:>6} {delta:>+10.2f} {rates['PASS']:>6.3f} {rates['INCONCLUSIVE']:>7.3f} "
-                  f"{rates['FAIL']:>6.3f} {total:>5}{flag}")
+                  f"{rates['FAIL']:>6.3f} {total:>5}" + (f"  mean repeats {used:.2f}" if used else "") + flag)
     if not args.json:
         print("\n".join(fixed_cases()))
         print(f"{len(cells) * 3} cells x {args.sims} simulations in {time.time() - start:.0f} s ({args.workers} workers)")
