@@ -152,3 +152,25 @@ def test_bootstrap_of_per_item_means_over_three_repeats_is_centred():
     boot = _bootstrap_means([d], 20000, np.random.default_rng(0))
     assert boot.mean() == pytest.approx(d.mean(), abs=0.002) and boot.std() == pytest.approx(d.std() / np.sqrt(198),
                                                                                               rel=0.05)
+
+
+def test_a_pilot_gives_the_variance_components(tmp_path, capsys):
+    from evals.stats import variance_components
+    from tests.evals.test_gate import bundle
+
+    rng = np.random.default_rng(2)
+    ref, cand = (rng.random((120, 3)) < 0.8).astype(int), (rng.random((120, 3)) < 0.75).astype(int)
+    r = bundle(tmp_path / "r", "gpqa_diamond", ref.tolist(), repeats=3)
+    c = bundle(tmp_path / "c", "gpqa_diamond", cand.tolist(), repeats=3)
+    code = gate(["plan", "--benchmarks", "gpqa_diamond", "--pilot-reference", str(r), "--pilot-candidate", str(c),
+                 "--json"])
+    assumed = json.loads(capsys.readouterr().out)["benchmarks"]["gpqa_diamond"]["assumptions"]
+    between, within = variance_components((cand - ref).astype(float))
+    assert code in (0, 1) and assumed["between"] == pytest.approx(between) and assumed["within"] == pytest.approx(within)
+    assert assumed["source"].startswith("pilot: ") and "120 items x 3 repeats" in assumed["source"]
+    gate(["plan", "--benchmarks", "gpqa_diamond", "--pilot-reference", str(r), "--json"])  # one arm: within only
+    alone = json.loads(capsys.readouterr().out)["benchmarks"]["gpqa_diamond"]["assumptions"]
+    assert alone["within"] == pytest.approx(2 * ref.var(axis=1, ddof=1).mean()) and alone["between"] == 0.025
+    one = bundle(tmp_path / "one", "gsm8k", ref[:, 0].tolist())
+    assert gate(["plan", "--benchmarks", "gsm8k", "--pilot-reference", str(one)]) == 2
+    assert "one repeat, which shows no sampling noise" in capsys.readouterr().err
