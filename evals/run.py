@@ -289,8 +289,31 @@ def scores_of(rows: list[dict], benchmarks: dict[str, dict]) -> dict:
     return out
 
 
+def quiet_libraries() -> None:
+    """Silence what lm-eval, transformers and datasets print that a user cannot act on: lm-eval's
+    notes on how it was called, datasets' progress bars over the local JSONL, transformers' load
+    report listing the MTP layer's tensors (its model has no MTP layer; the engines use it only for
+    speculative decoding), and the `git describe` lm-eval 0.4.13 runs in the user's folder
+    (``lm_eval.evaluator.simple_evaluate`` -> ``get_git_commit_hash``: "fatal: not a git repository").
+    run.json records versions itself."""
+    import lm_eval.evaluator
+
+    for name in ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.api.task"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    except ImportError:  # neither is needed against a server
+        pass
+
+
 def run(spec: RunSpec, resume: bool = False) -> dict:
     """Run every unit not already finished under the same identity, then write the bundle."""
+    quiet_libraries()
     writer = BundleWriter(spec.out, resume)
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
     datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}

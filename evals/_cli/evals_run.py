@@ -259,15 +259,18 @@ def _until_decided(args: argparse.Namespace, spec) -> int:
     print(json.dumps({"out": str(args.out), "verdict": result["accuracy"]["verdict"],
                       "looks": len(result["looks"]), "blocking": result["accuracy"]["blocking"]}, indent=2))
     return EXIT_PASS if result["accuracy"]["verdict"] == PASS else EXIT_BLOCK
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def human_summary(out: Path, result: dict) -> str:
     """Each benchmark's score with its n and 95% interval, then what the bundle holds."""
     lines = []
     for bench, s in result["scores"].items():
-        repeats = f"{s['repeats']} repeats" if s["repeats"] != 1 else "1 repeat"
         lines.append(f"{bench:<14} {100 * s['score']:5.1f}%  (95% CI {100 * s['ci_low']:.1f}-{100 * s['ci_high']:.1f}%; "
-                     f"{s['items']} items x {repeats}, filter {s['filter']})")
-    shape = " + ".join(f"{s['rows']} {b} ({s['items']} items x {s['repeats']} repeats x {s['filters']} filters)"
-                       for b, s in result["scores"].items())
+                     f"{_count(s['items'], 'item')} x {_count(s['repeats'], 'repeat')}, filter {s['filter']})")
+    shape = " + ".join(f"{s['rows']} {b} ({_count(s['items'], 'item')} x {_count(s['repeats'], 'repeat')} x "
+                       f"{_count(s['filters'], 'scoring filter')})" for b, s in result["scores"].items())
     lines.append(f"wrote {out}: run.json and samples.jsonl, {result['rows']} rows = {shape}")
     if result.get("redone_on_resume"):
         lines.append(f"redone on resume: {', '.join(result['redone_on_resume'])}")

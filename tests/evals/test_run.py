@@ -59,13 +59,16 @@ def run_cli(*args) -> int:
     return evals_main(["run", *map(str, args)])
 
 
-def test_local_model_bundle(glm_ckpt, data_dir, tmp_path, capsys):
+def test_local_model_bundle(glm_ckpt, data_dir, tmp_path, capfd):
     out = tmp_path / "local"
     assert run_cli("--benchmarks", "gsm8k", "--out", out, "--data-dir", data_dir, "--model", glm_ckpt,
                    "--limit", 3, *GEN) == 0
-    printed = capsys.readouterr().out  # the score a person reads, with its n and interval
+    said = capfd.readouterr()
+    printed = said.out  # the score a person reads, with its n and interval
     assert re.search(r"gsm8k +0\.0%  \(95% CI 0\.0-\d+\.\d%; 3 items x 1 repeat, filter flexible-extract\)", printed), printed
-    assert "6 rows = 6 gsm8k (3 items x 1 repeats x 2 filters)" in printed
+    assert "6 rows = 6 gsm8k (3 items x 1 repeat x 2 scoring filters)" in printed
+    for noise in ("fatal: not a git repository", "LOAD REPORT", "Generating train split", "specified through cli"):
+        assert noise not in said.err, noise  # what a user cannot act on stays quiet (fd 2: git's own output too)
     run, rows = read_bundle(out)
     assert run["scores"]["gsm8k"] == {**run["scores"]["gsm8k"], "score": 0.0, "items": 3, "repeats": 1, "rows": 6}
     manifest = json.loads((data_dir / "manifest.json").read_text())
