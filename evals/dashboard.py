@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import ScalarFormatter
 
 from evals import render
 from evals.gate import accuracy_gate
@@ -227,12 +228,15 @@ def load_curves(data: dict):
             ax.axvline(geo, color=colour, linestyle=":", linewidth=1, label=f"{name} knee {geo:.3g} req/s")
     ax.axhline(slo, linestyle="--", color="grey", label=f"SLO {slo:g} s")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("achieved requests per second")
     ax.set_ylabel("TTFT p95 (s)")
     ratio = load_result.get("ratio")
     bounds = (f", ratio {ratio:.3f}" + (f" [{load_result['lower']:.3f}, {load_result['upper']:.3f}]"
                                         if load_result.get("lower") is not None else "")) if ratio else ""
-    ax.set_title(f"serving load: {load_result['verdict']}{bounds} (diamonds: knees, 95%)", fontsize=10)
+    ax.set_title(f"serving load: {load_result['verdict']}{bounds}\n(diamonds: each sweep's knee, bootstrap 95%)",
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

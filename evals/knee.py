@@ -201,7 +201,7 @@ def ratio_verdict(cand: dict, ref: dict, margin: float) -> dict:
         return out | {"verdict": FAIL, "why": f"{span}: the upper bound is < {1 - margin:.3g} (margin {margin:g}); "
                                                "the candidate sustains less load within the SLO"}
     n = sweeps_to_decide(d, var, threshold, max(len(lc), len(lr)))
-    more = (f"about {n} sweeps per arm would decide it at this spread (evals load --repeats {n})" if n else
+    more = (f"about {n} sweeps per arm would decide it at this spread (rerun evals load --repeats {n})" if n else
             f"more sweeps would not decide it within {MAX_SWEEPS} per arm: the ratio sits on the margin")
     return out | {"verdict": INCONCLUSIVE, "sweeps_to_decide": n,
                   "why": f"{span} straddle {1 - margin:.3g} (margin {margin:g}): {more}"}
@@ -294,13 +294,16 @@ def knee_text(k: dict) -> str:
 
 
 def human(result: dict) -> str:
-    lines = [f"{'':<10} {'knee RPS':>9} {'sweeps':>6}  per sweep: knee [bootstrap 95%] (between rates)"]
+    lines = [f"{'':<10} {'sweep':<8} {'knee RPS':>9} {'bootstrap 95%':>16}  bracket"]
     for name in ("candidate", "reference"):
         arm = result["arms"][name]
-        lines.append(f"{name:<10} {_cell(arm['knee_rps'], '9.3f')} {arm['n']:>6}  "
-                     + "; ".join(f"{knee_text(k)} ({k['why']})" for k in arm["sweeps"]))
+        for k in arm["sweeps"]:
+            span = f"[{k['interval'][0]:.3f}, {k['interval'][1]:.3f}]" if k["interval"] else "-"
+            lines.append(f"{name:<10} {Path(k['sweep']).name:<8} {_cell(k['rps'], '.3f'):>9} {span:>16}  {k['why']}")
+        lines.append(f"{name:<10} {'all':<8} {_cell(arm['knee_rps'], '.3f'):>9} {'':>16}  geometric mean of "
+                     f"{arm['bracketed']} bracketed of {arm['n']} sweeps")
     if result["ratio"] is not None:
-        lines.append(f"ratio (candidate / reference, geometric means): {result['ratio']:.3f}"
+        lines.append(f"ratio (candidate / reference): {result['ratio']:.3f}"
                      + (f", one-sided 95% bounds [{result['lower']:.3f}, {result['upper']:.3f}]"
                         if result["lower"] is not None else "")
                      + f"; margin {result['margin']:g} (PASS needs the lower bound >= {1 - result['margin']:.3g})")

@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--p95-noise", type=float, default=0.10, help="SD of a rate's log TTFT p95 beyond sampling")
     parser.add_argument("--seconds", type=float, default=120, help="seconds per rate (requests = rate x seconds)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples per sweep")
+    parser.add_argument("--capacities", type=float, nargs="+", default=[1.0, 0.9, 0.8],
+                        help="the candidate's capacity as a share of the reference's (one row each)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -89,7 +91,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sim-load-") as tmp:
         for cap_noise in args.cap_noise:
             args.cap_noise = cap_noise
-            for label, share in (("identical (A/A)", 1.0), ("10% less capacity", 0.9), ("20% less capacity", 0.8)):
+            for share in args.capacities:
+                label = "identical (A/A)" if share == 1 else f"{1 - share:.0%} less capacity"
                 counts: Counter = Counter()
                 started = time.perf_counter()
                 for t in range(args.trials):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 
-def send_json(handler, payload) -> None:
+def send_json(handler, payload, code: int = 200) -> None:
     """Answer an HTTP request with ``payload`` as JSON (the scripted OpenAI-compatible endpoints)."""
     data = json.dumps(payload).encode()
-    handler.send_response(200)
+    handler.send_response(code)
     handler.send_header("content-type", "application/json")
     handler.send_header("content-length", str(len(data)))
     handler.end_headers()

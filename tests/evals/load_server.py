@@ -25,6 +25,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.evals.conftest import send_json
+
 _ids = itertools.count()
 
 
@@ -55,32 +57,25 @@ def make_handler(engine: Engine, model: str, tokens: int, itl_s: float):
         def log_message(self, *args):  # quiet
             pass
 
-        def _json(self, code: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def do_GET(self):
             if self.path.rstrip("/").endswith("/models"):
-                return self._json(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+                return send_json(self, {"object": "list", "data": [{"id": model, "object": "model"}]})
             if self.path.startswith("/health"):
-                return self._json(200, {"status": "ok"})
-            return self._json(404, {"error": {"message": f"no route {self.path}"}})
+                return send_json(self, {"status": "ok"})
+            return send_json(self, {"error": {"message": f"no route {self.path}"}}, 404)
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if not self.path.endswith("/v1/completions"):
-                return self._json(404, {"error": {"message": f"no route {self.path}"}})
+                return send_json(self, {"error": {"message": f"no route {self.path}"}}, 404)
             if body.get("model") != model:
-                return self._json(404, {"error": {"message": f"model {body.get('model')!r} is not served"}})
+                return send_json(self, {"error": {"message": f"model {body.get('model')!r} is not served"}},
+                                 404)
             n = min(int(body.get("max_tokens") or tokens), tokens)
             rid = f"cmpl-{next(_ids)}"
             engine.prefill()
             if not body.get("stream"):
-                return self._json(200, {"id": rid, "object": "text_completion", "model": model,
+                return send_json(self, {"id": rid, "object": "text_completion", "model": model,
                                         "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
                                         "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
             try:
