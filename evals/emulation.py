@@ -63,6 +63,10 @@ class Emulation:
     activations: str | None  # None: weight-only (W4A16 / W8A16)
     activation_scale_rule: str | None = None  # MX only
     activation_group: int | None = None  # values sharing a scale, along the last dim, per token
+    # Element rounding of weights and activations: to nearest, ties to even, as Quark 0.13's HIP kernel
+    # (``qdq_mxfp4``, what ROCm serving runs) and its fake quantization round; FP8's e4m3 cast rounds
+    # the same way (docs/reference.md §2).
+    rounding: str = "half_even"
     modules: list[str] = field(default_factory=list)  # checkpoint modules with quantized weights
 
     @property
@@ -308,10 +312,14 @@ def _register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
-def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
     """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
 
-    Raises ``BadInput`` (an unreadable folder) or ``EmulationRefused`` (a scheme not covered)."""
+    ``dtype`` is the compute dtype: bfloat16 by default, as the engines compute (activations are
+    quantize-dequantized in it, as vLLM's emulation does). Every checkpoint, quantized or not, runs
+    the same experts loop (``experts_forward``), so a conversion differs from its bf16 source by
+    the quantization alone. Raises ``BadInput`` (an unreadable folder) or ``EmulationRefused`` (a
+    scheme not covered)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -319,15 +327,16 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.flo
     except CheckpointError as exc:
         raise BadInput(str(exc)) from None
     emulation = emulation_of(checkpoint.config)
+    _register()
     if emulation is None:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device,
+                                                     experts_implementation=EXPERTS_IMPLEMENTATION)
         return model.eval(), None
     fmt = emulation.weight_format
     emulation = replace(emulation, modules=quantized_modules(checkpoint.tensors(), fmt))
     if not emulation.modules:
         raise EmulationRefused(f"{checkpoint.config_path} declares {emulation.weights} but no shard holds a "
                                f"{fmt.weight_dtype} weight with its {fmt.scale_suffix}: nothing to emulate")
-    _register()
     config = AutoConfig.from_pretrained(checkpoint.folder)
     config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(),
                                   "num_hidden_layers": checkpoint.config_int("num_hidden_layers")}

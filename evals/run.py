@@ -35,6 +35,14 @@ PROTOCOLS = {
     "gpqa_diamond": {"task": "quantgate_gpqa_diamond", "limit": None, "seeds": [0, 1],
                      "primary_filter": "flexible-extract"},
 }
+# Local checkpoints generate greedily, KV-cached, this many prompts at a time (lm-eval's HFLM pads
+# them on the left with an attention mask; generate derives position ids from it): on the built-in
+# example, batches of 32 cost ~5 CPU ms per item-token against ~25 one at a time, and larger ones
+# gain nothing (tests/benchmarks/bench_local_eval.py).
+LOCAL_BATCH_SIZE = 32
+# One torch thread on CPU: a small model is bound by Python and launch overhead, and on a shared
+# machine two threads spinning in OpenMP barriers measured 12x slower per token than one.
+LOCAL_CPU_THREADS = 1
 DEFAULT_REQUEST_TIMEOUT_S = 600  # per request; a 16384-token answer from a slow server takes minutes
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,9 @@ class RunSpec:
     keep_text: bool = False
     tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
     device: str | None = None  # local model: cuda when present, else cpu
-    dtype: str | None = None  # local model: bfloat16 on cuda, float32 on cpu
+    dtype: str | None = None  # local model: None is bfloat16, what the engines compute in (float32 on request)
+    batch_size: int = LOCAL_BATCH_SIZE  # local model: prompts generated together (results do not depend on it)
+    threads: int | None = None  # local model on cpu: torch threads (None: LOCAL_CPU_THREADS)
     plan: dict | None = None  # `gate plan`'s: each planned benchmark's items and seeds (recorded in run.json)
     repeats_now: dict[str, int] | None = None  # a sequential look: only a benchmark's first N repeats run yet
 
@@ -79,7 +89,15 @@ class RunSpec:
         import torch
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return device, self.dtype or ("bfloat16" if device == "cuda" else "float32")
+        return device, self.dtype or "bfloat16"
+
+    def local_record(self, emulation: dict | None) -> dict:
+        """What run.json says about how a local checkpoint computed (``local``)."""
+        device, dtype = self.local_device()
+        return {"device": device, "dtype": dtype,
+                "dtype_from": "--dtype" if self.dtype else "default: bfloat16, as sglang and vLLM compute",
+                "batch_size": self.batch_size, "threads": (self.threads or LOCAL_CPU_THREADS) if device == "cpu" else None,
+                "emulation": emulation}
 
 
 def _task_dir(spec: RunSpec, datasets: dict[str, Dataset]) -> Path:
@@ -131,6 +149,8 @@ def _local_model(spec: RunSpec):
 
     device, dtype = spec.local_device()
     key = (str(Path(spec.model).resolve()), device, dtype)
+    if device == "cpu":
+        torch.set_num_threads(spec.threads or LOCAL_CPU_THREADS)
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = load_model(Path(spec.model), device, getattr(torch, dtype))
@@ -177,7 +197,8 @@ def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path,
         task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         limit=spec.limit_for(benchmark), log_samples=True, apply_chat_template=spec.api == "chat" and bool(spec.base_url),
         gen_kwargs={"max_gen_toks": spec.max_gen_toks, "until": stop}, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=budget.FEWSHOT_SEED, batch_size=1)
+        torch_random_seed=seed, fewshot_random_seed=budget.FEWSHOT_SEED,
+        batch_size=1 if spec.base_url else spec.batch_size)  # a server batches by itself (--concurrency)
     samples = results["samples"][PROTOCOLS[benchmark]["task"]]
     rows = []
     for s in samples:
@@ -325,8 +346,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
     eos = _eos(spec) if lm_eval_benchmarks else None
     local = None
     if not spec.base_url and lm_eval_benchmarks:  # load (or refuse) a local checkpoint before any unit runs
-        device, dtype = spec.local_device()
-        local = {"device": device, "dtype": dtype, "emulation": _local_model(spec)[1]}
+        local = spec.local_record(_local_model(spec)[1])
     started, timings = time.time(), {}
     rows: list[dict] = []
     benchmarks: dict[str, dict] = {}
@@ -364,7 +384,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         "concurrency": spec.concurrency, "versions": _versions(),
         "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
         "created_unix": int(started), "keep_text": spec.keep_text,
-        "local": local,  # device, dtype and, for a quantized checkpoint, what was emulated (evals.emulation)
+        "local": local,  # device, dtype, batching and, for a quantized checkpoint, what was emulated (evals.emulation)
         **({"plan": spec.plan} if spec.plan else {}),  # the gate judges the run at the plan's looks
         "scores": scores_of(rows, benchmarks),
     }

@@ -33,7 +33,7 @@ finished units are kept, rerun with --resume)"""
 
 def register(sub) -> None:
     from evals.budget import DEFAULT_MAX_GEN_TOKS
-    from evals.run import DEFAULT_REQUEST_TIMEOUT_S
+    from evals.run import DEFAULT_REQUEST_TIMEOUT_S, LOCAL_BATCH_SIZE, LOCAL_CPU_THREADS
 
     p = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,7 +74,15 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="local checkpoint only: where it runs (default cuda when present, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
-                   help="local checkpoint only: compute dtype (default bfloat16 on cuda, float32 on cpu)")
+                   help="local checkpoint only: compute dtype (default bfloat16, what sglang and vLLM compute in, on "
+                        "cpu too; float32 moves a tiny model about as far as MXFP4 does, so runs of different "
+                        "dtypes are never paired; recorded in run.json)")
+    p.add_argument("--batch-size", type=int, default=LOCAL_BATCH_SIZE, metavar="N",
+                   help=f"local checkpoint only: prompts generated together, greedy and KV-cached (default "
+                        f"{LOCAL_BATCH_SIZE}); the answers do not depend on it, only the speed")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help=f"local checkpoint on cpu only: torch threads (default {LOCAL_CPU_THREADS}: a small model is "
+                        "Python-bound, and extra threads spin on a shared machine)")
     g = p.add_argument_group("a planned run (`gate plan`; README: Planning a release run)")
     g.add_argument("--plan", type=Path, help="a plan written by `gate plan --out`: its items and seeds per benchmark "
                                              "(instead of --limit/--seeds); run.json records it and the gate judges the "
@@ -183,7 +191,7 @@ def _listening(root: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from evals.data import DataError
-    from evals.run import PROTOCOLS, RunSpec
+    from evals.run import LOCAL_BATCH_SIZE, PROTOCOLS, RunSpec
     from evals.run import run as run_benchmarks
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
@@ -197,8 +205,11 @@ def run(args: argparse.Namespace) -> int:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
         raise DataError(f"--seeds {args.seeds!r}: expected a comma list of integers, e.g. 0,1") from None
-    if args.base_url and (args.device or args.dtype):
-        raise DataError("--device/--dtype apply to a local checkpoint; with --base-url the server decides")
+    if args.base_url and (args.device or args.dtype or args.threads or args.batch_size != LOCAL_BATCH_SIZE):
+        raise DataError("--device/--dtype/--batch-size/--threads apply to a local checkpoint; with --base-url the "
+                        "server decides (--concurrency sets the requests in flight)")
+    if args.batch_size < 1 or (args.threads is not None and args.threads < 1):
+        raise DataError(f"--batch-size {args.batch_size} / --threads {args.threads}: give a whole number >= 1")
     if args.base_url:
         args.base_url = endpoint_url(args.base_url, args.api)
     check_model(args)
@@ -213,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                    request_timeout=args.request_timeout, seeds=seeds,
                    tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype,
-                   plan=plan)
+                   batch_size=args.batch_size, threads=args.threads, plan=plan)
     if args.until_decided:
         return _until_decided(args, spec)
     result = run_benchmarks(spec, resume=args.resume)
