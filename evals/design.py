@@ -189,7 +189,7 @@ def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, s
     if benchmark not in ref_run["benchmarks"]:
         raise BadInput(f"--pilot-reference {reference}: holds no {benchmark} (it has {sorted(ref_run['benchmarks'])})")
     primary = ref_run["benchmarks"][benchmark].get("primary_filter", "flexible-extract")
-    pick = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == primary]  # noqa: E731
+    pick = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == primary]
     if candidate is not None:
         _, cand_rows = read_bundle(candidate)
         pairs = pair(pick(ref_rows), pick(cand_rows))

@@ -48,6 +48,15 @@ def _check(fractions: Sequence[float]) -> np.ndarray:
     return t
 
 
+def _beyond(level: float, start: np.ndarray, weight: np.ndarray, shift: float, sd: float) -> float:
+    """P(S_k >= level) for paths at ``start`` with probability ``weight`` moving by N(shift, sd^2)."""
+    return float(weight @ sps.norm.sf((level - start - shift) / sd))
+
+
+def _excess(level: float, start: np.ndarray, weight: np.ndarray, shift: float, sd: float, target: float) -> float:
+    return _beyond(level, start, weight, shift, sd) - target
+
+
 def _walk(fractions: Sequence[float], upper: Sequence[float | None], lower: Sequence[float | None] | None,
           drift: float, alpha: float | None = None) -> tuple[list[float], list[float], list[float]]:
     """``(upper boundaries, P(cross upper at k), P(cross lower at k))`` for Brownian motion with
@@ -63,23 +72,19 @@ def _walk(fractions: Sequence[float], upper: Sequence[float | None], lower: Sequ
     for k, tk in enumerate(t):
         step = tk - prev_t
         mean_shift, sd = drift * step, math.sqrt(step)
-        if mass is None:  # the first look: S(t_1) ~ N(drift * t_1, t_1)
-            cross = lambda b: float(sps.norm.sf((b - mean_shift) / sd))  # noqa: E731
-            below = lambda a: float(sps.norm.cdf((a - mean_shift) / sd))  # noqa: E731
-        else:
-            cross = lambda b: float(mass @ sps.norm.sf((b - grid - mean_shift) / sd))  # noqa: E731
-            below = lambda a: float(mass @ sps.norm.cdf((a - grid - mean_shift) / sd))  # noqa: E731
+        # the first look: S(t_1) ~ N(drift * t_1, t_1), one point mass at 0 carried forward
+        start, weight = (grid, mass) if mass is not None else (np.zeros(1), np.ones(1))
         if upper[k] is None:
             target = spent(tk, alpha) - spent(prev_t, alpha)
-            b = optimize.brentq(lambda b: cross(b) - target, -20, 40, xtol=1e-10)
+            b = optimize.brentq(_excess, -20, 40, args=(start, weight, mean_shift, sd, target), xtol=1e-10)
             z = b / math.sqrt(tk)
         else:
             z = float(upper[k])
             b = z * math.sqrt(tk)
         a = -math.inf if lower[k] is None else float(lower[k]) * math.sqrt(tk)
         bounds.append(z)
-        up.append(cross(b))
-        down.append(below(a) if math.isfinite(a) else 0.0)
+        up.append(_beyond(b, start, weight, mean_shift, sd))
+        down.append(1 - _beyond(a, start, weight, mean_shift, sd) if math.isfinite(a) else 0.0)
         # the density of S(t_k) on the grid, then only the part between the boundaries carries on
         if mass is None:
             density = sps.norm.pdf((grid - mean_shift) / sd) / sd

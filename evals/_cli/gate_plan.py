@@ -75,10 +75,16 @@ def _per_bench(items: list[str], flag: str, benchmarks: list[str], cast=float) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from evals.design import (DEFAULT_ASSUMPTIONS, DEFAULT_DROP, MAX_REPEATS, Assumptions, design, make_plan,
-                              pilot_assumptions, write_plan)
+    from evals.design import (
+        DEFAULT_ASSUMPTIONS,
+        DEFAULT_DROP,
+        MAX_REPEATS,
+        Assumptions,
+        design,
+        make_plan,
+        pilot_assumptions,
+        write_plan,
+    )
     from evals.gate import BENCHMARK_ITEMS
     from evals.policy import load_policy
 
@@ -116,21 +122,25 @@ def run(args: argparse.Namespace) -> int:
         designs.append(design(bench, assumed, rules.margin, drops.get(bench, DEFAULT_DROP), 1 - policy.confidence,
                               args.power, available, repeats.get(bench, MAX_REPEATS[bench]),
                               min(rules.min_items, available) or 1, not args.fixed, throughput.get(bench)))
-    plan = make_plan(designs, replace(policy), args.power)
+    plan = make_plan(designs, policy, args.power)
     if args.out:
         write_plan(plan, args.out)
     print(dumps(plan) if args.json else text(plan, args.out))
     return EXIT_PASS if all(d.feasible for d in designs) else EXIT_BLOCK
 
 
+def _rounded_up(margin: float) -> float:
+    """A certified margin to 3 decimals, rounded up: never claim more than the design certifies."""
+    return math.ceil(margin * 1000) / 1000
+
+
 def text(plan: dict, out: Path | None) -> str:
-    lines = [f"plan at one-sided confidence {plan['confidence']} (alpha {plan['alpha']:g}), power {plan['power']:.0%}, "
-             f"{plan['spending']}"]
+    lines = [(f"plan at one-sided confidence {plan['confidence']} (alpha {plan['alpha']:g}), power "
+              f"{plan['power']:.0%}, {plan['spending']}")]
     for bench, d in plan["benchmarks"].items():
-        up = lambda x: math.ceil(x * 1000) / 1000  # noqa: E731  (a certified margin is rounded up, never down)
         lines.append(f"\n{bench}: {d['items']} items x {d['repeats']} repeats (of {d['benchmark_items']} x "
                      f"{d['max_repeats']} allowed), margin {d['margin']}, plausible drop {d['drop']}")
-        lines.append(f"  power {d['power']:.1%} at the drop; certifies a margin of {up(d['certifiable_margin']):.3f} "
+        lines.append(f"  power {d['power']:.1%} at the drop; certifies a margin of {_rounded_up(d['certifiable_margin']):.3f} "
                      f"with {plan['power']:.0%} power; expected repeats at the drop {d['expected_repeats']:.2f}")
         a = d["assumptions"]
         lines.append(f"  variance per item: between {a['between']:.4g}, within {a['within']:.4g} ({a['source']})")

@@ -13,8 +13,16 @@ import yaml
 
 from evals import sequential
 from evals.cli import main as gate
-from evals.design import (DEFAULT_ASSUMPTIONS, Assumptions, design, operating, plan_looks, planned_look, read_plan,
-                          se_of)
+from evals.design import (
+    DEFAULT_ASSUMPTIONS,
+    Assumptions,
+    design,
+    operating,
+    plan_looks,
+    planned_look,
+    read_plan,
+    se_of,
+)
 from evals.errors import BadInput
 from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark
 from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
@@ -109,8 +117,8 @@ def test_planned_look_says_whether_a_run_follows_its_plan():
     assert planned_look(plan, "gpqa_diamond", 198, 2, 0.95)["final"]
     off = planned_look(plan, "gpqa_diamond", 150, 3, 0.95)
     assert not off["follows"] and off["confidence"] is None
-    assert off["findings"] == ["150 items compared, the plan has 198", "3 repeats is no look of the plan (looks at "
-                               "[1, 2] repeats)"]
+    assert off["findings"] == ["150 items compared, the plan has 198",
+                               "3 repeats is no look of the plan (looks at [1, 2] repeats)"]
 
 
 def test_gate_plan_cli_prints_writes_and_refuses_bad_flags(tmp_path, capsys):
