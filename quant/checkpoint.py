@@ -7,7 +7,10 @@ all see a checkpoint through this class, so the rules below hold for each of the
   names ending in ``.safetensors``: no ``/``, no ``..``, no absolute path. Every file this tool
   reads or writes for a shard is ``folder / name``, so a hostile index cannot make it read or
   write outside the folder;
-- a shard must be a regular file (a FIFO would block the reader) whose header the safetensors
+- a file read (config, index, shard) must be a regular file (a FIFO would block the reader), and
+  a link among them must stay inside the folder (``safe_files.check_source_file``); JSON is read
+  with a size cap and bounded integers;
+- a shard's header must be one the safetensors
   library would load (``read_header``: offsets tile the data, nothing before or after);
 - ``config.json`` and the index must be JSON objects of the expected types, and a tensor may
   live in only one shard.
@@ -18,12 +21,12 @@ each caller decides: the planner refuses the ones that would lose data, the gate
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import CheckpointError
 from quant.outputs import INDEX_NAME
+from quant.safe_files import check_source_file, read_json
 from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, read_header
 
 SHARD_SUFFIX = ".safetensors"
@@ -40,12 +43,10 @@ class IndexProblem:
 def read_json_object(path: Path, what: str):
     """A JSON object from ``path`` (``what`` says what the file is for, in the error)."""
     try:
-        data = json.loads(path.read_bytes())
+        data = read_json(check_source_file(path.parent, path.name, CheckpointError), CheckpointError,
+                         f"restore the {what} from the original checkpoint")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {path.parent} is not a Hugging Face checkpoint folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); restore the {what} from the original checkpoint") \
-            from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
     if not isinstance(data, dict):
@@ -72,6 +73,22 @@ def config_int(config: dict, key: str, config_path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError(f"{config_path}: {key} is {value!r}, not a non-negative integer; fix config.json")
     return value
+
+
+# Counts a config declares that each need at least one tensor per unit (a layer, an expert).
+DECLARED_COUNTS = ("num_hidden_layers", "n_routed_experts", "num_experts", "num_nextn_predict_layers")
+
+
+def check_declared_counts(config_path: Path, config: dict, tensors: int) -> None:
+    """A config declaring more layers or experts than the shards hold tensors is refused, in
+    constant memory: each one has at least one tensor, so the output would lack them (``quantize``
+    calls this; ``gate checkpoint`` lists the missing ones instead, in memory bounded by the files)."""
+    for key in DECLARED_COUNTS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > tensors:
+            raise CheckpointError(f"{config_path}: {key} is {value}, but the shards hold only {tensors} tensors (each "
+                                  "layer or expert has at least one): this is not the checkpoint's config; restore "
+                                  "config.json from the original checkpoint")
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,7 @@ class Checkpoint:
                                       "give a Hugging Face checkpoint folder")
             files = on_disk
         try:
-            headers = {file: read_header(folder / file) for file in files}
+            headers = {file: read_header(check_source_file(folder, file, ShardError)) for file in files}
         except ShardError as exc:
             raise CheckpointError(str(exc)) from None
         seen: dict[str, str] = {}
@@ -153,6 +170,9 @@ class Checkpoint:
 
     def config_int(self, key: str) -> int:
         return config_int(self.config, key, self.config_path)
+
+    def check_declared_counts(self) -> None:
+        check_declared_counts(self.config_path, self.config, sum(len(h.tensors) for h in self.headers.values()))
 
     def index_problems(self) -> tuple[list[IndexProblem], list[IndexProblem]]:
         """``(missing, unlisted)``: tensors the index names but no shard holds (data would be lost),

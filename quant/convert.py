@@ -30,6 +30,7 @@ from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, Destination
                            create_destination, prepare_destination, write_atomic)
 from quant.plan import Plan
 from quant.hashing import sha256_file, sha256_of
+from quant.safe_files import read_json, refuse_link
 from quant.safetensors_io import PARTIAL_SUFFIX
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
 from quant.shard import ShardJob, convert_shard, file_identity
@@ -67,8 +68,8 @@ def plan_fingerprint(plan: Plan) -> str:
 def _read_progress(dst: Path) -> dict:
     path = dst / PROGRESS_NAME
     try:
-        state = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        state = read_json(path, ConvertError, "start over with --overwrite", follow=False)
+    except FileNotFoundError:
         state = None
     records = state.get("shards") if isinstance(state, dict) else None
     sources = state.get("sources") if isinstance(state, dict) else None
@@ -103,6 +104,8 @@ def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> tuple[dict[st
     identities; anything else there is removed to be redone."""
     if (dst / MANIFEST_NAME).exists():
         raise ConvertError(f"--resume: {dst} is already a finished conversion ({MANIFEST_NAME} is there)")
+    for path in dst.iterdir():  # what a run writes is never a link: one there would be written through
+        refuse_link(path)
     state = _read_progress(dst)
     if state.get("fingerprint") != plan_fingerprint(plan):
         raise ConvertError(f"--resume: {dst} was started with other sources, recipe or quantgate version; "
@@ -111,7 +114,8 @@ def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> tuple[dict[st
     records, sources = state["shards"], state["sources"]
     for name in tqdm(sorted(records), desc="verify", unit="shard", disable=not show_progress):
         record, path = records[name], dst / name
-        if not (path.exists() and path.stat().st_size == record["size"] and sha256_file(path) == record["sha256"]):
+        if not (path.is_file() and not path.is_symlink() and path.stat().st_size == record["size"]
+                and sha256_file(path) == record["sha256"]):
             continue
         if not _source_unchanged(plan.source_dir / name, record, sources[name]):
             log.warning("%s: the source changed since it was converted; converting it again", plan.source_dir / name)
@@ -144,8 +148,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+_converting = False  # a worker is inside convert_shard
+
+
+def _interrupt_if_converting(signum, frame) -> None:
+    """Ctrl-C reaches the whole process group. A worker converting a shard stops (its partial file
+    is removed, the parent reports once); an idle one ignores it, as the parent shuts the pool
+    down: without this, each idle worker printed a KeyboardInterrupt traceback."""
+    if _converting:
+        raise KeyboardInterrupt
+
+
 def _init_worker(threads: int, counter, parent_pid: int) -> None:
     global _progress_counter
+    signal.signal(signal.SIGINT, _interrupt_if_converting)
     _die_with_parent(parent_pid)
     _progress_counter = counter
     os.environ["NUMBA_NUM_THREADS"] = str(threads)  # read when numba loads, if this worker's codec needs it
@@ -157,7 +173,12 @@ def _advance_shared(nbytes: int) -> None:
 
 
 def _run_in_worker(job: ShardJob) -> dict:
-    return convert_shard(job, _advance_shared)
+    global _converting
+    _converting = True
+    try:
+        return convert_shard(job, _advance_shared)
+    finally:
+        _converting = False
 
 
 def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> None:

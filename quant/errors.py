@@ -23,3 +23,8 @@ class NonFiniteError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read safely (exit code 2); the message names the file and the fix."""
+
+
+class UnsafeFileError(QuantgateError, ConvertError):
+    """A file quantgate will not write or read as it is: a link where it writes, a FIFO or device
+    where it reads, a file far too large (exit code 2); the message names the path and the fix."""

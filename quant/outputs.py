@@ -4,12 +4,16 @@ partial file."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
+import stat
+from contextlib import contextmanager
 from pathlib import Path
 
-from quant.errors import ConvertError
+from quant.errors import ConvertError, UnsafeFileError
+from quant.safe_files import check_source_file, create_new, open_regular_fd, refuse_link
 from quant.safetensors_io import PARTIAL_SUFFIX
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -21,34 +25,45 @@ WRITTEN = (INDEX_NAME, "config.json", MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME)
 
 
 def aux_files(folder: Path) -> tuple[str, ...]:
-    """The files to copy as they are: tokenizer, generation config, chat template, .py ..."""
-    return tuple(sorted(p.name for p in folder.iterdir()
-                        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in WRITTEN))
+    """The files to copy as they are: tokenizer, generation config, chat template, .py ... A link
+    among them that leaves the folder or leads to a special file is refused (``check_source_file``);
+    FIFOs, devices and folders are not files to copy."""
+    names = sorted(p.name for p in folder.iterdir()
+                   if (p.is_file() or p.is_symlink()) and not p.name.endswith(".safetensors") and p.name not in WRITTEN)
+    return tuple(name for name in names if check_source_file(folder, name).is_file())
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """``data`` (text as UTF-8) under ``path`` only once complete and on disk: a crash leaves the
-    old file or none, never half of it. The one atomic write of quantgate and its evals."""
+@contextmanager
+def atomic_file(path: Path, mode: int = 0o644):
+    """A binary file to fill that appears at ``path`` only once complete and on disk: a crash
+    leaves the old file or none, never half of it. Never through a link (``safe_files``: a link
+    at ``path`` is refused, the ``.partial`` is created new, a stale one removed first)."""
+    refuse_link(path)
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    fd = create_new(tmp, mode)
     try:
-        with tmp.open("wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # exactly ``mode``, whatever the umask
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # ours: created with O_EXCL above
         raise
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """``data`` (text as UTF-8) under ``path``, atomically: the one atomic write of quantgate and its evals."""
+    with atomic_file(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """A copy of the regular file ``src``, permissions kept, appearing at ``dst`` only when complete."""
+    with os.fdopen(open_regular_fd(src), "rb") as source:
+        with atomic_file(dst, stat.S_IMODE(os.fstat(source.fileno()).st_mode)) as f:
+            shutil.copyfileobj(source, f, 1 << 20)
 
 
 def check_overlap(src: Path, dst: Path) -> None:
@@ -82,7 +97,7 @@ class DestinationLock:
 
     def __enter__(self) -> "DestinationLock":
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -102,6 +117,19 @@ class DestinationLock:
                 return self
             os.close(fd)
         raise ConvertError(f"{self.path}: could not take the lock (the file keeps being replaced); retry")
+
+    def _open(self) -> int:
+        """The lock file, never through a link (the pid written into it would truncate the target)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                refuse_link(self.path)
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafeFileError(f"{self.path}: not a regular file (a FIFO, device or folder); remove it")
+        return fd
 
     def __exit__(self, *exc) -> None:
         self.path.unlink(missing_ok=True)  # while still held: nobody can have locked this file meanwhile

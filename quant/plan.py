@@ -176,6 +176,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     source_dir, config = checkpoint.folder, checkpoint.config
     family = family or family_for(config)
     num_hidden_layers = checkpoint.config_int(family.num_layers_key)
+    checkpoint.check_declared_counts()  # 10**9 layers: refused before anything walks them
     warnings = _index_warnings(checkpoint)
 
     shards = []

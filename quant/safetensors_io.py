@@ -16,13 +16,14 @@ import json
 import mmap
 import os
 import queue
-import stat
 import struct
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from quant.safe_files import create_new, open_regular_fd, parse_json
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -75,17 +76,55 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def open_regular(path: Path):
     """``path`` opened for binary reading, refused unless it is a regular file: a FIFO or a device
-    named like a shard would block the reader forever (opened non-blocking, checked on the open fd)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ShardError(f"{path}: not a regular file (a FIFO, device or folder); put the real shard file there")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    named like a shard would block the reader forever (``safe_files.open_regular_fd``)."""
+    return os.fdopen(open_regular_fd(path, ShardError), "rb")
+
+
+USIZE_MAX = 2**64 - 1  # safetensors reads every header number as a Rust usize (u64 here)
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= USIZE_MAX
+
+
+def _fits_usize(shape: list[int], item_bytes: int) -> bool:
+    """The element count and byte size fit a usize at every step, as the library computes them
+    (``Metadata::validate``: ``shape.iter().try_fold(1, usize::checked_mul)``, then times the
+    dtype's size); a header that overflows there is one it refuses."""
+    count = 1
+    for dim in [*shape, item_bytes]:
+        count *= dim
+        if count > USIZE_MAX:
+            return False
+    return True
+
+
+class _Object(dict):
+    """A JSON object that remembers which of its keys were repeated (the last one is kept)."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        self.repeated = {k for k, n in Counter(k for k, _ in pairs).items() if n > 1} if len(self) < len(pairs) \
+            else set()
+
+
+# Keys the library reads into a struct field, where serde_json refuses a repeat ("duplicate
+# field"); a repeated tensor name or metadata key is a map entry, where the last one wins.
+_STRUCT_FIELDS = ("dtype", "shape", "data_offsets")
+
+
+def _repeated_field(raw: _Object) -> str | None:
+    if "__metadata__" in raw.repeated:
+        return "__metadata__"
+    for name, entry in raw.items():
+        if isinstance(entry, _Object) and (fields := entry.repeated.intersection(_STRUCT_FIELDS)):
+            return f"{sorted(fields)[0]} of tensor {name}"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _tensor_info(path: Path, name: str, entry, data_start: int) -> TensorInfo:
@@ -96,11 +135,15 @@ def _tensor_info(path: Path, name: str, entry, data_start: int) -> TensorInfo:
     if dtype not in DTYPE_BYTES:
         raise ShardError(f"{where}: unsupported or missing dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise ShardError(f"{where}: shape {shape!r} is not a list of non-negative integers; the header is corrupt")
+        raise ShardError(f"{where}: shape {_short(shape)} is not a list of non-negative integers below 2**64; "
+                         "the header is corrupt")
+    if not _fits_usize(shape, DTYPE_BYTES[dtype]):
+        raise ShardError(f"{where}: shape {_short(shape)} has more bytes than 2**64 (safetensors refuses it); "
+                         "the header is corrupt")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
             and offsets[0] <= offsets[1]):
-        raise ShardError(f"{where}: data_offsets {offsets!r} are not two ordered non-negative integers; "
-                         "the header is corrupt, re-download this shard")
+        raise ShardError(f"{where}: data_offsets {_short(offsets)} are not two ordered non-negative integers below "
+                         "2**64; the header is corrupt, re-download this shard")
     begin, end = offsets
     if end - begin != numel(shape) * DTYPE_BYTES[dtype]:
         raise ShardError(f"{where} {dtype}{shape} has {end - begin} bytes; the header is corrupt")
@@ -126,19 +169,23 @@ def read_header(path: Path) -> ShardHeader:
             if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
                 raise ShardError(f"{path}: header length {header_len} does not fit in {file_size} bytes "
                                  "(truncated or not safetensors); re-download this shard")
-            raw = json.loads(f.read(header_len))
+            raw = parse_json(f.read(header_len), f"{path}: header", ShardError, "re-download this shard", _Object)
     except FileNotFoundError:
         raise ShardError(f"{path}: missing; the index names it but it is not on disk") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardError(f"{path}: header is not valid JSON ({exc}); re-download this shard") from None
     except OSError as exc:
         raise ShardError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
     if not isinstance(raw, dict):
         raise ShardError(f"{path}: header is a JSON {type(raw).__name__}, not an object; re-download this shard")
+    if repeated := _repeated_field(raw):
+        raise ShardError(f"{path}: header repeats {repeated} (safetensors refuses it); the header is corrupt, "
+                         "re-download this shard")
     data_start = 8 + header_len
-    metadata = raw.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise ShardError(f"{path}: __metadata__ is not an object; the header is corrupt, re-download this shard")
+    metadata = raw.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ShardError(f"{path}: __metadata__ is {_short(metadata)}, not an object of strings (safetensors refuses "
+                         "it); the header is corrupt, re-download this shard")
     tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in raw.items()}
     cursor = data_start
     for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
@@ -245,13 +292,16 @@ class ShardWriter:
 
     @staticmethod
     def _open(path: Path) -> int:
-        flags = os.O_CREAT | os.O_TRUNC | os.O_WRONLY
+        """The partial file, created new (never through a link: ``safe_files.create_new``), then
+        switched to ``O_DIRECT`` where the filesystem takes it."""
+        fd = create_new(path)
         try:
-            return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | getattr(os, "O_DIRECT", 0))
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                os.close(fd)
                 raise
-            return os.open(path, flags, 0o644)
+        return fd
 
     def write(self, name: str, offset_in_tensor: int, data) -> None:
         """``data`` (bytes-like) at ``offset_in_tensor`` of tensor ``name`` ("" with 0: the header)."""

@@ -12,10 +12,12 @@ source) whatever the tensor or shard size.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import math
 import mmap
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +82,43 @@ def release_mapped(mapping: mmap.mmap, released: int, upto: int) -> int:
     return upto
 
 
+class SourceGuard:
+    """Says whether a source file is being changed under its mappings, before they are touched.
+
+    Touching a mapped page past the end of a file someone truncated is SIGBUS: the process dies
+    without a word. So the reader holds a read lease on the file (``fcntl(F_SETLEASE, F_RDLCK)``,
+    Linux; fcntl(2) "Leases"): whoever opens it for writing or truncates it then waits (up to
+    /proc/sys/fs/lease-break-time, 45 s by default) until the lease is released, and the lease
+    shows the pending break, which ``changed`` checks before each chunk is touched. The conversion
+    stops with the shard named, unmaps, and releases the lease (``close``); only then does the
+    change go ahead. The break's signal is set to SIGURG, ignored by default (SIGIO would kill).
+    Where no lease can be had (a file someone has open for writing, another owner, a filesystem
+    without leases) the file's size is checked instead, which narrows the window without closing it.
+    """
+
+    F_SETLEASE, F_GETLEASE, F_SETSIG = fcntl.F_SETLEASE, fcntl.F_GETLEASE, fcntl.F_SETSIG
+
+    def __init__(self, fileno: int, size: int):
+        self.fileno, self.size = fileno, size
+        try:
+            fcntl.fcntl(fileno, self.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fileno, self.F_SETLEASE, fcntl.F_RDLCK)
+            self.leased = True
+        except OSError:
+            self.leased = False
+
+    def changed(self) -> bool:
+        if self.leased:
+            return fcntl.fcntl(self.fileno, self.F_GETLEASE) != fcntl.F_RDLCK  # a break is pending
+        return os.fstat(self.fileno).st_size < self.size
+
+    def close(self) -> None:
+        """Release the lease (call once nothing touches the mappings any more)."""
+        if self.leased:
+            fcntl.fcntl(self.fileno, self.F_SETLEASE, fcntl.F_UNLCK)
+            self.leased = False
+
+
 class SourceHasher:
     """sha256 of a whole source file on a helper thread with its own mapping, at its own pace.
 
@@ -90,8 +129,8 @@ class SourceHasher:
     there), and it drops what it has hashed from its mapping, so its resident memory is a chunk.
     """
 
-    def __init__(self, fileno: int, size: int):
-        self.size = size
+    def __init__(self, fileno: int, size: int, guard: SourceGuard, path: Path):
+        self.size, self.guard, self.path = size, guard, path
         self.pos = 0  # hashed up to here
         self.busy_s = 0.0
         self._allowed = LEAD_BYTES
@@ -120,6 +159,8 @@ class SourceHasher:
                     if self._stop:
                         return
                     end = min(self.size, self.pos + CHUNK_BYTES, self._allowed)
+                if self.guard.changed():
+                    raise changed_error(self.path)
                 started = time.perf_counter()
                 with memoryview(self._map)[self.pos:end] as view:
                     self._digest.update(view)
@@ -157,12 +198,14 @@ class SourceReader:
         self.path = path
         self.pos = self.released = 0
         self.read_s = 0.0
-        with open_regular(path) as f:
-            self.opened = os.fstat(f.fileno())  # the identity --resume checks before trusting this shard
-            self.opened_ns = time.time_ns()
-            self.size = self.opened.st_size
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
-            self.hash = SourceHasher(f.fileno(), self.size)
+        self.file = open_regular(path)  # open until close(): it holds the guard's lease
+        f = self.file
+        self.opened = os.fstat(f.fileno())  # the identity --resume checks before trusting this shard
+        self.opened_ns = time.time_ns()
+        self.size = self.opened.st_size
+        self.guard = SourceGuard(f.fileno(), self.size)
+        self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        self.hash = SourceHasher(f.fileno(), self.size, self.guard, path)
         if self.map:
             self.map.madvise(mmap.MADV_SEQUENTIAL)
 
@@ -174,6 +217,8 @@ class SourceReader:
         if offset + nbytes > self.size:
             raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes} "
                              "(file truncated or changed during conversion)")
+        if self.guard.changed():
+            raise changed_error(self.path)
         data = self._view(offset, offset + nbytes)
         self.pos = offset + nbytes
         self.hash.allow(self.pos)
@@ -186,6 +231,8 @@ class SourceReader:
         """A copy of bytes ahead of the read position (a scale its weight needs first)."""
         if offset < self.pos or offset + nbytes > self.size:
             raise AssertionError(f"peek at [{offset}, {offset + nbytes}) outside the unread part of {self.path}")
+        if self.guard.changed():
+            raise changed_error(self.path)
         return bytes(self._view(offset, offset + nbytes))
 
     def _view(self, start: int, end: int) -> memoryview:
@@ -193,9 +240,8 @@ class SourceReader:
 
     def finish(self) -> str:
         digest = self.hash.hexdigest()
-        if file_identity(self.path.stat()) != file_identity(self.opened):
-            raise ShardError(f"{self.path}: changed while it was being converted; leave the source alone and "
-                             "rerun (--resume keeps the finished shards)")
+        if self.guard.changed() or file_identity(self.path.stat()) != file_identity(self.opened):
+            raise changed_error(self.path)
         return digest
 
     def close(self) -> None:
@@ -205,6 +251,13 @@ class SourceReader:
                 self.map.close()
             except BufferError:  # a view is still referenced; the mapping goes with it
                 pass
+        self.guard.close()  # nothing touches the mappings any more: a pending change may go ahead
+        self.file.close()
+
+
+def changed_error(path: Path) -> ShardError:
+    return ShardError(f"{path}: changed while it was being converted; leave the source alone and rerun "
+                      "(--resume keeps the finished shards)")
 
 
 def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,

@@ -104,22 +104,34 @@ def _missing_modules(tensors, config: dict, num_hidden_layers: int) -> list[Find
             layers[layer] = True
             if m.group(2) is not None:
                 experts.setdefault(layer, set()).add(int(m.group(2)))
-    absent = [i for i in range(num_hidden_layers) if i not in layers]
+    absent, n_absent = _first_absent(num_hidden_layers, layers)
     if absent:
-        shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+        shown = ", ".join(map(str, absent)) + (f" and {n_absent - len(absent)} more" if n_absent > len(absent) else "")
         findings.append(Finding("layout", None, f"model.layers.{absent[0]}",
                                 f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor "
                                 "in the checkpoint", "re-copy the missing shards (or fix the index that omits them)"))
     n_experts = config.get("n_routed_experts")
     if isinstance(n_experts, int) and not isinstance(n_experts, bool):
         for layer, present in sorted(experts.items()):
-            lacking = sorted(set(range(n_experts)) - present)
+            lacking, n_lacking = _first_absent(n_experts, present)
             if lacking:
                 findings.append(Finding("layout", None, f"model.layers.{layer}.mlp.experts",
                                         f"config.json declares {n_experts} routed experts but experts "
-                                        f"{', '.join(map(str, lacking[:8]))}{' ...' if len(lacking) > 8 else ''} "
+                                        f"{', '.join(map(str, lacking))}{' ...' if n_lacking > len(lacking) else ''} "
                                         "have no tensor", "re-copy the missing shards (or fix the index)"))
     return findings
+
+
+def _first_absent(declared: int, present, shown: int = 8) -> tuple[list[int], int]:
+    """The first ``shown`` of ``0..declared-1`` not in ``present``, and how many are absent in all:
+    work and memory follow what is on disk, not what the config declares (10**9 layers is a line)."""
+    first: list[int] = []
+    index = 0
+    while len(first) < shown and index < declared:
+        if index not in present:
+            first.append(index)
+        index += 1
+    return first, declared - sum(1 for i in set(present) if 0 <= i < declared)
 
 
 def _exclude_list(qconfig: dict) -> tuple[list[str] | None, list[Finding]]:
