@@ -37,20 +37,23 @@ shared expert next to MXFP4 routed experts) cannot fuse (quark.py ``shared_exper
 
 from __future__ import annotations
 
-import ast
 import csv
 import importlib.util
+import io
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
+from quant.aiter_padding import RuleError, read_rule
 from quant.checkpoint import read_json_object
 from quant.errors import CheckpointError
 from quant.layout import manifests_root
 from quant.outputs import write_atomic
+from quant.safe_files import read_regular
 
 # aiter/fused_moe.py
 PADDED_M_TIERS = (32768, 131072)
@@ -66,6 +69,10 @@ AITER_TUNE = ("python3 {aiter}/csrc/ck_gemm_moe_2stages_codegen/gemm_moe_tune.py
               "-o aiter/configs/model_configs/<model>_tuned_fmoe.csv   (or serve once with AITER_ONLINE_TUNE=1)")
 TRITON_TUNE = {"sglang": "sglang benchmark/kernels/fused_moe_triton (tuning_fused_moe_triton.py --tune)",
                "vllm": "vllm benchmarks/kernels/benchmark_moe.py --tune"}
+
+
+SOURCE_BYTES = 4 << 20  # aiter's fused_moe.py is ~100 kB
+TABLE_BYTES = 64 << 20  # aiter's tuned_fmoe tables are a few MB
 
 
 class KernelInputError(ValueError):
@@ -107,23 +114,31 @@ class AiterSource:
 def aiter_source(configs: Path | None) -> AiterSource:
     """get_padded_M (with nextPow2, _PADDED_M_TIERS) taken from ``configs/../fused_moe.py`` (the
     --aiter-configs checkout's, else the installed aiter's) without importing aiter, which needs a
-    GPU; releases pad differently (PyPI amd-aiter 0.1.7: 16, powers of two, 1024 cap). Without
-    that file: the replay above (aiter main, 2026)."""
+    GPU, and without running any of that file (``quant.aiter_padding`` interprets the rule);
+    releases pad differently (PyPI amd-aiter 0.1.7: 16, powers of two, 1024 cap). Without that
+    file: the replay above (aiter main, 2026)."""
     path = configs.parent / "fused_moe.py" if configs else None
     if path is None or not path.is_file():
         return AiterSource("built-in replay of aiter main (2026) get_padded_M", padded_m, True)
-    source = path.read_text()
     try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        raise KernelInputError(f"{path}:{exc.lineno}: not Python ({exc.msg})") from None
-    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in ("nextPow2", "get_padded_M"))
-            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_PADDED_M_TIERS" for t in n.targets))]
-    if not any(getattr(n, "name", "") == "get_padded_M" for n in keep):
-        raise KernelInputError(f"{path}: no get_padded_M: not an aiter fused_moe.py this check knows")
-    namespace: dict = {}
-    exec(compile(ast.Module(keep, []), str(path), "exec"), namespace)  # aiter's own pure functions
-    return AiterSource(f"{path} get_padded_M", namespace["get_padded_M"], "topk -= int(is_ep)" in source)
+        source = read_regular(path, SOURCE_BYTES, KernelInputError).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KernelInputError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}): not aiter's fused_moe.py") \
+            from None
+    try:
+        rule = read_rule(path, source)
+    except RuleError as exc:
+        raise KernelInputError(f"{exc}: not an aiter fused_moe.py this check can read; remove it from beside the "
+                               "tables to use the built-in rule") from None
+
+    def pad(m: int) -> int:
+        try:
+            return rule(m)
+        except (RuleError, ArithmeticError, TypeError, IndexError, KeyError) as exc:
+            raise KernelInputError(f"{path}: get_padded_M({m}) cannot be read ({exc}); remove the file from beside "
+                                   "the tables to use the built-in rule") from None
+
+    return AiterSource(f"{path} get_padded_M", pad, "topk -= int(is_ep)" in source)
 
 
 @dataclass(frozen=True)
@@ -266,9 +281,11 @@ def _parse_int(text: str, where: str, column: str) -> int:
     if text in ("True", "False"):
         return int(text == "True")
     try:
-        number = float(text)
+        number = float(text) if len(text) <= 40 else math.nan  # no table number has more digits
     except ValueError:
-        raise KernelInputError(f"{where}: column {column} is {text!r}, not an integer") from None
+        number = math.nan
+    if not math.isfinite(number):
+        raise KernelInputError(f"{where}: column {column} is {text[:40]!r}, not an integer")
     if number != int(number):
         raise KernelInputError(f"{where}: column {column} is {text!r}, not an integer")
     return int(number)
@@ -277,31 +294,40 @@ def _parse_int(text: str, where: str, column: str) -> int:
 def read_table(path: Path) -> list[Row]:
     """One aiter tuned-fMoE CSV, validated; rows keep their file:line."""
     try:
-        handle = path.open(newline="")
+        text = read_regular(path, TABLE_BYTES, KernelInputError).decode("utf-8")
     except OSError as exc:
         raise KernelInputError(f"{path}: cannot read ({exc.strerror})") from None
-    with handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if not header:
-            raise KernelInputError(f"{path}:1: empty file, expected aiter's header (cu_num,token,model_dim,...)")
-        header = [h.strip() for h in header]
-        missing = [c for c in KEY_COLUMNS[1:] + ("kernelName1", "kernelName2") if c not in header]
-        if missing:
-            raise KernelInputError(f"{path}:1: header lacks {missing}: not an aiter tuned_fmoe table")
-        rows = []
-        for fields in reader:
-            where = f"{path}:{reader.line_num}"
-            if not any(f.strip() for f in fields):
-                continue
-            if len(fields) != len(header):
-                raise KernelInputError(f"{where}: {len(fields)} fields, the header has {len(header)}")
-            record = dict(zip(header, (f.strip() for f in fields)))
-            for column in INT_COLUMNS:
-                record[column] = _parse_int(record[column], where, column)
-            if not record.get("gfx") or record["gfx"] in ("0", "nan", "None"):
-                record["gfx"] = LEGACY_CU_NUM_TO_GFX.get(record["cu_num"], "")  # "" = the live GPU's arch
-            rows.append(Row(where, tuple(record[c] for c in KEY_COLUMNS), record))
+    except UnicodeDecodeError as exc:
+        raise KernelInputError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); aiter's tables are plain "
+                               "ASCII CSV") from None
+    try:
+        return _rows(path, csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:  # e.g. a field over csv's 128 kB limit
+        raise KernelInputError(f"{path}: not a CSV this check can read ({exc}); aiter's tables have short fields") \
+            from None
+
+
+def _rows(path: Path, reader) -> list[Row]:
+    header = next(reader, None)
+    if not header:
+        raise KernelInputError(f"{path}:1: empty file, expected aiter's header (cu_num,token,model_dim,...)")
+    header = [h.strip() for h in header]
+    missing = [c for c in KEY_COLUMNS[1:] + ("kernelName1", "kernelName2") if c not in header]
+    if missing:
+        raise KernelInputError(f"{path}:1: header lacks {missing}: not an aiter tuned_fmoe table")
+    rows = []
+    for fields in reader:
+        where = f"{path}:{reader.line_num}"
+        if not any(f.strip() for f in fields):
+            continue
+        if len(fields) != len(header):
+            raise KernelInputError(f"{where}: {len(fields)} fields, the header has {len(header)}")
+        record = dict(zip(header, (f.strip() for f in fields)))
+        for column in INT_COLUMNS:
+            record[column] = _parse_int(record[column], where, column)
+        if not record.get("gfx") or record["gfx"] in ("0", "nan", "None"):
+            record["gfx"] = LEGACY_CU_NUM_TO_GFX.get(record["cu_num"], "")  # "" = the live GPU's arch
+        rows.append(Row(where, tuple(record[c] for c in KEY_COLUMNS), record))
     return rows
 
 
