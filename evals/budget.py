@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evals.errors import BadInput
+from evals.probe import get_json
 
 DEFAULT_MAX_GEN_TOKS = 16384  # reasoning models think long; lm-eval's own default of 256 cuts them off
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot seed (simple_evaluate's fewshot_random_seed), as the Wafer write-up ran it
@@ -62,8 +62,7 @@ def server_context(base_url: str, model: str, timeout: float = 10.0) -> int | No
     """``max_model_len`` the server reports for ``model`` on ``/v1/models``; None when it reports none."""
     url = base_url.rsplit("/v1", 1)[0] + "/v1/models"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            cards = json.loads(response.read()).get("data", [])
+        cards = get_json(url, timeout).get("data", [])  # bounded in time and size, no redirects: evals.probe
     except (OSError, ValueError, AttributeError) as exc:
         log.warning("%s: could not read the server's context length (%s)", url, exc)
         return None

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from evals.errors import BadInput
 from quant.outputs import write_atomic
+from quant.safe_files import make_folder, parse_json, read_json, read_regular
 
 RUN_JSON, SAMPLES, UNITS = "run.json", "samples.jsonl", "units"
 REQUIRED = ("benchmark", "item_id", "repeat", "filter", "score", "doc_hash", "prompt_hash")
+SAMPLES_BYTES = 1 << 30  # a bundle's rows: ~30 MB for GSM8K x 10 repeats with texts kept (--keep-text)
 log = logging.getLogger(__name__)
 
 
@@ -37,11 +39,22 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 def _read_json(path: Path, what: str):
     try:
-        return json.loads(path.read_text())
+        return read_json(path, BundleError, what)
     except FileNotFoundError:
         raise BundleError(f"{path.parent}: not a finished run bundle ({path.name} missing)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path}: not JSON ({exc}); {what}") from None
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of a bundle's JSONL file (a regular file, at most ``SAMPLES_BYTES``, UTF-8)."""
+    try:
+        return read_regular(path, SAMPLES_BYTES, BundleError).decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); rerun `evals run` to rewrite it") \
+            from None
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
 
 
 def _normalised(row, where: str) -> dict:
@@ -54,23 +67,27 @@ def _normalised(row, where: str) -> dict:
     score = row["score"]
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0 or math.isnan(score):
         raise BundleError(f"{where}: score {score!r} is not a number in 0..1")
-    try:
-        repeat = int(row["repeat"])
-    except (TypeError, ValueError):
-        raise BundleError(f"{where}: repeat {row['repeat']!r} is not an integer") from None
+    repeat = row["repeat"]
+    if isinstance(repeat, str) and repeat.isascii() and repeat.isdigit():
+        repeat = int(repeat)  # a repeat written as text ("0") is the same repeat
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+        raise BundleError(f"{where}: repeat {repeat!r} is not a non-negative integer")
+    for field in ("benchmark", "doc_hash", "prompt_hash"):
+        if not isinstance(row[field], str):
+            raise BundleError(f"{where}: {field} {row[field]!r} is not a string")
+    for field in ("item_id", "filter"):
+        if not isinstance(row[field], (str, int)) or isinstance(row[field], bool):
+            raise BundleError(f"{where}: {field} {row[field]!r} is not a string or an integer")
     return {**row, "item_id": str(row["item_id"]), "repeat": repeat, "filter": str(row["filter"]),
             "score": float(score)}
 
 
 def read_rows(path: Path) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(_read_lines(path), 1):
         if not line.strip():
             continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BundleError(f"{path}:{n}: not JSON ({exc.msg}); each line of {path.name} is one JSON object") from None
+        raw = parse_json(line, f"{path}:{n}", BundleError, f"each line of {path.name} is one JSON object")
         rows.append(_normalised(raw, f"{path}:{n}"))
     return rows
 
@@ -148,11 +165,12 @@ class BundleWriter:
 
     def unit(self, name: str, identity: dict, produce: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
         """``(rows, reused)``: the unit's rows, from disk when its identity matches, else produced now."""
-        self.units.mkdir(parents=True, exist_ok=True)
+        make_folder(self.units)
         rows_path, meta_path = self.units / f"{name}.jsonl", self.units / f"{name}.json"
         identity = json.loads(json.dumps(identity))  # as it reads back from disk (tuples become lists)
         if rows_path.exists() or meta_path.exists():
-            recorded = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            recorded = _read_json(meta_path, "rerun without --resume into a new --out") if meta_path.exists() \
+                else None
             if recorded == identity and rows_path.exists():
                 return read_rows(rows_path), True
             changed = sorted(k for k in identity.keys() | (recorded or {}).keys()

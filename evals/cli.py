@@ -16,6 +16,8 @@ from evals._cli import (evals_data, evals_import_tau2, evals_load, evals_run, ga
 from evals.errors import EXIT_BAD_INPUT
 from quant.errors import QuantgateError
 
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
+
 # Which extra (pyproject.toml) brings a module a subcommand imports on use: the core install converts
 # and checks, and a job that needs more says which extra to add instead of a traceback.
 EXTRA_OF = {"lm_eval": "evals", "transformers": "evals", "pandas": "evals", "matplotlib": "evals",
@@ -26,7 +28,7 @@ EVALS_COMMANDS = (evals_data, evals_import_tau2, evals_run, evals_load)
 
 GATE_EPILOG = """\
 exit codes (every subcommand): 0 pass / release; 1 fail or block (a blocking INCONCLUSIVE too);
-2 bad input or refused (gate plan: 1 when no design reaches the power)"""
+2 bad input or refused (gate plan: 1 when no design reaches the power); 130 interrupted (Ctrl-C)"""
 
 EVALS_EPILOG = """\
 examples:
@@ -40,7 +42,8 @@ examples:
       --reference-base-url http://127.0.0.1:30001 --reference-model glm-5-fp8 --reference-out load/fp8
 
 exit codes: 0 done; 2 bad input; 3 the run could not finish (evals run: finished units are kept, rerun
-with --resume; evals load: nothing could be measured, the server is down or every request failed)"""
+with --resume; evals load: nothing could be measured, the server is down or every request failed);
+130 interrupted (Ctrl-C; evals run: rerun with --resume)"""
 
 
 def _parser(prog: str, description: str, epilog: str, commands) -> argparse.ArgumentParser:
@@ -74,6 +77,14 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         print(f"{parser.prog}: error: {parser.prog} {args.command} needs the [{extra}] extra ({exc.name} is not "
               f"installed): pip install 'quantgate[{extra}]'", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as exc:  # a file or folder the command was pointed at: the input, not a crash
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{parser.prog}: error: {where}{exc.strerror or exc}; check the path and its permissions",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; finished work is kept (evals run: rerun with --resume)", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

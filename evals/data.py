@@ -18,21 +18,24 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import io
 import random
 import re
-import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from evals.errors import BadInput
 from quant.hashing import sha256_of
+from quant.outputs import copy_atomic, write_atomic
+from quant.safe_files import make_folder, parse_json, read_json, read_regular, refuse_link
 
 MANIFEST = "manifest.json"
 GPQA_FREEZE_SEED = 0
 BUNDLED_DATA_DIR = Path(str(resources.files("evals.benchmarks").joinpath("data")))
 GSM8K_FILES = ("train.jsonl", "test.jsonl")
 GSM8K_ANSWER = re.compile(r"####\s*-?[0-9][0-9.,]*\s*$")  # the official answer ends "#### N"
+DATA_BYTES = 256 << 20  # GSM8K's files are 4 MB, GPQA-Diamond's CSV 2 MB
 log = logging.getLogger(__name__)
 
 
@@ -42,19 +45,26 @@ class DataError(BadInput):
 
 def _update_manifest(data_dir: Path, benchmark: str, files: dict[str, Path], source: str) -> dict:
     manifest_path = data_dir / MANIFEST
+    refuse_link(manifest_path)  # it is rewritten below: refused before anything is read through it
     manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
     manifest[benchmark] = {"source": source, "files": {name: sha256_of(p) for name, p in files.items()}}
-    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    write_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
     return manifest[benchmark]
+
+
+def _read_text(path: Path) -> str:
+    """A data file's text: a regular file (a FIFO or device is refused, not waited on), UTF-8."""
+    try:
+        return read_regular(path, DATA_BYTES, DataError).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); give the official file") \
+            from None
 
 
 def check_gsm8k_file(path: Path) -> None:
     """Every line a JSON object with a ``question`` and an ``answer`` ending ``#### N``; else name the line."""
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{n}: not a JSON line ({exc.msg}); GSM8K files hold one JSON object per line")
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        row = parse_json(line, f"{path}:{n}", DataError, "GSM8K files hold one JSON object per line")
         if not (isinstance(row, dict) and isinstance(row.get("question"), str)
                 and GSM8K_ANSWER.search(str(row.get("answer", "")))):
             raise DataError(f"{path}:{n}: not GSM8K format: needs a 'question' and an 'answer' ending '#### N'")
@@ -62,15 +72,14 @@ def check_gsm8k_file(path: Path) -> None:
 
 def import_gsm8k(source_dir: Path, data_dir: Path) -> dict:
     """Copy GSM8K's official ``train.jsonl`` / ``test.jsonl`` (question, answer ending ``#### N``)."""
-    out = data_dir / "gsm8k"
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(data_dir / "gsm8k")
     files = {}
     for name in GSM8K_FILES:
         src = Path(source_dir) / name
         if not src.exists():
             raise DataError(f"{src}: missing; point --gsm8k at the folder holding GSM8K's train.jsonl and test.jsonl")
         check_gsm8k_file(src)
-        shutil.copyfile(src, out / name)
+        copy_atomic(src, out / name)
         files[name] = out / name
     return _update_manifest(data_dir, "gsm8k", files, str(source_dir))
 
@@ -102,10 +111,17 @@ def fetch_from_hub(benchmark: str, staging: Path) -> Path:
 
 
 def _read_gpqa_rows(path: Path) -> list[dict]:
+    text = _read_text(path)
     if path.suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        try:
+            return list(csv.DictReader(io.StringIO(text, newline="")))
+        except csv.Error as exc:  # e.g. a field over csv's 128 kB limit
+            raise DataError(f"{path}: not a CSV quantgate can read ({exc}); give GPQA's official CSV") from None
+    rows = [parse_json(line, f"{path}:{n}", DataError, "each line holds one GPQA row as a JSON object")
+            for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not all(isinstance(row, dict) for row in rows):
+        raise DataError(f"{path}: a line is not a JSON object; each line holds one GPQA row as a JSON object")
+    return rows
 
 
 def stock_preprocess(text: str | None) -> str:
@@ -138,9 +154,8 @@ def import_gpqa(source: Path, data_dir: Path, seed: int = GPQA_FREEZE_SEED) -> d
                          "choice1": choices[0], "choice2": choices[1], "choice3": choices[2], "choice4": choices[3],
                          "choices": choices,
                          "answer": f"({'ABCD'[choices.index(stock_preprocess(row['Correct Answer']))]})"})
-    out = data_dir / "gpqa_diamond"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out_rows))
+    out = make_folder(data_dir / "gpqa_diamond")
+    write_atomic(out / "test.jsonl", "".join(json.dumps(r) + "\n" for r in out_rows))
     return _update_manifest(data_dir, "gpqa_diamond", {"test.jsonl": out / "test.jsonl"},
                             f"{source} (choices frozen with seed {seed})")
 
@@ -193,8 +208,8 @@ def dataset_for(benchmark: str, data_dir: Path | None = None) -> Dataset:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        manifest = read_json(path, DataError, "re-import the data with `evals data`")
+    except OSError as exc:
         raise DataError(f"{path}: unreadable ({exc}); re-import the data with `evals data`") from None
     if not isinstance(manifest, dict):
         raise DataError(f"{path}: not a data manifest (expected a JSON object); re-import the data with `evals data`")

@@ -30,18 +30,20 @@ latency percentiles over successful requests, and the success fraction = success
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 from evals.bundle import BundleError
+from evals.probe import get_json
 from quant.outputs import write_atomic
+from quant.safe_files import read_json
 
 LOAD_JSON = "load.json"
 FORMAT = "quantgate-load/1"
@@ -105,8 +107,7 @@ def server_root(url: str) -> str:
 def served_models(root: str, timeout: float = 10.0) -> list[str]:
     """Model ids the server reports at ``GET /v1/models``; raises LoadError when it does not answer."""
     try:
-        with urllib.request.urlopen(f"{root}/v1/models", timeout=timeout) as resp:
-            return [m["id"] for m in json.loads(resp.read())["data"]]
+        return [m["id"] for m in get_json(f"{root}/v1/models", timeout)["data"]]  # bounded: evals.probe
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LoadError(f"{root}/v1/models did not answer ({exc}); is the server up?") from None
 
@@ -387,24 +388,60 @@ def read_sweeps(folder: Path) -> list[tuple[Path, dict]]:
 
 
 def read_load_bundle(folder: Path) -> dict:
-    """``load.json`` of a finished sweep, validated."""
+    """``load.json`` of a finished sweep, validated: every key the gate reads, of its type, and
+    every rate a finite number in its range (a NaN success fraction would pass any SLO)."""
     path = Path(folder) / LOAD_JSON
     try:
-        bundle = json.loads(path.read_text())
+        bundle = read_json(path, BundleError, "a load bundle is written by `evals load`")
     except FileNotFoundError:
         raise BundleError(f"{folder}: not a load bundle ({LOAD_JSON} missing; made by `evals load`)") from None
-    except ValueError as exc:
-        raise BundleError(f"{path}: not JSON ({exc})") from None
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot be read ({exc.strerror}); check the file and its permissions") from None
+    if not isinstance(bundle, dict):
+        raise BundleError(f"{path}: a JSON {type(bundle).__name__}, not a load bundle; give the folder `evals load` "
+                          "wrote")
     if bundle.get("format") != FORMAT:
-        raise BundleError(f"{path}: format {bundle.get('format')!r}, expected {FORMAT!r}")
+        raise BundleError(f"{path}: format {str(bundle.get('format'))[:40]!r}, expected {FORMAT!r}")
     if bundle.get("state") != "done":
         raise BundleError(f"{path}: the sweep did not finish (still running, or killed)")
-    keys = ("rate", "achieved_rps", "output_tok_s", "ttft_p95_s", "successful", "errored", "success_fraction")
-    for n, row in enumerate(bundle["rates"]):
-        missing = [k for k in keys if k not in row]
-        if missing:
-            raise BundleError(f"{path}: rates[{n}] lacks {missing}")
+    _check_load_bundle(path, bundle)
     return bundle
+
+
+def _is_number(x, low: float = 0.0, high: float = math.inf) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
+
+
+def _check_load_bundle(path: Path, bundle: dict) -> None:
+    def need(ok: bool, where: str, value, what: str) -> None:
+        if not ok:
+            raise BundleError(f"{path}: {where} is {str(value)[:40]!r}, not {what}; rerun `evals load`")
+
+    workload, rates = bundle.get("workload"), bundle.get("rates")
+    need(isinstance(workload, dict) and all(k in workload for k in Workload.__dataclass_fields__), "workload",
+         workload, f"an object with {', '.join(Workload.__dataclass_fields__)}")
+    need(isinstance(bundle.get("tool"), dict), "tool", bundle.get("tool"), "an object")
+    need(_is_number(bundle.get("ttft_slo_s")) and bundle["ttft_slo_s"] > 0, "ttft_slo_s", bundle.get("ttft_slo_s"),
+         "a positive number of seconds")
+    if "min_success" in bundle:
+        need(_is_number(bundle["min_success"], 0, 1), "min_success", bundle["min_success"], "a fraction in 0..1")
+    need(isinstance(rates, list), "rates", rates, "a list")
+    count = ("a count", False, lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+    # None only where nothing was measured (no request succeeded at that rate)
+    rules = {"successful": count, "errored": count,
+             "rate": ("a positive number of requests per second", False, lambda x: _is_number(x) and x > 0),
+             "achieved_rps": ("a non-negative number of requests per second", True, _is_number),
+             "output_tok_s": ("a non-negative number of tokens per second", True, _is_number),
+             "ttft_p95_s": ("a non-negative number of seconds", True, _is_number),
+             "success_fraction": ("a fraction in 0..1", True, lambda x: _is_number(x, 0, 1))}
+    for n, row in enumerate(rates):
+        need(isinstance(row, dict), f"rates[{n}]", row, "an object")
+        missing = [k for k in rules if k not in row]
+        if missing:
+            raise BundleError(f"{path}: rates[{n}] lacks {missing}; rerun `evals load`")
+        for key, (what, may_be_none, ok) in rules.items():
+            unmeasured = may_be_none and row[key] is None and row["successful"] == 0
+            need(unmeasured or ok(row[key]), f"rates[{n}].{key}", row[key], what)
 
 
 def _num(x, fmt: str) -> str:

@@ -22,9 +22,11 @@ import yaml
 from evals import budget
 from evals.bundle import BundleWriter
 from evals.data import Dataset, dataset_for
-from evals.errors import RunFailed
+from evals.errors import BadInput, RunFailed
 from evals.tau2_run import Tau2Settings
 from quant.hashing import sha256_of
+from quant.outputs import write_atomic
+from quant.safe_files import make_folder, read_json
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -102,11 +104,10 @@ class RunSpec:
 
 def _task_dir(spec: RunSpec, datasets: dict[str, Dataset]) -> Path:
     """The benchmark YAMLs with each benchmark's data folder filled in (lm-eval's include_path)."""
-    tasks = spec.out / "tasks"
-    tasks.mkdir(parents=True, exist_ok=True)
+    tasks = make_folder(spec.out / "tasks")
     for benchmark, dataset in datasets.items():
         template = resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text()
-        (tasks / f"{benchmark}.yaml").write_text(template.replace("{benchmark_dir}", str(dataset.folder.resolve())))
+        write_atomic(tasks / f"{benchmark}.yaml", template.replace("{benchmark_dir}", str(dataset.folder.resolve())))
     return tasks
 
 
@@ -332,9 +333,24 @@ def quiet_libraries() -> None:
         pass
 
 
+def refuse_remote_code(folder: Path) -> None:
+    """A local checkpoint whose config or tokenizer config names its own Python code (``auto_map``):
+    transformers would ask whether to run it (and fail reading an answer from a closed stdin);
+    quantgate never runs a checkpoint's code, so this is refused before anything loads it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file() and isinstance(config := read_json(path, BadInput, "fix the checkpoint"), dict) \
+                and "auto_map" in config:
+            raise BadInput(f"{path}: auto_map names Python code shipped with the checkpoint; quantgate never runs a "
+                           "checkpoint's own code: use a model transformers supports natively, or serve it and pass "
+                           "--base-url")
+
+
 def run(spec: RunSpec, resume: bool = False) -> dict:
     """Run every unit not already finished under the same identity, then write the bundle."""
     quiet_libraries()
+    for local in ([] if spec.base_url else [spec.model]) + ([spec.tokenizer] if spec.tokenizer else []):
+        refuse_remote_code(Path(local))
     writer = BundleWriter(spec.out, resume)
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
     datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}
