@@ -20,7 +20,6 @@ bound for byte-level BPE tokenizers (every token covers at least one byte).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path

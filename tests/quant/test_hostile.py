@@ -17,6 +17,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -280,9 +281,7 @@ def test_source_changed_during_conversion_is_never_kept(multi_shard_ckpt, tmp_pa
     dst = tmp_path / "out"
     changed = []
 
-    def rewrite_in_flight():
-        partial = next(dst.glob("*" + PARTIAL_SUFFIX))
-        source = src / partial.name.removesuffix(PARTIAL_SUFFIX)
+    def rewrite(source: Path):
         with source.open("r+b") as f:
             f.seek(source.stat().st_size - 2)
             byte = f.read(1)
@@ -290,8 +289,18 @@ def test_source_changed_during_conversion_is_never_kept(multi_shard_ckpt, tmp_pa
             f.write(bytes([byte[0] ^ 0x01]))
         changed.append(source)
 
+    # The converter holds a read lease on the shard it reads (quant/shard.py SourceGuard): the write
+    # waits until the converter, continued, sees the pending change and stops; so it runs beside it.
+    writers = []
+
+    def rewrite_in_flight():  # runs while the converter is frozen
+        partial = next(dst.glob("*" + PARTIAL_SUFFIX))
+        writers.append(threading.Thread(target=rewrite, args=(src / partial.name.removesuffix(PARTIAL_SUFFIX),)))
+        writers[0].start()
+
     code, err = interrupt_midway(src, dst, signal.SIGSTOP, on_stop=rewrite_in_flight)
-    assert code in (0, 2), err
+    writers[0].join()
+    assert changed and code in (0, 2), err
     if code == 0:
         # Frozen after the shard's last read (the original bytes were converted) or before its first
         # (the output header is written from the plan before the source is opened, so the new bytes
