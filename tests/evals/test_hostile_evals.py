@@ -167,7 +167,7 @@ LOAD_CASES = {
 
 @pytest.mark.parametrize("case", LOAD_CASES)
 def test_load_bundles_with_values_no_sweep_writes_are_refused_naming_the_value(case, tmp_path, outside, capsys):
-    ref, cand = load_bundle(tmp_path / "ref", REFERENCE), load_bundle(tmp_path / "cand", REFERENCE)
+    ref, cand = load_bundle(tmp_path / "ref", REFERENCE, repeats=0), load_bundle(tmp_path / "cand", REFERENCE, repeats=0)
     change, says, whole = LOAD_CASES[case]
     if whole:
         (cand / "load.json").write_text("[]")
@@ -179,7 +179,7 @@ def test_load_bundles_with_values_no_sweep_writes_are_refused_naming_the_value(c
 
 
 def test_load_bundle_as_a_fifo_is_refused_without_hanging(tmp_path, outside):
-    ref = load_bundle(tmp_path / "ref", REFERENCE)
+    ref = load_bundle(tmp_path / "ref", REFERENCE, repeats=0)
     (tmp_path / "cand").mkdir()
     os.mkfifo(tmp_path / "cand" / "load.json")
     out = as_process("main", "load", "--candidate", tmp_path / "cand", "--reference", ref)
