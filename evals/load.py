@@ -426,22 +426,28 @@ def _check_load_bundle(path: Path, bundle: dict) -> None:
     if "min_success" in bundle:
         need(_is_number(bundle["min_success"], 0, 1), "min_success", bundle["min_success"], "a fraction in 0..1")
     need(isinstance(rates, list), "rates", rates, "a list")
-    count = ("a count", False, lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0)
-    # None only where nothing was measured (no request succeeded at that rate)
-    rules = {"successful": count, "errored": count,
-             "rate": ("a positive number of requests per second", False, lambda x: _is_number(x) and x > 0),
-             "achieved_rps": ("a non-negative number of requests per second", True, _is_number),
-             "output_tok_s": ("a non-negative number of tokens per second", True, _is_number),
-             "ttft_p95_s": ("a non-negative number of seconds", True, _is_number),
-             "success_fraction": ("a fraction in 0..1", True, lambda x: _is_number(x, 0, 1))}
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    # Types here; a measured rate's NaN, Inf or negative numbers are refused by the gate naming the
+    # rate (knee.check_rows), where a rate with no success may carry none.
+    rules = {"successful": ("a count", count), "errored": ("a count", count),
+             "rate": ("a positive number of requests per second", lambda x: _is_number(x) and x > 0),
+             "achieved_rps": ("a number", lambda x: x is None or number(x)),
+             "output_tok_s": ("a number", lambda x: x is None or number(x)),
+             "ttft_p95_s": ("a number", lambda x: x is None or number(x)),
+             "success_fraction": ("a fraction in 0..1",
+                                  lambda x: x is None or (number(x) and (not math.isfinite(x) or 0 <= x <= 1)))}
     for n, row in enumerate(rates):
         need(isinstance(row, dict), f"rates[{n}]", row, "an object")
         missing = [k for k in rules if k not in row]
         if missing:
             raise BundleError(f"{path}: rates[{n}] lacks {missing}; rerun `evals load`")
-        for key, (what, may_be_none, ok) in rules.items():
-            unmeasured = may_be_none and row[key] is None and row["successful"] == 0
-            need(unmeasured or ok(row[key]), f"rates[{n}].{key}", row[key], what)
+        for key, (what, ok) in rules.items():
+            need(ok(row[key]), f"rates[{n}].{key}", row[key], what)
 
 
 def _num(x, fmt: str) -> str:

@@ -154,11 +154,15 @@ LOAD_CASES = {
     "no workload": (lambda d: d.pop("workload"), "workload is 'None'", False),
     "row lacks keys": (lambda d: d["rates"][0].pop("ttft_p95_s"), "rates[0] lacks ['ttft_p95_s']", False),
     "success_fraction NaN": (lambda d: d["rates"][1].update(success_fraction=float("nan")),
-                             "rates[1].success_fraction is 'nan', not a fraction in 0..1", False),
-    "negative RPS": (lambda d: d["rates"][1].update(achieved_rps=-2.0),
-                     "rates[1].achieved_rps is '-2.0', not a non-negative number", False),
+                             "2 req/s has 100 successful requests but success_fraction=nan", False),
+    "success_fraction 1.5": (lambda d: d["rates"][1].update(success_fraction=1.5),
+                             "rates[1].success_fraction is '1.5', not a fraction in 0..1", False),
+    "negative RPS": (lambda d: d["rates"][1].update(achieved_rps=-2.0), "2 req/s has 100 successful requests but a "
+                     "negative TTFT or RPS", False),
     "rate a string": (lambda d: d["rates"][0].update(rate="1"), "rates[0].rate is '1', not a positive number", False),
-    "TTFT Infinity": (lambda d: d["rates"][2].update(ttft_p95_s=float("inf")), "rates[2].ttft_p95_s is 'inf'", False),
+    "RPS a string": (lambda d: d["rates"][0].update(achieved_rps="fast"), "rates[0].achieved_rps is 'fast'", False),
+    "TTFT Infinity": (lambda d: d["rates"][2].update(ttft_p95_s=float("inf")), "3 req/s has 100 successful requests "
+                      "but ttft_p95_s=inf", False),
     "SLO a string": (lambda d: d.update(ttft_slo_s="5"), "ttft_slo_s is '5'", False),
     "successful a float": (lambda d: d["rates"][0].update(successful=99.5), "rates[0].successful is '99.5', not a count",
                            False),
@@ -175,7 +179,7 @@ def test_load_bundles_with_values_no_sweep_writes_are_refused_naming_the_value(c
         _edit_load(cand, change)
     code, _, err = cli(capsys, gate_main, "load", "--candidate", cand, "--reference", ref)
     assert code == 2
-    one_line(err, str(cand / "load.json"), says)
+    one_line(err, str(cand), says)  # the bundle (its load.json, or the folder with the rate)
 
 
 def test_load_bundle_as_a_fifo_is_refused_without_hanging(tmp_path, outside):
