@@ -127,7 +127,8 @@ def _pool(rules):
         ["model.layers.0.", "model.layers.1.", f"model.layers.{N}."]
     modules, entries = [], ["lm_head", "model.decoder", "mlp.gate", "re:.*shared_experts.*", "*shared_experts*",
                             "re:.*experts.*", "re:model\\.layers\\.1\\..*", "re:.*gate_up_proj", "model.layers.1",
-                            "re:.*(q_a_proj|kv_a_proj_with_mqa)", "self_attn", "experts"]
+                            "re:.*(q_a_proj|kv_a_proj_with_mqa)", "self_attn", "experts",
+                            "re:model\\.layers\\.1\\.mlp", "re:.*shared_experts"]  # re: is anchored at the start only
     for p in layers:
         modules += [p + m for m in (f"self_attn.{qkv}", "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
                                     "self_attn.indexer.wq_b", "mlp.gate_up_proj", "mlp.down_proj",

@@ -1,0 +1,219 @@
+"""Mutation check of the engine rules: each single change to the rule data
+(manifests/engines/*.yaml) or to the matcher code (quant/engines/*.py) must make a test of
+tests/quant/test_fusion.py or tests/quant/test_engine_sources.py fail.
+
+    PYTHONPATH=. nice -n 10 python tests/benchmarks/mutation_engines.py [--only N,M] [--json]
+
+Runs in one process (the wheels' parsed sources stay cached between runs): a data mutation is
+applied to the loaded YAML, a code mutation by swapping the module's functions for ones compiled
+from the changed source; nothing on disk is changed. Prints one row per mutation (killed or
+SURVIVED, the first failing test) and the score. Needs the wheels (see tests/quant/engine_sources.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import quant.engines.rules as rules_module
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py"]
+
+
+def data(engine, first, rule, path, value, why):
+    """Set ``rule``'s value at ``path`` (keys) in the rule set starting at ``first``."""
+    return {"kind": "data", "engine": engine, "first": first, "rule": rule, "path": path, "value": value, "why": why}
+
+
+def top(engine, key, value, why):
+    """Replace a top-level manifest entry (checked, post_releases) or a set's versions."""
+    return {"kind": "top", "engine": engine, "key": key, "value": value, "why": why}
+
+
+def code(module, old, new, why):
+    return {"kind": "code", "module": module, "old": old, "new": new, "why": why}
+
+
+MUTATIONS = [
+    data("sglang", "0.5.18", "shared_experts_fusion", ["exclude_veto"], "none", "0.5.18 fuses an excluded shared expert"),
+    data("sglang", "0.5.19", "shared_experts_fusion", ["exclude_veto"], "mtp_prefix",
+         "0.5.19 draft-layer entries veto fusion"),
+    data("sglang", "0.5.22", "shared_experts_fusion", ["draft_arch", "glm_moe_dsa", "class"],
+         "DeepseekV3ForCausalLMNextN", "0.5.22 GLM draft never fuses"),
+    data("sglang", "0.5.16", "shared_experts_fusion", ["draft_arch", "glm_moe_dsa", "config"],
+         "DeepseekV3ForCausalLMNextN", "0.5.16 GLM draft fuses"),
+    data("sglang", "0.5.13", "shared_experts_fusion", ["routed_experts"], {256: "any"}, "0.5.13 drops 384 experts"),
+    data("sglang", "0.5.9", "shared_experts_fusion", ["min_capability", "rocm"], [9, 5], "0.5.9 needs gfx950"),
+    data("sglang", "0.5.16", "shared_experts_fusion", ["min_capability", "cuda"], [9, 0], "0.5.16 needs sm90"),
+    data("sglang", "0.5.18", "shared_experts_fusion", ["ep_min_capability"], {}, "0.5.18 no fusion under EP"),
+    data("sglang", "0.5.9", "shared_experts_fusion", ["arch", "glm_moe_dsa"], "DeepseekV3ForCausalLM",
+         "0.5.9 GLM main never fuses"),
+    data("sglang", "0.5.22", "shared_experts_fusion", ["shared_experts"], 2, "0.5.22 wants 2 shared experts"),
+    data("vllm", "0.33.0", "indexer", ["wk"], "quant_config", "vLLM wk quantized"),
+    data("vllm", "0.33.0", "eh_proj", [], "quant_config", "vLLM eh_proj quantized"),
+    data("sglang", "0.5.11", "eh_proj", [], "plain", "sglang 0.5.11-0.5.14 eh_proj plain"),
+    data("sglang", "0.5.9", "router", ["reads"], [], "router keys emptied"),
+    data("sglang", "0.5.15", "router", ["reads"], ["topk_method", "n_group", "topk_group"],
+         "0.5.15 does not read scoring_func"),
+    data("sglang", "0.5.15", "indexer", ["wk_fused_bf16_on_cuda"], False, "0.5.15 CUDA keeps wk separate"),
+    data("sglang", "0.5.15", "indexer", ["wk_dequantized"], [], "0.5.15 does not dequantize FP8 wk"),
+    data("vllm", "0.33.0", "indexer", ["wk_dequantized"], [], "vLLM does not dequantize FP8 wk"),
+    data("sglang", "0.5.11", "quark_fused", [], {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]},
+         "0.5.11 Quark mapping without gate_up_proj"),
+    data("sglang", "0.5.21", "quark_match", ["fused_first"], False, "0.5.21 expands fused names first"),
+    data("sglang", "0.5.21", "quark_match", ["experts_prefix"], "none", "0.5.21 no '<experts>.' prefix match"),
+    data("vllm", "0.33.0", "quark_match", ["experts_prefix"], "none", "vLLM no check_children"),
+    data("sglang", "0.5.9", "mtp_naming", ["max_layers"], None, "no 1-nextn-layer assert"),
+    data("sglang", "0.5.16", "draft_exclude", ["glm_moe_dsa"], "mapper_61", "0.5.16 GLM draft uses the 61 mapper"),
+    data("sglang", "0.5.11", "fp8_skip", ["match"], "substring", "0.5.11 FP8 entries as substrings"),
+    top("sglang", ("rule_sets", "0.5.19", "versions"), ["0.5.19", "0.5.19"], "0.5.20 moved into the 0.5.21 set"),
+    top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
+    top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",
+                                 "0.5.17", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"], "0.5.18 not read"),
+    code("quant.engines.match", "any(p.match(name) for p in self.patterns)",
+         "any(p.fullmatch(name) for p in self.patterns)", "re: entries matched with fullmatch"),
+    code("quant.engines.match", 'any(\n            e.startswith(module + ".") for e in exclude.entries)',
+         "any(\n            e.startswith(module) for e in exclude.entries)", "'<experts>.' prefix without the dot"),
+    code("quant.engines.fusion", 'and "shared_expert_gate" not in e ', "", "shared_expert_gate entries veto"),
+    code("quant.engines.fusion", "if serving.capability < least:", "if serving.capability <= least:",
+         "capability bound exclusive"),
+    code("quant.engines.fusion", 'return any("shared_expert" in e', 'return all("shared_expert" in e',
+         "veto needs every entry"),
+    code("quant.engines.replay", 'config.get("indexer_rope_interleave", True)',
+         'config.get("indexer_rope_interleave", False)', "indexer rope assumed neox when unset"),
+    code("quant.engines.rules", "if r.covers(read[release])]", "if r.covers(release)]",
+         ".postN by version order, not the map"),
+]
+
+
+def _apply_data(manifest: dict, m: dict) -> None:
+    if m["kind"] == "top":
+        key = m["key"]
+        if key[0] == "rule_sets":
+            raw = next(r for r in manifest["rule_sets"] if str(r["versions"][0]) == key[1])
+            raw[key[2]] = m["value"]
+        elif len(key) == 2:
+            manifest[key[0]][key[1]] = m["value"]
+        else:
+            manifest[key[0]] = m["value"]
+        return
+    raw = next(r for r in manifest["rule_sets"] if str(r["versions"][0]) == m["first"])
+    if m["rule"] not in raw["rules"]:  # the set inherits it: restate the inherited value, then change it
+        inherited = next(r for r in rules_module.rule_sets(m["engine"]) if r.first == m["first"])
+        raw["rules"][m["rule"]] = {"value": copy.deepcopy(inherited[m["rule"]]), "cite": "mutation"}
+    target = raw["rules"][m["rule"]]
+    if not m["path"]:
+        target["value"] = m["value"]
+        return
+    node = target["value"]
+    for key in m["path"][:-1]:
+        node = node[key]
+    assert m["path"][-1] in node or isinstance(node, dict), m
+    node[m["path"][-1]] = m["value"]
+
+
+@contextlib.contextmanager
+def mutated(m: dict):
+    if m["kind"] in ("data", "top"):
+        original = rules_module._manifest
+        manifest = copy.deepcopy(original(m["engine"]))
+        _apply_data(manifest, m)
+        rules_module._manifest = lambda engine: manifest if engine == m["engine"] else original(engine)
+        rules_module.rule_sets.cache_clear()
+        try:
+            yield
+        finally:
+            rules_module._manifest = original
+            rules_module.rule_sets.cache_clear()
+        return
+    module = sys.modules[m["module"]]
+    text = Path(module.__file__).read_text()
+    assert text.count(m["old"]) == 1, (m["module"], m["old"], text.count(m["old"]))
+    fresh = types.ModuleType(m["module"])
+    fresh.__file__ = module.__file__
+    exec(compile(text.replace(m["old"], m["new"]), module.__file__, "exec"), fresh.__dict__)  # noqa: S102 (the mutant)
+    swaps = _swap(module, fresh.__dict__)
+    try:
+        yield
+    finally:
+        _swap(module, {k: v for k, v in swaps.items()})
+
+
+def _swap(module, new: dict) -> dict:
+    """Put ``new``'s objects in place of ``module``'s, in it and wherever they were imported by name;
+    returns what was replaced (to swap back)."""
+    old = {k: v for k, v in module.__dict__.items() if k in new and not k.startswith("__")}
+    by_id = {id(v): new[k] for k, v in old.items() if v is not new.get(k)}
+    for other in list(sys.modules.values()):
+        name = getattr(other, "__name__", "")
+        if other is module or not name.startswith(("quant", "evals", "tests")):
+            continue
+        for attr, value in list(vars(other).items()):
+            if id(value) in by_id:
+                setattr(other, attr, by_id[id(value)])
+    module.__dict__.update({k: v for k, v in new.items() if not k.startswith("__")})
+    if hasattr(rules_module.rule_sets, "cache_clear"):
+        rules_module.rule_sets.cache_clear()
+    return old
+
+
+class _FirstFailure:
+    def __init__(self):
+        self.failed = None
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed and self.failed is None:
+            self.failed = report.nodeid
+
+
+def run_tests() -> tuple[int, str | None]:
+    for name in [n for n in sys.modules if n.startswith(("tests.quant.test_fusion", "tests.quant.test_engine_sources"))]:
+        del sys.modules[name]
+    probe = _FirstFailure()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = pytest.main([*(str(ROOT / t) for t in TESTS), "-x", "-q", "-p", "no:cacheprovider",
+                            "--rootdir", str(ROOT)], plugins=[probe])
+    return int(code), probe.failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated mutation numbers (1-based)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    chosen = [int(i) for i in args.only.split(",")] if args.only else range(1, len(MUTATIONS) + 1)
+    start = time.time()
+    code, failed = run_tests()
+    if code != 0:
+        print(f"the unmutated tests fail ({failed}); fix them first", file=sys.stderr)
+        return 3
+    print(f"baseline: tests pass ({time.time() - start:.0f} s)")
+    rows = []
+    for i in chosen:
+        m = MUTATIONS[i - 1]
+        t0 = time.time()
+        with mutated(m):
+            code, failed = run_tests()
+        rows.append({"n": i, "mutation": m["why"], "killed": code != 0, "by": failed, "seconds": round(time.time() - t0)})
+        r = rows[-1]
+        print(f"{i:>3}  {'killed  ' if r['killed'] else 'SURVIVED'}  {r['seconds']:>4} s  {m['why']:<45} "
+              f"{(r['by'] or '').split('::')[-1][:70]}", flush=True)
+    killed = sum(r["killed"] for r in rows)
+    print(f"score: {killed}/{len(rows)} killed ({100 * killed / len(rows):.0f}%)")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
