@@ -16,8 +16,8 @@ from quant.engines import select
 from quant.example import glm5_config
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
-from quant.safetensors_io import encode_header
 from tests.conftest import bytes_read, quark_convert, write_sparse_checkpoint
+from tests.quant.test_fusion import write_planned
 
 
 def run_gate(capsys, *args) -> tuple[int, dict | str]:
@@ -293,18 +293,8 @@ def test_help_documents_exit_codes(capsys):
 def test_headers_only_on_a_full_size_sparse_mxfp4_layout(tmp_path, capsys):
     src = tmp_path / "bf16"
     write_sparse_checkpoint(src, glm5_config(), shards=282)
-    plan = make_plan(src, load_recipe())
     dst = tmp_path / "mxfp4"
-    dst.mkdir()
-    for shard in plan.shards:  # the converter's exact output layout, as holes
-        header, _ = encode_header(shard.entries)
-        with open(dst / shard.file, "wb") as f:
-            f.write(header)
-            f.truncate(shard.output_size)
-    (dst / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(s.output_size for s in plan.shards)}, "weight_map": plan.weight_map()}))
-    (dst / "config.json").write_text(json.dumps(plan.output_config()))
-    (dst / "tokenizer.json").write_text("{}")
+    write_planned(src, dst, load_recipe())  # the converter's exact output layout, as holes
     before = bytes_read()
     # 256 routed experts: sglang <= 0.5.17 fuses the bf16 shared expert unless told not to
     # (tests/quant/test_fusion.py); this test is about reading headers only.
