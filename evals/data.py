@@ -3,6 +3,8 @@
 Where a benchmark's files come from (``dataset_for``):
 - GSM8K ships with quantgate (``evals/benchmarks/data``, MIT licence, sha256s in its manifest.json):
   ``evals run --benchmarks gsm8k`` needs no ``--data-dir``.
+- arith (the built-in example model's benchmark, ``evals/benchmarks/arith_make.py``) ships the same
+  way and is always read from there, whatever ``--data-dir`` says.
 - A folder prepared by ``evals data`` (``<data-dir>/manifest.json`` records every file's sha256,
   checked before a run).
 - GSM8K's own layout, ``<data-dir>/gsm8k/{train,test}.jsonl`` (or those two files directly in
@@ -34,6 +36,7 @@ MANIFEST = "manifest.json"
 GPQA_FREEZE_SEED = 0
 BUNDLED_DATA_DIR = Path(str(resources.files("evals.benchmarks").joinpath("data")))
 GSM8K_FILES = ("train.jsonl", "test.jsonl")
+SHIPPED = ("gsm8k", "arith")  # in BUNDLED_DATA_DIR; arith is evals/benchmarks/arith_make.py's output
 GSM8K_ANSWER = re.compile(r"####\s*-?[0-9][0-9.,]*\s*$")  # the official answer ends "#### N"
 DATA_BYTES = 256 << 20  # GSM8K's files are 4 MB, GPQA-Diamond's CSV 2 MB
 log = logging.getLogger(__name__)
@@ -178,8 +181,8 @@ def _raw_gsm8k_folder(data_dir: Path) -> Path | None:
 def dataset_for(benchmark: str, data_dir: Path | None = None) -> Dataset:
     """Where ``benchmark``'s files are for a run, checked and hashed (see the module docstring)."""
     if data_dir is None:
-        if benchmark == "gsm8k":
-            return Dataset(BUNDLED_DATA_DIR / "gsm8k", verify_data(BUNDLED_DATA_DIR, "gsm8k"))
+        if benchmark in SHIPPED:
+            return Dataset(BUNDLED_DATA_DIR / benchmark, verify_data(BUNDLED_DATA_DIR, benchmark))
         raise DataError(f"{benchmark} does not ship with quantgate (it is gated): import your copy with "
                         f"`evals data --data-dir DATA --gpqa FILE`, then pass --data-dir DATA")
     data_dir = Path(data_dir)
@@ -189,6 +192,8 @@ def dataset_for(benchmark: str, data_dir: Path | None = None) -> Dataset:
     manifest = data_dir / MANIFEST
     if manifest.exists() and benchmark in _read_manifest(manifest):
         return Dataset(data_dir / benchmark, verify_data(data_dir, benchmark))
+    if benchmark == "arith":  # generated, never imported: the shipped copy is the one
+        return dataset_for("arith")
     raw = _raw_gsm8k_folder(data_dir) if benchmark == "gsm8k" else None
     if raw is not None:
         for name in GSM8K_FILES:

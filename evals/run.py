@@ -36,6 +36,8 @@ PROTOCOLS = {
     "gsm8k": {"task": "quantgate_gsm8k", "limit": 200, "seeds": [0], "primary_filter": "flexible-extract"},
     "gpqa_diamond": {"task": "quantgate_gpqa_diamond", "limit": None, "seeds": [0, 1],
                      "primary_filter": "flexible-extract"},
+    # the built-in example model's benchmark (evals/benchmarks/arith_make.py): all 250 test items, 0-shot
+    "arith": {"task": "quantgate_arith", "limit": None, "seeds": [0], "primary_filter": "flexible-extract"},
 }
 # Local checkpoints generate greedily, KV-cached, this many prompts at a time (lm-eval's HFLM pads
 # them on the left with an attention mask; generate derives position ids from it): on the built-in
