@@ -41,7 +41,7 @@ or refused (another run is writing DST), 130 interrupted"""
 
 EPILOG = """\
 examples:
-  quantize --to mxfp4 --example /tmp/qg            # tiny GLM-5-layout checkpoint, converted
+  quantize --to mxfp4 --example /tmp/qg            # the trained tiny GLM-5-layout example, converted
   quantize --to mxfp4 /ckpt/GLM-5-bf16 /ckpt/GLM-5-mxfp4 --dry-run
   quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json
   quantize --to mxfp4 SRC DST --resume             # finish an interrupted run
@@ -99,12 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="where the quantization math runs: cpu (default; fast bf16 kernel) or cuda[:N]")
     p.add_argument("--example", type=Path, metavar="DIR",
-                   help="write a tiny built-in checkpoint to DIR/bf16 and convert it into DIR/mxfp4")
+                   help="write the built-in example to DIR/bf16 and convert it into DIR/mxfp4: a tiny MoE trained on "
+                        "the arith benchmark (`evals run --benchmarks arith --model DIR/mxfp4` scores it)")
+    p.add_argument("--example-weights", choices=("trained", "random"), default="trained",
+                   help="the --example checkpoint's weights: trained (default; tiny MLA sizes) or seeded random "
+                        "(any --example-mla)")
     p.add_argument("--example-family", choices=FAMILIES, default="glm_moe_dsa",
                    help="naming family of the --example checkpoint")
     p.add_argument("--example-mla", choices=MLA_SIZES, default="tiny",
                    help="MLA sizes of the --example checkpoint: tiny, or real (kv_lora_rank 512 + rope 64, what MLA "
-                        "kernels accept; for loading the example in a real engine)")
+                        "kernels accept; for loading the example in a real engine; needs --example-weights random)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -166,9 +170,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError(f"--example {args.example}: a file, not a folder; choose a new folder")
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
+        trained = args.example_weights == "trained"
+        if trained and args.example_mla != "tiny":
+            raise PlanError(f"--example-mla {args.example_mla}: the trained example has tiny MLA sizes; add "
+                            "--example-weights random for a random checkpoint with real MLA sizes")
         from quant.example import write_example
 
-        args.src, args.dst = (write_example(args.example / "bf16", args.example_family, mla=args.example_mla),
+        options = {} if trained else {"mla": args.example_mla}
+        args.src, args.dst = (write_example(args.example / "bf16", args.example_family, trained=trained, **options),
                               args.example / args.to)
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")

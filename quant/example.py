@@ -1,10 +1,13 @@
 """Tiny checkpoints with the real GLM-5 / DeepSeek-V3 tensor names, for tests and ``--example``.
 
-Shapes follow transformers' ``GlmMoeDsaConfig`` / ``DeepseekV3Config`` models (a test checks
+Two kinds: the trained example (``write_example``, what ``quantize --example`` writes), a small
+model trained on the arith benchmark (``quant/example_train.py`` reproduces its weights, shipped in
+``quant/example_model``), and seeded random ones of any size (``write_checkpoint(tiny_config(...))``,
+what most tests use). Shapes follow transformers' ``GlmMoeDsaConfig`` / ``DeepseekV3Config`` models (a test checks
 names and shapes against transformers itself); the MTP layer at index ``num_hidden_layers``
 (enorm, hnorm, eh_proj, shared_head.norm plus a full MoE decoder layer) is what the real
-checkpoints carry and transformers ignores. Values are seeded random bf16; the tokenizer is a
-byte-level BPE trained offline on a built-in corpus.
+checkpoints carry and transformers ignores. Random values are seeded bf16, with a byte-level BPE
+tokenizer trained offline on a built-in corpus.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ REAL_MLA = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nop
             "glm_moe_dsa": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
                             "v_head_dim": 256, "q_lora_rank": 2048, "qk_head_dim": 256, "head_dim": 64,
                             "index_head_dim": 128}}
+# The trained example (quant/example_train.py): its weights in GLM-5 layout and its tokenizer ship here.
+TRAINED_DIR = Path(__file__).with_name("example_model")
+TRAINED_WEIGHTS, TRAINED_TOKENIZER = "weights.safetensors", "tokenizer.json"
+TRAINED_SIZES: dict = {}  # tiny_config's own
+# The arith prompts and answers take < 100 tokens; 512 bounds what an untrained or damaged model
+# rambles (evals' generation budget is the context minus the longest prompt, evals/budget.py).
+TRAINED_CONTEXT = 512
 _CORPUS = [
     "Janet has 3 apples and buys 5 more. How many apples does she have? The answer is 8.",
     "Question: What is 12 times 7? Answer: 84. #### 84",
@@ -76,6 +86,18 @@ def tiny_config(family: str = "glm_moe_dsa", *, num_hidden_layers: int = 3, firs
         config.update({"aux_loss_alpha": 0.001, "seq_aux": True})
     if mla == "real":
         config.update({k: v for k, v in REAL_MLA[family].items() if k in config})
+    return config
+
+
+def trained_config(family: str = "glm_moe_dsa") -> dict:
+    """The trained example's config: ``tiny_config``'s layout (3 layers, the first dense, 4 routed experts
+    top-2 + 1 shared, one MTP layer, tiny MLA) a little wider, with a 512-token context. For GLM-5 the
+    indexer's top-k is the whole context: every key is selected, so the indexer changes nothing and the
+    GLM-5 and DeepSeek-V3 layouts of the same weights compute the same (a test checks it)."""
+    config = tiny_config(family, **TRAINED_SIZES)
+    config.update({"num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": TRAINED_CONTEXT})
+    if family == "glm_moe_dsa":
+        config["index_topk"] = TRAINED_CONTEXT
     return config
 
 
@@ -146,7 +168,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]
     return shapes
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     import torch
 
     if name.endswith(("norm.weight",)):
@@ -156,10 +178,17 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: t
     return (torch.randn(shape, generator=gen) * 0.05).to(dtype)
 
 
-def write_tokenizer(dst: Path, vocab_size: int, context: int) -> None:
-    """A byte-level BPE trained offline on a built-in corpus, saved in transformers' layout."""
+def write_tokenizer(dst: Path, vocab_size: int, context: int, trained: Path | None = None) -> None:
+    """A byte-level BPE saved in transformers' layout: ``trained`` (a tokenizer.json), else one trained
+    here on a built-in corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if trained is not None:
+        tokenizer = Tokenizer.from_file(str(trained))
+        if tokenizer.get_vocab_size() != vocab_size:
+            raise ValueError(f"{trained}: {tokenizer.get_vocab_size()} tokens, the config says {vocab_size}")
+        _write_tokenizer_files(dst, tokenizer, context)
+        return
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -167,6 +196,10 @@ def write_tokenizer(dst: Path, vocab_size: int, context: int) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    _write_tokenizer_files(dst, tokenizer, context)
+
+
+def _write_tokenizer_files(dst: Path, tokenizer, context: int) -> None:
     tokenizer.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
@@ -177,10 +210,11 @@ def write_tokenizer(dst: Path, vocab_size: int, context: int) -> None:
 
 
 def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, seed: int = 0,
-                     overrides: dict[str, torch.Tensor] | None = None) -> Path:
+                     overrides: dict[str, torch.Tensor] | None = None, tokenizer: Path | None = None) -> Path:
     """Write ``config`` as a sharded bf16 checkpoint with index, tokenizer and generation config.
 
-    ``overrides`` replaces named tensors' values (edge cases, NaN injection in tests).
+    ``overrides`` replaces named tensors' values (edge cases, NaN injection in tests, trained weights);
+    ``tokenizer`` is a tokenizer.json to ship instead of the built-in one.
     """
     import torch
     from safetensors.torch import save_file
@@ -193,7 +227,7 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
     for name, (shape, dtype) in tensor_shapes(config).items():
         tensor = (overrides or {}).get(name)
         if tensor is None:
-            tensor = _random_tensor(name, shape, dtype, gen)
+            tensor = random_tensor(name, shape, dtype, gen)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
@@ -211,11 +245,32 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}, indent=2))
-    write_tokenizer(dst, config["vocab_size"], config["max_position_embeddings"])
+    write_tokenizer(dst, config["vocab_size"], config["max_position_embeddings"], tokenizer)
     return dst
 
 
-def write_example(dst: Path, family: str = "glm_moe_dsa", **config_kwargs) -> Path:
-    """``config_kwargs`` go to ``tiny_config`` (e.g. ``mla="real"``)."""
-    """The built-in example: a tiny multi-shard checkpoint of ``family`` with an MTP layer."""
-    return write_checkpoint(dst, tiny_config(family, **config_kwargs))
+def trained_weights(family: str = "glm_moe_dsa") -> dict[str, torch.Tensor]:
+    """The trained example's tensors in ``family``'s layout: the shipped GLM-5 tensors, less the indexer
+    for DeepSeek-V3 (which has none)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(TRAINED_DIR / TRAINED_WEIGHTS))
+    expected = tensor_shapes(trained_config(family))
+    weights = {name: t for name, t in weights.items() if name in expected}
+    wrong = sorted(n for n in expected if n not in weights or (tuple(weights[n].shape), weights[n].dtype) != expected[n])
+    if wrong:  # never fill a gap with random values: the example must be the trained model or nothing
+        raise ValueError(f"{TRAINED_DIR / TRAINED_WEIGHTS} does not match trained_config({family!r}) at {wrong[:3]}; "
+                         "rerun python3 -m quant.example_train")
+    return weights
+
+
+def write_example(dst: Path, family: str = "glm_moe_dsa", *, trained: bool = True, **config_kwargs) -> Path:
+    """The built-in example, a multi-shard checkpoint of ``family`` with an MTP layer: the trained model
+    (arith benchmark), or with ``trained=False`` seeded random weights of ``tiny_config(family,
+    **config_kwargs)`` (e.g. ``mla="real"``)."""
+    if not trained:
+        return write_checkpoint(dst, tiny_config(family, **config_kwargs))
+    if config_kwargs:
+        raise ValueError(f"the trained example has fixed sizes; {sorted(config_kwargs)} need trained=False")
+    return write_checkpoint(dst, trained_config(family), overrides=trained_weights(family),
+                            tokenizer=TRAINED_DIR / TRAINED_TOKENIZER)
