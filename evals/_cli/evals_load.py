@@ -47,7 +47,8 @@ def register(sub) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject it, e.g. transformers serve): "
                         "output tokens become a cap, not a fixed length")
-    p.add_argument("--all-rates", action="store_true", help="keep sweeping after a rate breaks the SLO")
+    p.add_argument("--all-rates", action="store_true",
+                   help="sweep every rate in --rates, then bisect above the highest one that met the SLO")
     p.add_argument("--dry-run", action="store_true",
                    help="print the sweep order and the guidellm scenario of the first rate; send nothing")
     p.add_argument("--json", action="store_true", help="print the sweeps' load.json instead of the tables")

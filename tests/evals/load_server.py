@@ -65,6 +65,12 @@ def make_handler(engine: Engine, model: str, tokens: int, itl_s: float):
             return send_json(self, {"error": {"message": f"no route {self.path}"}}, 404)
 
         def do_POST(self):
+            try:
+                self._answer()
+            except (BrokenPipeError, ConnectionResetError):  # guidellm cancels requests still running at its limit
+                self.close_connection = True
+
+        def _answer(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if not self.path.endswith("/v1/completions"):
                 return send_json(self, {"error": {"message": f"no route {self.path}"}}, 404)
@@ -78,10 +84,7 @@ def make_handler(engine: Engine, model: str, tokens: int, itl_s: float):
                 return send_json(self, {"id": rid, "object": "text_completion", "model": model,
                                         "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
                                         "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
-            try:
-                self._stream(rid, n, body)
-            except (BrokenPipeError, ConnectionResetError):  # guidellm cancels requests still running at its limit
-                self.close_connection = True
+            self._stream(rid, n, body)
             return None
 
         def _stream(self, rid: str, n: int, body: dict) -> None:
