@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it that tensor is copied unchanged with a warning naming it. NaN/Inf in a weight to "
                         "quantize is always refused")
     p.add_argument("--workers", type=_positive_int, metavar="N",
-                   help="worker processes, one shard each (default: number of cores, at most the shard count)")
+                   help="worker processes, one shard each (default: one per two cores, at most one per 4 GB of "
+                        "work and the shard count; each worker's kernel gets its cores but one)")
     p.add_argument("--device", default="cpu",
                    help="where the quantization math runs: cpu (default; fast bf16 kernel) or cuda[:N]")
     p.add_argument("--example", type=Path, metavar="DIR",
