@@ -163,13 +163,14 @@ def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: i
     u = np.concatenate([(g - g.mean()) / ((len(g) - 1) * len(groups)) for g in groups if len(g) > 1] or [np.zeros(0)])
     spread = float((u ** 2).sum())
     a = float((u ** 3).sum()) / (6 * spread ** 1.5) if spread > 0 else 0.0
-    # Expanded (Hesterberg 2015): the bootstrap's spread is sqrt((n - 1) / n) of the sampling spread and
-    # its tails are normal, not t; widen by both, at the smallest stratum's n (airline's 50 for tau2).
-    small = min(len(g) for g in groups)
+    # Expanded (Hesterberg 2015): the bootstrap's spread is sqrt((k - 1) / k) of the sampling spread and
+    # its tails are normal, not t; widen by both. k counts the items that differ (the spread is theirs:
+    # 198 GPQA questions of which 50 differ estimate it like 50 items), over all strata.
+    small = max(2, sum(int(np.count_nonzero(g)) for g in groups))
     z = float(math.sqrt(small / (small - 1)) * sps.t.ppf(confidence, small - 1)) if small > 1 else float(sps.norm.ppf(confidence))
     level = lambda zq: float(sps.norm.cdf(z0 + (z0 + zq) / (1 - a * (z0 + zq))))  # noqa: E731
-    return (float(np.quantile(boot, level(-z), method="lower")),
-            float(np.quantile(boot, level(z), method="higher")))
+    return (float(np.quantile(boot, level(-z))),
+            float(np.quantile(boot, level(z))))
 
 
 def _score_z(b: int, c: int, n: int, delta0: float) -> float:

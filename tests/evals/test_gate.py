@@ -69,7 +69,8 @@ def test_pass_fail_inconclusive(tmp_path, capsys):
     for name, (ref, cand) in cases.items():
         r = bundle(tmp_path / name / "ref", "gsm8k", ref)
         c = bundle(tmp_path / name / "cand", "gsm8k", cand)
-        code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--benchmarks", "gsm8k")
+        code, result = run_gate(capsys, "accuracy", "--candidate", c, "--reference", r, "--benchmarks", "gsm8k",
+                                "--margin", "gsm8k=0.02")
         verdicts[name] = (code, result["verdict"], result["benchmarks"][0])
     assert verdicts["pass"][:2] == (0, "PASS")
     assert verdicts["fail"][:2] == (1, "FAIL") and verdicts["fail"][2]["mcnemar_p"] < 1e-5
