@@ -93,6 +93,7 @@ class Paired:
     lower: float  # one-sided lower bound at the confidence (``method``)
     upper: float  # one-sided upper bound
     method: str  # how ``lower`` was obtained, for the report
+    scaling_lower: float  # the score or BCa bound alone: the one that scales with more data (guidance)
     normal_lower: float
     normal_upper: float
     sd: float
@@ -163,11 +164,14 @@ def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: i
     u = np.concatenate([(g - g.mean()) / ((len(g) - 1) * len(groups)) for g in groups if len(g) > 1] or [np.zeros(0)])
     spread = float((u ** 2).sum())
     a = float((u ** 3).sum()) / (6 * spread ** 1.5) if spread > 0 else 0.0
-    # Expanded (Hesterberg 2015): the bootstrap's spread is sqrt((k - 1) / k) of the sampling spread and
-    # its tails are normal, not t; widen by both. k counts the items that differ (the spread is theirs:
-    # 198 GPQA questions of which 50 differ estimate it like 50 items), over all strata.
-    small = max(2, sum(int(np.count_nonzero(g)) for g in groups))
-    z = float(math.sqrt(small / (small - 1)) * sps.t.ppf(confidence, small - 1)) if small > 1 else float(sps.norm.ppf(confidence))
+    # Expanded (Hesterberg 2015): the bootstrap's spread is sqrt(df / (df + 1)) of the sampling spread and
+    # its tails are normal, not t; widen by both. The degrees of freedom are the items that differ, less
+    # one (the spread is theirs: 198 GPQA questions of which 50 differ estimate it like 50 items); with
+    # strata, Welch-Satterthwaite's over the strata's shares of the variance (airline's 50 tasks weigh most).
+    shares = [float(g.var(ddof=1)) / len(g) if len(g) > 1 else 0.0 for g in groups]
+    dfs = [max(1, int(np.count_nonzero(g)) - 1) for g in groups]
+    df = sum(shares) ** 2 / sum(v * v / k for v, k in zip(shares, dfs)) if sum(shares) > 0 else 1.0
+    z = float(math.sqrt((df + 1) / df) * sps.t.ppf(confidence, df))
     level = lambda zq: float(sps.norm.cdf(z0 + (z0 + zq) / (1 - a * (z0 + zq))))  # noqa: E731
     return (float(np.quantile(boot, level(-z))),
             float(np.quantile(boot, level(z))))
@@ -233,6 +237,7 @@ def paired_delta(ref: np.ndarray, cand: np.ndarray, confidence: float, resamples
     else:
         lower, upper = _bca(groups, delta, confidence, resamples, seed)
         method = f"BCa paired bootstrap ({resamples} resamples of items{where})"
+    scaling_lower = lower
     losing = int((d < 0).sum())
     if strata is None and losing <= FEW_LOSSES:
         exact = exact_loss_bound(losing, n, confidence)
@@ -241,7 +246,7 @@ def paired_delta(ref: np.ndarray, cand: np.ndarray, confidence: float, resamples
                       f"than the {method.split(' (')[0]}'s {lower:+.4f})")
             lower = exact
     z = sps.norm.ppf(confidence)
-    return Paired(n=n, delta=delta, se=se, lower=lower, upper=upper, method=method,
+    return Paired(n=n, delta=delta, se=se, lower=lower, upper=upper, method=method, scaling_lower=scaling_lower,
                   normal_lower=float(delta - z * se), normal_upper=float(delta + z * se), sd=sd)
 
 
@@ -265,18 +270,19 @@ def certified_margin(lower: float) -> float:
 
 
 def conditional_power(delta_now: float, var_now: float, var_final, margin: float, confidence: float,
-                      true_delta: float):
+                      true_delta: float, z: float | None = None):
     """P(the final one-sided lower bound clears -margin | the data so far), were the true delta
     ``true_delta``: Lan and Wittes' B-value. With information I = 1 / var, B = (delta + margin) * I
     grows by independent increments of mean (true_delta + margin) * dI and variance dI; the final test
-    passes when B_final > z * sqrt(I_final). ``var_final`` may be an array of designs."""
+    passes when B_final > z * sqrt(I_final). ``var_final`` may be an array of designs; ``z`` (default the
+    normal quantile of ``confidence``) is how many standard errors the gate's bound lies below the delta."""
     i_now, i_final = 1 / var_now, 1 / np.asarray(var_final, dtype=float)
-    z = sps.norm.ppf(confidence)
+    z = sps.norm.ppf(confidence) if z is None else z
     b_now = (delta_now + margin) * i_now
     added = np.maximum(i_final - i_now, 1e-300)
     mean = b_now + (true_delta + margin) * added
     power = np.where(i_final > i_now, sps.norm.cdf((mean - z * np.sqrt(i_final)) / np.sqrt(added)),
-                     (b_now > z * math.sqrt(i_now)).astype(float))
+                     float(b_now > z * math.sqrt(i_now)))
     return float(power) if power.ndim == 0 else power
 
 
@@ -332,6 +338,9 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
     comparison's ``paired_delta``."""
     between, within = variance_components(deltas)
     n, repeats = p.n, deltas.shape[1]
+    # the gate's score or BCa bound may lie further below the delta than z standard errors: powers use its
+    # distance in standard errors (not the exact bound's: it applies to a few losses, not to more data)
+    z = max(float(sps.norm.ppf(confidence)), (p.delta - p.scaling_lower) / p.se) if p.se > 0 else None
     size = max(benchmark_items or n, n)
     var_now = p.se ** 2
     per_item = between + within / repeats
@@ -354,7 +363,7 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
         designs += [(size, reps) for reps in range(repeats + 1, MAX_REPEATS + 1)]
     grid = np.array(designs or [(n, repeats)], dtype=float)
     variances = var(grid[:, 0], grid[:, 1])
-    at_observed = np.atleast_1d(conditional_power(p.delta, var_now, variances, margin, confidence, p.delta))
+    at_observed = np.atleast_1d(conditional_power(p.delta, var_now, variances, margin, confidence, p.delta, z))
     reaches = np.flatnonzero(at_observed >= power) if designs and p.delta > -margin else []
     found = designs[reaches[0]] if len(reaches) else None
     if p.delta <= -margin:
@@ -367,8 +376,8 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
         action = "none"
     pick = reaches[0] if found else len(grid) - 1
     design = tuple(int(x) for x in grid[pick])
-    best = p.delta - sps.norm.ppf(confidence) * math.sqrt(variances[-1])
-    cp = lambda at: float(conditional_power(p.delta, var_now, variances[pick], margin, confidence, at))  # noqa: E731
+    best = p.delta - z * math.sqrt(variances[-1])
+    cp = lambda at: float(conditional_power(p.delta, var_now, variances[pick], margin, confidence, at, z))  # noqa: E731
     return Guidance(action=action, observed_delta=p.delta, margin=margin, n_items=n, repeats=repeats,
                     benchmark_items=benchmark_items, items_needed=design[0] if found else None,
                     repeats_needed=design[1] if found else None, design_items=design[0], design_repeats=design[1],

@@ -197,13 +197,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes (default 2; this is a shared machine)")
     parser.add_argument("--infra-sims", type=int, default=500,
                         help="simulations per cell with infrastructure errors (compare_benchmark on rows: ~15x slower)")
-    parser.add_argument("--cells", default="", help="comma-separated name fragments; default: every cell")
+    parser.add_argument("--cells", default="", help="comma-separated name fragments (=NAME: that cell only); default: every cell")
     parser.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
     parser.add_argument("--at", default="0,-0.01,-margin,-margin-0.01",
                         help="true deltas to simulate, of 0,-0.01,-margin,-margin-0.01 (default: all four)")
     args = parser.parse_args()
     policy = load_policy()
-    cells = [c for c in CELLS if not args.cells or any(f.lower() in c.name.lower() for f in args.cells.split(","))]
+    wanted = [f.lower() for f in args.cells.split(",") if f]  # "=NAME": that cell only
+    cells = [c for c in CELLS if not wanted or any(c.name.lower() == f[1:] if f.startswith("=") else f in c.name.lower()
+                                                   for f in wanted)]
     tasks, keys = [], []  # one task per (cell, delta): each line is printed as soon as its cell is done
     for k, cell in enumerate(cells):
         margin = policy.of(cell.benchmark).margin

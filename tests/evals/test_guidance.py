@@ -92,7 +92,8 @@ def test_more_items_are_named_only_beyond_those_run_with_the_power_at_the_observ
     assert g["power_at_observed"] >= 0.8 and g["power_at_observed"] != g["power_at_zero"]
     # the design is the smallest that reaches the power: one item fewer does not
     p = paired_delta(*(np.array(x, float) for x in binary_pair(400, 8, 6)), 0.95, 10000, 0)
-    fewer = conditional_power(p.delta, p.se ** 2, p.se ** 2 * 400 / (g["items_needed"] - 1), 0.02, 0.95, p.delta)
+    z = max(1.6449, (p.delta - p.scaling_lower) / p.se)  # the gate's bound, in standard errors below the delta
+    fewer = conditional_power(p.delta, p.se ** 2, p.se ** 2 * 400 / (g["items_needed"] - 1), 0.02, 0.95, p.delta, z)
     assert fewer < 0.8
 
 
