@@ -84,7 +84,7 @@ def _walk(fractions: Sequence[float], upper: Sequence[float | None], lower: Sequ
         a = -math.inf if lower[k] is None else float(lower[k]) * math.sqrt(tk)
         bounds.append(z)
         up.append(_beyond(b, start, weight, mean_shift, sd))
-        down.append(1 - _beyond(a, start, weight, mean_shift, sd) if math.isfinite(a) else 0.0)
+        down.append(float(weight.sum()) - _beyond(a, start, weight, mean_shift, sd) if math.isfinite(a) else 0.0)
         # the density of S(t_k) on the grid, then only the part between the boundaries carries on
         if mass is None:
             density = sps.norm.pdf((grid - mean_shift) / sd) / sd
