@@ -7,7 +7,7 @@ conversion, routed experts W4A4), the block-FP8 reference (``quantize --to fp8``
 deliberately damaging conversion (``DAMAGING_RECIPE``: every decoder Linear, attention and dense
 MLP and shared experts too, MXFP4 W4A4 with the floor scale rule, which clips each block's
 largest values), runs ``evals run --benchmarks arith`` on each (local, emulated as served), and
-asks ``gate accuracy`` three questions: FP8 vs bf16, MXFP4 vs FP8, damaged vs FP8. Prints each
+asks ``gate accuracy`` (policy ``POLICY``) three questions: FP8 vs bf16, MXFP4 vs FP8, damaged vs FP8. Prints each
 arm's accuracy and each comparison's paired delta, one-sided bounds and verdict, at the policy's
 margin. ``tests/evals/test_trained_example.py`` runs the same on fewer items in CI.
 """
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 DAMAGING_RECIPE = Path(__file__).with_name("mxfp4-all-linear-floor.yaml")
+POLICY = Path(__file__).with_name("arith-gate.yaml")  # arith required, margin 0.02 as GSM8K's
 ARMS = ("bf16", "fp8", "mxfp4", "damaged")
 COMPARISONS = (("fp8", "bf16"), ("mxfp4", "fp8"), ("damaged", "fp8"))  # (candidate, reference)
 
@@ -56,13 +57,13 @@ def evaluate(models: dict[str, Path], runs: Path, limit: int | None, max_gen_tok
 
 
 def gate(runs: Path, candidate: str, reference: str) -> tuple[int, dict]:
-    """``gate accuracy --benchmarks arith --json``: (exit code, result)."""
+    """``gate accuracy --benchmarks arith --policy POLICY --json``: (exit code, result)."""
     from evals.cli import main as gate_main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = gate_main(["accuracy", "--candidate", str(runs / candidate), "--reference", str(runs / reference),
-                          "--benchmarks", "arith", "--json"])
+                          "--benchmarks", "arith", "--policy", str(POLICY), "--json"])
     return code, json.loads(out.getvalue())
 
 
@@ -79,7 +80,7 @@ def summary(runs: Path) -> dict:
     comparisons = []
     for candidate, reference in COMPARISONS:
         code, result = gate(runs, candidate, reference)
-        b = result["benchmarks"]["arith"]
+        b = next(b for b in result["benchmarks"] if b["benchmark"] == "arith")
         comparisons.append({"candidate": candidate, "reference": reference, "exit": code,
                             **{k: b.get(k) for k in ("delta", "lower", "upper", "margin", "verdict", "n_items")}})
     return {"arms": arms, "comparisons": comparisons}

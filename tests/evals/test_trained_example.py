@@ -59,3 +59,24 @@ def test_trained_example_needs_its_own_sizes(tmp_path, capsys):
     assert quantize(["--to", "mxfp4", "--example", str(tmp_path / "ex"), "--example-mla", "real"]) == 2
     assert "--example-weights random" in capsys.readouterr().err
     assert not (tmp_path / "ex").exists()
+
+
+CI_ITEMS = 40  # enough for the damaging conversion's loss to FAIL (README: the 200-item figures)
+CI_GEN_TOKS = 40  # the longest answer is 29 tokens with EOS; a damaged model's ramble is cut here, in every arm
+
+
+def test_gate_sees_real_damage(tmp_path):
+    """On the trained example: FP8 vs bf16 and default MXFP4 vs FP8 measured; a damaging conversion FAILs."""
+    from tests.benchmarks.trained_example_gate import build, evaluate, summary
+
+    runs = tmp_path / "runs"
+    evaluate(build(tmp_path), runs, limit=CI_ITEMS, max_gen_toks=CI_GEN_TOKS)
+    result = summary(runs)
+    print(json.dumps(result, indent=2))  # the measured deltas, in the test log
+    arms, verdicts = result["arms"], {(c["candidate"], c["reference"]): c for c in result["comparisons"]}
+    assert all(a["n"] == CI_ITEMS for a in arms.values())
+    assert arms["damaged"]["accuracy"] < arms["fp8"]["accuracy"] < 1
+    damaged = verdicts[("damaged", "fp8")]
+    assert (damaged["verdict"], damaged["exit"]) == ("FAIL", 1)
+    assert verdicts[("mxfp4", "fp8")]["verdict"] != "FAIL"
+    assert verdicts[("fp8", "bf16")]["verdict"] != "FAIL"
