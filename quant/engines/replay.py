@@ -276,7 +276,8 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
     if rules.engine != "sglang" or "shared_experts_fusion" not in rules.values:
         return []
     clashes: dict[bool, list[tuple[str, str]]] = {}
-    for moe, shared in sorted(_shared_by_moe(modules, rules, num_hidden_layers).items()):
+    by_layer = lambda item: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0])]
+    for moe, shared in sorted(_shared_by_moe(modules, rules, num_hidden_layers).items(), key=by_layer):
         if moe not in slots:
             continue
         draft = bool(m := _LAYER.match(shared[0])) and int(m.group(1)) >= num_hidden_layers
