@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evals.errors import BadInput
 from quant.outputs import write_atomic
-from quant.safe_files import make_folder, parse_json, read_json, read_regular
+from quant.safe_files import make_folder, parse_json, read_json, read_regular, refuse_link
 
 RUN_JSON, SAMPLES, UNITS = "run.json", "samples.jsonl", "units"
 REQUIRED = ("benchmark", "item_id", "repeat", "filter", "score", "doc_hash", "prompt_hash")
@@ -156,6 +156,7 @@ class BundleWriter:
         if (self.out / RUN_JSON).exists() and not resume:
             raise BadInput(f"{self.out} already holds a finished run; choose a new --out")
         self.units = self.out / UNITS
+        refuse_link(self.units)  # units are written (and read back) there: never through a link
         if not resume and self.units.is_dir() and any(self.units.iterdir()):
             raise BadInput(f"{self.out} holds an unfinished run ({self.units}); pass --resume to complete it, or "
                            "choose a new --out")

@@ -569,3 +569,33 @@ def test_ctrl_c_during_evals_run_is_one_line_130_and_resumable(hostile, outside,
                       f"{root}/v1/completions", "--model", "m", "--out", out, "--resume", timeout=600)
     assert done.returncode == 0, done.stderr
     assert (out / "run.json").is_file()
+
+
+def test_evals_run_never_writes_through_links_in_its_output_folder(hostile, outside, tmp_path):
+    """Stale partials planted as links (bundle files, the unit, the task YAML) are removed, never
+    written through; a final name that is a link (tasks/gsm8k.yaml, a units folder) is refused."""
+    root, handler, _ = hostile
+    out = tmp_path / "run"
+    (out / "units").mkdir(parents=True)
+    (out / "tasks").mkdir()
+    planted = [out / "run.json.partial", out / "samples.jsonl.partial", out / "units" / "gsm8k-r0.jsonl.partial",
+               out / "units" / "gsm8k-r0.json.partial", out / "tasks" / "gsm8k.yaml.partial"]
+    for link in planted:
+        link.symlink_to(outside / "victim")
+    args = ["run", "--benchmarks", "gsm8k", "--limit", "2", "--base-url", f"{root}/v1/completions", "--model", "m",
+            "--out", out]
+    done = as_process("evals_main", *args, "--resume", timeout=600)  # an interrupted run's folder, resumed
+    assert done.returncode == 0, done.stderr
+    assert (out / "run.json").is_file() and not any(p.is_symlink() or p.exists() for p in planted)
+    again = tmp_path / "again"
+    (again / "tasks").mkdir(parents=True)
+    (again / "tasks" / "gsm8k.yaml").symlink_to(outside / "victim")
+    refused = as_process("evals_main", *args[:-1], again, timeout=600)
+    assert refused.returncode == 2
+    one_line(refused.stderr, str(again / "tasks" / "gsm8k.yaml"), "symbolic link")
+    third = tmp_path / "third"
+    third.mkdir()
+    (third / "units").symlink_to(outside)
+    refused = as_process("evals_main", *args[:-1], third, timeout=600)
+    assert refused.returncode == 2
+    one_line(refused.stderr, str(third / "units"), "symbolic link")
