@@ -28,22 +28,24 @@ def aux_files(folder: Path) -> tuple[str, ...]:
     """The files to copy as they are: tokenizer, generation config, chat template, .py ... A link
     among them that leaves the folder or leads to a special file is refused (``check_source_file``);
     FIFOs, devices and folders are not files to copy."""
-    names = sorted(p.name for p in folder.iterdir()
-                   if (p.is_file() or p.is_symlink()) and not p.name.endswith(".safetensors") and p.name not in WRITTEN)
+    names = sorted(p.name for p in folder.iterdir() if (p.is_file() or p.is_symlink()) and not p.is_dir()
+                   and not p.name.endswith(".safetensors") and p.name not in WRITTEN)
     return tuple(name for name in names if check_source_file(folder, name).is_file())
 
 
 @contextmanager
-def atomic_file(path: Path, mode: int = 0o644):
+def atomic_file(path: Path, mode: int | None = None):
     """A binary file to fill that appears at ``path`` only once complete and on disk: a crash
     leaves the old file or none, never half of it. Never through a link (``safe_files``: a link
-    at ``path`` is refused, the ``.partial`` is created new, a stale one removed first)."""
+    at ``path`` is refused, the ``.partial`` is created new, a stale one removed first).
+    ``mode``: exactly these permissions (a copy keeps its source's); None: 0644 less the umask."""
     refuse_link(path)
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    fd = create_new(tmp, mode)
+    fd = create_new(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # exactly ``mode``, whatever the umask
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -121,9 +121,15 @@ def test_partial_and_final_names_planted_as_links(outside, tmp_path):
     writer.commit()
     with safe_open(str(folder / "s.safetensors"), "pt") as f:
         assert f.get_tensor("t").tolist() == list(b"abcd")
-    with atomic_file(folder / "again.json", 0o600) as f:  # a partial is created with exactly its mode
+    with atomic_file(folder / "again.json", 0o640) as f:  # a copy's partial gets exactly its source's mode
         f.write(b"ok")
-    assert stat.S_IMODE((folder / "again.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((folder / "again.json").stat().st_mode) == 0o640
+    old = os.umask(0o077)  # any other file: 0644 less the user's umask, never looser
+    try:
+        write_atomic(folder / "private.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((folder / "private.json").stat().st_mode) == 0o600
 
 
 # ---- reads: links leaving SRC, special files, sizes --------------------------------------------
