@@ -95,4 +95,7 @@ def select(spec: str = "all") -> list[RuleSet]:
                             "(read that release's sources before trusting a replay of it; a .postN release "
                             "needs its own entry)")
     chosen = [r for r in rule_sets(engine) if r.covers(read[release])]
+    if len(chosen) != 1:
+        raise UnknownEngine(f"{engine} {version} was read but {len(chosen)} rule sets cover it; fix "
+                            f"manifests/engines/{engine}.yaml (each release read belongs to exactly one set)")
     return [replace(r, release=release) for r in chosen]

@@ -197,3 +197,12 @@ def test_indexer_wk_where_the_loaders_dequantize_it(rules):
     # is_neox_style (indexer_rope_interleave false) keeps wk separate and quantized on CUDA too
     neox = replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", {"indexer_rope_interleave": False}, cuda)
     assert bool(neox) == (rules.engine == "vllm")
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_every_release_read_has_exactly_one_rule_set(engine):
+    from quant.engines import select
+    from quant.engines.rules import releases_read
+
+    for release in releases_read(engine):
+        assert len(select(f"{engine}=={release}")) == 1, release
