@@ -283,7 +283,8 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
                   allow_setting_differences: bool = False, benchmarks: list[str] | None = None) -> dict:
     """Per-benchmark results and the overall verdict.
 
-    ``benchmarks`` limits the comparison (and so the verdict) to those named; otherwise every
+    ``benchmarks`` limits the comparison (and so the verdict) to those named, each of which then
+    decides it as a required benchmark would; otherwise every
     benchmark of the bundles is compared and every benchmark the policy requires must be among
     them. Raises BundleError on bundles that cannot pair, Refused on runs measured differently.
     """
@@ -342,6 +343,9 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
         if look:
             design.judge_look(result, look)
         result.setting_differences = differences.get(bench)
+        # A benchmark the caller names decides the scoped verdict even where the policy makes it optional:
+        # `gate accuracy --benchmarks arith` on a FAIL must not exit 0.
+        result.required = result.required or bool(benchmarks)
         results.append(result)
     blocking = []
     for r in results:

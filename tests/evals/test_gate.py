@@ -179,3 +179,13 @@ def test_unpaired_comparison_against_the_published_table_is_labelled_weaker(tmp_
     assert row["benchmark"] == "gsm8k" and row["kind"].startswith("UNPAIRED (weaker")
     assert row["reference"] == 0.965 and row["delta"] == pytest.approx(row["candidate"] - 0.965)
     assert row["ci95"][0] < row["delta"] < row["ci95"][1]
+
+
+def test_a_benchmark_named_with_benchmarks_decides_even_if_the_policy_makes_it_optional(tmp_path, capsys):
+    """`gate accuracy --benchmarks arith`: arith is not in the release policy, yet a FAIL must not exit 0."""
+    ref, cand = binary_pair(200, 60, 0)
+    bundle(tmp_path / "ref", "arith", ref)
+    bundle(tmp_path / "cand", "arith", cand)
+    code, result = run_gate(capsys, "accuracy", "--candidate", tmp_path / "cand", "--reference", tmp_path / "ref",
+                            "--benchmarks", "arith")
+    assert result["benchmarks"][0]["verdict"] == "FAIL" and result["verdict"] == "FAIL" and code == 1
