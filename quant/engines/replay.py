@@ -135,7 +135,7 @@ def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> froze
     (``use_dsa_indexer_fusion = CUDA and not is_neox_style``)."""
     indexer = rules["indexer"]
     leaves = {leaf for leaf in ("wq_b", "wk", "weights_proj") if indexer[leaf] == "bf16"}
-    if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and config.get("indexer_rope_interleave", True):
+    if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and config.get("indexer_rope_interleave", False):
         leaves.add("wk")
     return frozenset(leaves)
 

@@ -89,8 +89,8 @@ MUTATIONS = [
          "capability bound exclusive"),
     code("quant.engines.fusion", 'return any("shared_expert" in e', 'return all("shared_expert" in e',
          "veto needs every entry"),
-    code("quant.engines.replay", 'config.get("indexer_rope_interleave", True)',
-         'config.get("indexer_rope_interleave", False)', "indexer rope assumed neox when unset"),
+    code("quant.engines.replay", 'config.get("indexer_rope_interleave", False)',
+         'config.get("indexer_rope_interleave", True)', "indexer rope assumed interleaved when unset"),
     code("quant.engines.rules", "if r.covers(read[release])]", "if r.covers(release)]",
          ".postN by version order, not the map"),
 ]

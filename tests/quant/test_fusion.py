@@ -197,6 +197,8 @@ def test_indexer_wk_where_the_loaders_dequantize_it(rules):
     # is_neox_style (indexer_rope_interleave false) keeps wk separate and quantized on CUDA too
     neox = replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", {"indexer_rope_interleave": False}, cuda)
     assert bool(neox) == (rules.engine == "vllm")
+    unset = replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", {}, cuda)  # getattr(..., False)
+    assert bool(unset) == (rules.engine == "vllm")
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
