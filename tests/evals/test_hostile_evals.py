@@ -240,7 +240,7 @@ def test_evals_data_refuses_hostile_gpqa_files(case, tmp_path, outside):
 
 
 @pytest.mark.parametrize("case", ["fifo", "dev-zero", "bomb"])
-def test_data_manifest_that_is_hostile_is_refused(case, tmp_path, outside):
+def test_data_manifest_that_is_hostile_is_refused(case, hostile, tmp_path, outside):
     data = tmp_path / "data"
     shutil.copytree(BUNDLED_DATA_DIR / "gsm8k", data / "gsm8k")
     manifest = data / "manifest.json"
@@ -250,8 +250,8 @@ def test_data_manifest_that_is_hostile_is_refused(case, tmp_path, outside):
         manifest.symlink_to("/dev/zero")
     else:
         manifest.write_text('{"gsm8k": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    out = as_process("evals_main", "run", "--benchmarks", "gsm8k", "--data-dir", data, "--model", "x", "--base-url",
-                     "http://127.0.0.1:9/v1/completions", "--out", tmp_path / "run")
+    out = as_process("evals_main", "run", "--benchmarks", "gsm8k", "--data-dir", data, "--model", "m", "--base-url",
+                     f"{hostile[0]}/v1/completions", "--out", tmp_path / "run")  # a live server: the data is what fails
     assert out.returncode == 2
     one_line(out.stderr, str(manifest))
 
