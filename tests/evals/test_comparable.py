@@ -106,10 +106,10 @@ ROW = {"benchmark": "gsm8k", "item_id": "0", "repeat": 0, "filter": "flexible-ex
 
 
 @pytest.mark.parametrize("name, lines, run, message", [
-    ("malformed line", [json.dumps(ROW), "{not json"], None, "samples.jsonl:2: not JSON"),
+    ("malformed line", [json.dumps(ROW), "{not json"], None, "samples.jsonl:2: not valid JSON"),
     ("score abc", [json.dumps({**ROW, "score": "abc"})], None, "samples.jsonl:1: score 'abc' is not a number"),
     ("score null", [json.dumps({**ROW, "score": None})], None, "samples.jsonl:1: score None is not a number"),
-    ("run.json not JSON", [json.dumps(ROW)], "{oops", "run.json: not JSON"),
+    ("run.json not JSON", [json.dumps(ROW)], "{oops", "run.json: not valid JSON"),
     ("run.json without benchmarks", [json.dumps(ROW)], json.dumps({"model": "m"}), "run.json: no 'benchmarks'"),
     ("empty samples", [""], None, "samples.jsonl: no rows"),
     ("0 and '0'", [json.dumps({**ROW, "item_id": 0}), json.dumps(ROW)], None, "duplicate (benchmark, item_id"),
