@@ -188,3 +188,18 @@ def test_gate_checkpoint_says_when_nothing_is_quantized(glm_ckpt, capsys):
     assert gate_main(["checkpoint", str(glm_ckpt), "--engine", "vllm"]) == 0
     out = capsys.readouterr().out
     assert "nothing here is quantized" in out and "verdict: loads correctly" in out
+
+
+def test_the_readme_example_commands_run_verbatim(tmp_path):
+    """The README's commands on the built-in example that need no evaluation run (minutes of CPU) are
+    run as written, in a folder laid out like a clone (its `tests/` tables for gate kernels)."""
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    runnable = [c for c in readme_commands() if re.search(r"(--example ex\b|\bex/(bf16|mxfp4) )", c)
+                and not c.startswith(("evals", "gate release", "gate accuracy"))]
+    assert [c.split()[0] for c in runnable] == ["gate", "quantize", "quantize"], runnable
+    order = sorted(runnable, key=lambda c: (not c.startswith("quantize --to mxfp4"), c.startswith("gate")))
+    for command in order:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (command, done.stderr[-2000:])
+    assert (tmp_path / "ex" / "fp8" / "config.json").is_file() and (tmp_path / "ex" / "mxfp4" / "config.json").is_file()
