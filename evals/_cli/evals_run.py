@@ -38,8 +38,8 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="run benchmarks against a server or a local checkpoint into a run bundle",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--benchmarks", default="gsm8k,gpqa_diamond",
-                   help="comma list of gsm8k, gpqa_diamond, tau2 (tau2 drives `tau2 run` per domain; or run it "
-                        "yourself and use `evals import-tau2`)")
+                   help="comma list of gsm8k, gpqa_diamond, arith (the built-in example's), tau2 (tau2 drives "
+                        "`tau2 run` per domain; or run it yourself and use `evals import-tau2`)")
     tau2_flags(p)
     p.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
     p.add_argument("--data-dir", type=Path,
@@ -144,7 +144,7 @@ def endpoint_url(base_url: str, api: str) -> str:
     want = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     given = base_url.rstrip("/")
     other = "/v1/completions" if api == "chat" else "/v1/chat/completions"
-    if given.endswith(other) and not given.endswith(want):
+    if given.endswith(other):
         raise DataError(f"--base-url {base_url} is the {other} endpoint but --api is {api}: give the server root "
                         f"or {want}")
     return server_root(given) + want
