@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                         "server decides (--concurrency sets the requests in flight)")
     if args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         raise DataError(f"--batch-size {args.batch_size} / --threads {args.threads}: give a whole number >= 1")
-    if args.base_url:
+    if args.base_url and any(b != "tau2" for b in benchmarks):  # lm-eval's endpoint; tau2 takes the server's /v1
         args.base_url = endpoint_url(args.base_url, args.api)
     check_model(args)
     if args.device == "cuda":
