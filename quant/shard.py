@@ -215,8 +215,8 @@ class SourceReader:
         if offset < self.pos:
             raise AssertionError("tensors must be read in file order")
         if offset + nbytes > self.size:
-            raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes} "
-                             "(file truncated or changed during conversion)")
+            raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes}: truncated or changed "
+                             "since it was planned; restore it and rerun (--resume keeps the finished shards)")
         if self.guard.changed():
             raise changed_error(self.path)
         data = self._view(offset, offset + nbytes)
