@@ -93,7 +93,7 @@ def forest_plot(data: dict):
     ax.set_xlim(lo - pad, hi + 2 * pad)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
     ax.set_yticks(range(len(benches)), [f"{b['benchmark']}\n{b['n_items']} x {b['repeats']}" for b in benches])
-    ax.set_xlabel("paired delta, candidate - reference, percentage points (bar: one-sided bounds; dashed: -margin)")
+    ax.set_xlabel("paired delta, candidate - reference, percentage points\n(bar: one-sided bounds; dashed: -margin)")
     word, _ = headline(data)
     ax.set_title(f"verdict: {word}" + (f" (accuracy {data['accuracy']['verdict']})" if word != data["accuracy"]["verdict"]
                                         else ""))

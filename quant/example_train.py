@@ -265,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m quant.example_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=TRAINED_DIR, help="folder for the weights and tokenizer")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps of the main model")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps of the main model")
     p.add_argument("--mtp-steps", type=int, default=100, help="optimizer steps of the MTP layer (0: left initialised)")
     p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     p.add_argument("--eval-items", type=int, default=250, help="test items scored greedily at the end")
     p.add_argument("--init", type=Path, metavar="DIR",

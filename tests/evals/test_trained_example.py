@@ -75,6 +75,7 @@ def test_gate_sees_real_damage(tmp_path):
     print(json.dumps(result, indent=2))  # the measured deltas, in the test log
     arms, verdicts = result["arms"], {(c["candidate"], c["reference"]): c for c in result["comparisons"]}
     assert all(a["n"] == CI_ITEMS for a in arms.values())
+    assert arms["bf16"]["accuracy"] >= 0.8  # the shipped weights know their benchmark (0.952 on all 250 items)
     assert arms["damaged"]["accuracy"] < arms["fp8"]["accuracy"] < 1
     damaged = verdicts[("damaged", "fp8")]
     assert (damaged["verdict"], damaged["exit"]) == ("FAIL", 1)
