@@ -28,7 +28,8 @@ model_runner_components/moe_ep_setup.py); the shared expert is fused as one more
 when ``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`` (models/deepseek_v2.py) finds no
 reason not to - a Quark checkpoint whose exclude list names a target-layer shared expert (a bf16
 shared expert next to MXFP4 routed experts) cannot fuse (quark.py ``shared_expert_excluded_from_quant``
-/ ``can_fuse_shared_expert``), nor can ``--disable-shared-experts-fusion``. Its Triton configs are
+/ ``can_fuse_shared_expert``), nor can ``--disable-shared-experts-fusion``; decided by the rule
+``gate checkpoint`` replays for the newest sglang release read (``quant.engines.fusion``). Its Triton configs are
 ``E=..,N=..,device_name=..[,dtype=..][,block_shape=[128, 128]].json`` with E and N from w2's shape
 (``get_config_file_name``, ``try_get_optimal_moe_config``), searched under
 ``configs/triton_<version>/``; vLLM 0.33.0 spells block_shape without the space and searches
@@ -198,32 +199,25 @@ def checkpoint_format(qconfig: dict | None) -> str:
                            f"{qconfig.get('weight_block_size')}): no MoE kernel table is known for it")
 
 
-def shared_fusion(config: dict, fmt: str, disable: bool) -> tuple[int, str]:
-    """sglang 0.5.23's decision (models/deepseek_v2.py shared_experts_fusion_disable_reason,
-    quantization/quark/quark.py shared_expert_excluded_from_quant and _is_draft_layer)."""
-    rule = _formats()["shared_expert_fusion"]
+def shared_fusion(config: dict, fmt: str, gpu: Gpu, tp: int, ep: int, disable: bool) -> tuple[int, str]:
+    """Whether the newest sglang release read fuses the main model's shared expert into the routed
+    FusedMoE (as expert ``n_routed_experts``), decided by the same rule ``gate checkpoint`` replays
+    (``quant.engines.fusion``, from models/deepseek_v2.py and quantization/quark/quark.py)."""
+    from quant.engines.fusion import no_fusion_reason
+    from quant.engines.rules import rule_sets
+    from quant.engines.serving import serving
+
     n_shared, n_routed = config.get("n_shared_experts") or 0, config.get("n_routed_experts")
-    qconfig = config.get("quantization_config") or {}
     if not n_shared:
         return 0, "the model has no shared expert"
-    if fmt.startswith("mxfp4"):
-        base, nextn = config.get("num_hidden_layers"), int(config.get("num_nextn_predict_layers") or 0)
-        draft = tuple(f"model.layers.{base + i}." for i in range(nextn)) if base is not None else ()
-        blocking = [e for e in qconfig.get("exclude") or [] if "shared_expert" in e
-                    and "shared_expert_gate" not in e and not e.startswith("mtp.") and not e.startswith(draft)]
-        if blocking:
-            blocking.sort(key=lambda e: not e.startswith("model.layers."))
-            return 0, (f"not fused: the exclude list keeps the shared expert unquantized ({blocking[0]!r}); a bf16 "
-                       "shared expert cannot join the MXFP4 routed experts")
-    if disable:
-        return 0, "not fused: --disable-shared-experts-fusion"
-    arch = (config.get("architectures") or [""])[0]
-    if (arch not in rule["architectures"] or n_routed not in rule["n_routed_experts"]
-            or n_shared != rule["n_shared_experts"]
-            or (n_routed in rule["quark_only_n_routed_experts"] and qconfig.get("quant_method") != "quark")):
-        return 0, f"not fused: sglang fuses only {rule['architectures']} with {rule['n_routed_experts']} routed " \
-                  f"and {rule['n_shared_experts']} shared expert ({arch}, {n_routed}, {n_shared})"
-    return n_shared, f"fused as expert {n_routed} (topk + {n_shared})"
+    rules = rule_sets("sglang")[-1]
+    kind = "fp8" if fmt == "fp8-block" else "quark"
+    entries = (config.get("quantization_config") or {}).get("exclude") or []
+    reason = no_fusion_reason(rules, config.get("model_type"), config, kind, list(entries),
+                              serving("rocm", gpu.gfx, tp=tp, ep=ep, disable_shared_experts_fusion=disable), draft=False)
+    if reason is not None:
+        return 0, f"not fused ({rules.id}): {reason}"
+    return n_shared, f"fused as expert {n_routed} (topk + {n_shared}; {rules.id})"
 
 
 def _require(config: dict, key: str, path: Path) -> int:
@@ -252,7 +246,7 @@ def derive_shape(config: dict, gpu: Gpu, tp: int, ep: int = 1, disable_fusion: b
     spec = _formats()
     fmt_spec = spec["formats"][fmt]
     act = config.get("hidden_act", "silu")
-    fused, reason = shared_fusion(config, fmt, disable_fusion)
+    fused, reason = shared_fusion(config, fmt, gpu, tp, ep, disable_fusion)
     resolve = lambda d: gpu.fp8 if d == "fp8" else d  # noqa: E731
     dtype = "torch.float16" if str(config.get("torch_dtype") or config.get("dtype")) == "float16" else "torch.bfloat16"
     shape = MoeShape(fmt, hidden, inter // moe_tp, routed // ep + fused, topk + fused, fused, reason,

@@ -17,11 +17,12 @@ from quant.engines.serving import Serving
 _MAPPER_61 = ("model.layers.61", "model.decoder")  # DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
 
 
-def _vetoed(rules: RuleSet, entries: list[str], config: dict) -> bool:
-    """QuarkConfig.can_fuse_shared_expert is False: an exclude entry keeps a shared expert unquantized."""
+def _vetoes(rules: RuleSet, entries: list[str], config: dict) -> list[str]:
+    """The exclude entries that make QuarkConfig.can_fuse_shared_expert False (each keeps a shared
+    expert unquantized); empty when the release fuses regardless."""
     how = rules["shared_experts_fusion"]["exclude_veto"]
     if how == "none":
-        return False
+        return []
     base = config.get("num_hidden_layers")
     nextn = int(config.get("num_nextn_predict_layers") or 0)
     draft_prefixes = tuple(f"model.layers.{base + i}." for i in range(nextn)) if isinstance(base, int) else ()
@@ -29,7 +30,7 @@ def _vetoed(rules: RuleSet, entries: list[str], config: dict) -> bool:
     def draft_layer(entry: str) -> bool:
         return entry.startswith("mtp.") or (how == "draft_layers" and entry.startswith(draft_prefixes))
 
-    return any("shared_expert" in e and "shared_expert_gate" not in e and not draft_layer(e) for e in entries)
+    return [e for e in entries if "shared_expert" in e and "shared_expert_gate" not in e and not draft_layer(e)]
 
 
 def loader_mapped(entries: list[str], rules: RuleSet, family: str) -> list[str]:
@@ -50,9 +51,11 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
     rule = rules["shared_experts_fusion"]
     if serving.disable_shared_experts_fusion:
         return "--disable-shared-experts-fusion"
-    if rule["decided_by"] == "shared_experts_fusion_disable_reason" and kind == "quark" and \
-            _vetoed(rules, entries, config):
-        return "the exclude list keeps shared experts unquantized (quark.py: can_fuse_shared_expert)"
+    vetoes = _vetoes(rules, entries, config) if rule["decided_by"] == "shared_experts_fusion_disable_reason" and \
+        kind == "quark" else []
+    if vetoes:
+        return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
+                "can_fuse_shared_expert)")
     architectures = config.get("architectures") or [None]
     if draft:
         arch = rule["draft_arch"].get(family)

@@ -119,9 +119,10 @@ def test_shared_expert_fusion_on_and_off(glm5, tmp_path, capsys):
     assert not any(b["tuned"] for b in report["buckets"])
     # FP8 (no Quark exclude rule) fuses; a non-GLM/DeepSeek architecture never does
     config = json.loads((glm5["fp8"] / "config.json").read_text())
-    fused, _ = kernels.shared_fusion(config, "fp8-block", disable=False)
+    gpu = kernels.load_gpus()["mi355x"]
+    fused, _ = kernels.shared_fusion(config, "fp8-block", gpu, tp=4, ep=1, disable=False)
     config["architectures"] = ["Qwen3MoeForCausalLM"]
-    assert (fused, kernels.shared_fusion(config, "fp8-block", disable=False)[0]) == (1, 0)
+    assert (fused, kernels.shared_fusion(config, "fp8-block", gpu, tp=4, ep=1, disable=False)[0]) == (1, 0)
 
 
 def test_tp8_and_ep_shapes(glm5, tmp_path, capsys):
