@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from pathlib import Path
 from evals.bundle import BundleError
 from evals.probe import get_json
 from quant.outputs import write_atomic
-from quant.safe_files import read_json
+from quant.safe_files import create_new, make_folder, read_json
 
 LOAD_JSON = "load.json"
 FORMAT = "quantgate-load/1"
@@ -196,16 +197,15 @@ def _run_rate(spec: LoadSpec, rate: float, show_progress: bool) -> dict:
     """One guidellm run at a constant rate; returns its summary row (raises LoadError if it produced none)."""
     from tqdm import tqdm
 
-    folder = rate_folder(spec.out, rate)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = make_folder(rate_folder(spec.out, rate))
     raw = folder / "guidellm-report.partial.json"
-    raw.unlink(missing_ok=True)
-    (folder / "scenario.json").write_text(json.dumps(scenario(spec, rate, raw), indent=2))
+    raw.unlink(missing_ok=True)  # a stale report, or a link planted there: guidellm writes it anew
+    _write_json(folder / "scenario.json", scenario(spec, rate, raw))
     log = folder / "guidellm.log"
     cmd = [sys.executable, "-m", GUIDELLM, "run", "--scenario", str(folder / "scenario.json"), "--disable-console"]
     limit = spec.max_seconds + 600  # startup (tokenizer, worker processes) and shutdown on a busy host
     started = time.monotonic()
-    with log.open("w") as sink, tqdm(desc=f"{rate:g} req/s (up to {spec.max_seconds:g} s + startup)", unit="s",
+    with os.fdopen(create_new(log), "w") as sink, tqdm(desc=f"{rate:g} req/s (up to {spec.max_seconds:g} s + startup)", unit="s",
                                      bar_format="{desc}: {elapsed} {postfix}", disable=None if show_progress else True,
                                      leave=False) as bar:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
