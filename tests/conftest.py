@@ -101,6 +101,12 @@ def quantize_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", *map(str, args)]
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test Ctrl-Cs: SIGINT back to its default, as in a user's
+    terminal (a suite started in the background inherits SIGINT ignored, and so would the child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_midway(src: Path, dst: Path, sig: int, *args, on_stop=None) -> tuple[int, str]:
     """Start a conversion, and once one shard is recorded done and the next is in flight, send ``sig``.
 
@@ -108,7 +114,7 @@ def interrupt_midway(src: Path, dst: Path, sig: int, *args, on_stop=None) -> tup
     Returns the exit code and stderr.
     """
     proc = subprocess.Popen(quantize_cmd(src, dst, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
     progress = dst / ".quantgate-progress.json"
     while time.time() < deadline and proc.poll() is None:

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from quant.outputs import INDEX_NAME, LOCK_NAME, PROGRESS_NAME, atomic_file, write_atomic
 from quant.safetensors_io import PARTIAL_SUFFIX, ShardError, ShardWriter, read_header
 from quant.safe_files import check_source_file
-from tests.conftest import quantize_cmd
+from tests.conftest import default_sigint, quantize_cmd
 from tests.quant.test_hostile import SHARD1, edit_json, gate, mxfp4_ckpt, one_line_error, quantize, rewrite_header, src  # noqa: F401
 from tests.quant.test_scale import same_checkpoint
 
@@ -376,7 +376,7 @@ def test_ctrl_c_with_two_workers_is_one_line_exit_130_and_resumes_identically(mu
     same bytes as an uninterrupted run."""
     dst = tmp_path / "out"
     proc = subprocess.Popen(quantize_cmd(multi_shard_ckpt, dst, "--workers", "2"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if len(list(dst.glob("*.safetensors.partial"))) >= 1 and _recorded(dst):
