@@ -205,9 +205,9 @@ def _run_rate(spec: LoadSpec, rate: float, show_progress: bool) -> dict:
     cmd = [sys.executable, "-m", GUIDELLM, "run", "--scenario", str(folder / "scenario.json"), "--disable-console"]
     limit = spec.max_seconds + 600  # startup (tokenizer, worker processes) and shutdown on a busy host
     started = time.monotonic()
-    with os.fdopen(create_new(log), "w") as sink, tqdm(desc=f"{rate:g} req/s (up to {spec.max_seconds:g} s + startup)", unit="s",
-                                     bar_format="{desc}: {elapsed} {postfix}", disable=None if show_progress else True,
-                                     leave=False) as bar:
+    with os.fdopen(create_new(log), "w") as sink, tqdm(
+            desc=f"{rate:g} req/s (up to {spec.max_seconds:g} s + startup)", unit="s",
+            bar_format="{desc}: {elapsed} {postfix}", disable=None if show_progress else True, leave=False) as bar:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:

@@ -29,8 +29,8 @@ when ``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`` (models/deep
 reason not to - a Quark checkpoint whose exclude list names a target-layer shared expert (a bf16
 shared expert next to MXFP4 routed experts) cannot fuse (quark.py ``shared_expert_excluded_from_quant``
 / ``can_fuse_shared_expert``), nor can ``--disable-shared-experts-fusion``; decided by the rule
-``gate checkpoint`` replays for the newest sglang release read (``quant.engines.fusion``). Its Triton configs are
-``E=..,N=..,device_name=..[,dtype=..][,block_shape=[128, 128]].json`` with E and N from w2's shape
+``gate checkpoint`` replays for the newest sglang release read (``quant.engines.fusion``). Its
+Triton configs are ``E=..,N=..,device_name=..[,dtype=..][,block_shape=[128, 128]].json`` with E and N from w2's shape
 (``get_config_file_name``, ``try_get_optimal_moe_config``), searched under
 ``configs/triton_<version>/``; vLLM 0.33.0 spells block_shape without the space and searches
 ``fused_moe/configs/`` (layers/fused_moe/fused_moe.py ``get_config_file_name``, ``get_moe_configs``).
@@ -213,8 +213,8 @@ def shared_fusion(config: dict, fmt: str, gpu: Gpu, tp: int, ep: int, disable: b
     rules = rule_sets("sglang")[-1]
     kind = "fp8" if fmt == "fp8-block" else "quark"
     entries = (config.get("quantization_config") or {}).get("exclude") or []
-    reason = no_fusion_reason(rules, config.get("model_type"), config, kind, list(entries),
-                              serving("rocm", gpu.gfx, tp=tp, ep=ep, disable_shared_experts_fusion=disable), draft=False)
+    launch = serving("rocm", gpu.gfx, tp=tp, ep=ep, disable_shared_experts_fusion=disable)
+    reason = no_fusion_reason(rules, config.get("model_type"), config, kind, list(entries), launch, draft=False)
     if reason is not None:
         return 0, f"not fused ({rules.id}): {reason}"
     return n_shared, f"fused as expert {n_routed} (topk + {n_shared}; {rules.id})"
