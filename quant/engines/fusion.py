@@ -14,7 +14,12 @@ from __future__ import annotations
 from quant.engines.rules import RuleSet
 from quant.engines.serving import Serving
 
-_MAPPER_61 = ("model.layers.61", "model.decoder")  # DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
+_MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
+
+
+def map_61(entry: str) -> str:
+    """An exclude entry as the DeepSeek-V3 draft class's hf_to_sglang_mapper renames it."""
+    return entry.replace(*_MAPPER_61, 1) if _MAPPER_61[0] in entry else entry
 
 
 def _vetoes(rules: RuleSet, entries: list[str], config: dict) -> list[str]:
@@ -38,7 +43,7 @@ def loader_mapped(entries: list[str], rules: RuleSet, family: str) -> list[str]:
     applied the draft class's hf_to_sglang_mapper (model_loader/loader.py: _get_quantization_config),
     not yet the class's own _resolve_nextn_quant_config."""
     if rules["draft_exclude"].get(family, "none").startswith("mapper_61"):
-        return [e.replace(*_MAPPER_61, 1) if _MAPPER_61[0] in e else e for e in entries]
+        return [map_61(e) for e in entries]
     return list(entries)
 
 

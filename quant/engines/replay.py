@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from quant.engines.fusion import cite as fusion_cite
-from quant.engines.fusion import loader_mapped, no_fusion_reason
+from quant.engines.fusion import loader_mapped, map_61, no_fusion_reason
 from quant.engines.match import (
     Exclude,
     MixedShards,
@@ -22,7 +22,6 @@ from quant.engines.rules import RuleSet, rule_sets
 from quant.engines.serving import DEFAULT, Serving
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
 _GLM_DRAFT_EXPERTS = "model.decoder.mlp.experts"  # added by GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config
 
 
@@ -65,18 +64,14 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     return ("model." if any(part in module for part in naming["top_level"]) else "model.decoder.") + rest
 
 
-def _map_61(entry: str) -> str:
-    return entry.replace(*_MAPPER_61, 1) if _MAPPER_61[0] in entry else entry
-
-
 def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_layers: int, kind: str) \
         -> tuple[list[str], bool]:
     """The exclude list the draft (MTP) model is built with, and whether the whole draft is bf16."""
     how = rules["draft_exclude"].get(family, "none")
     if how in ("mapper_61", "mapper_61_draft_bf16"):
-        entries = [_map_61(e) for e in entries]
+        entries = [map_61(e) for e in entries]
         whole = how == "mapper_61_draft_bf16" and kind == "quark" and Exclude(entries).matches(
-            _map_61(f"model.layers.{num_hidden_layers}"))
+            map_61(f"model.layers.{num_hidden_layers}"))
         return entries, whole
     if how == "glm_remap" and kind == "quark":
         prefix = f"model.layers.{num_hidden_layers}."
