@@ -14,23 +14,13 @@ each arm's figure includes the arms before it). Not a test: a measurement for th
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import resource
 import tempfile
 import time
 from pathlib import Path
 
-
-def build(workdir: Path) -> dict[str, Path]:
-    from quant.cli import main as quantize
-
-    ex = workdir / "example"
-    with contextlib.redirect_stdout(io.StringIO()):  # the conversions' own reports
-        assert quantize(["--to", "mxfp4", "-q", "--example", str(ex)]) == 0
-        assert quantize(["--to", "fp8", "-q", str(ex / "bf16"), str(ex / "fp8")]) == 0
-    return {"bf16": ex / "bf16", "fp8": ex / "fp8", "mxfp4": ex / "mxfp4"}
+from tests.benchmarks.trained_example_gate import build
 
 
 def measure(model: Path, out: Path, benchmark: str, limit: int | None, batch_size: int, dtype: str) -> dict:
@@ -60,7 +50,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        models = build(Path(tmp))
+        models = build(Path(tmp), arms=("bf16", "fp8", "mxfp4"))
         results = {arm: measure(path, Path(tmp) / "runs" / arm, args.benchmark, args.limit, args.batch_size,
                                 args.dtype) for arm, path in models.items()}
     if args.json:
