@@ -67,7 +67,9 @@ def notes(b: dict) -> list[str]:
         infra = b["infra"]
         dropped = infra.get("dropped_pairs")
         out.append("infrastructure errors: " + ", ".join(
-            f"{arm} {infra[arm]['errors']}/{infra[arm]['simulations']}" for arm in ("reference", "candidate"))
+            f"{arm} {infra[arm]['errors']}/{infra[arm]['simulations']}"
+            + (f" ({infra[arm]['retries']} retried)" if infra[arm].get("retries") else "")
+            for arm in ("reference", "candidate"))
             + (f"; {dropped} (task, trial) pairs dropped from both arms ("
                + ", ".join(f"{d} {n}" for d, n in infra["dropped_by_domain"].items()) + ")" if dropped else ""))
     if b["per_stratum"] and b["benchmark"] != "tau2":  # tau2's domains get rows of their own

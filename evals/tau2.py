@@ -21,9 +21,12 @@ may be discounted:
   timeouts, server errors, the user simulator's or the evaluator's failures, or no recorded
   reason) is an infrastructure error.
 
-Infrastructure errors still score 0 in both arms (counted the same way), are counted per domain in
-``run.json`` with their reasons, and ``evals run --resume`` runs them again; the gate flags an arm
-whose infrastructure-error rate is above the policy's threshold.
+``evals run`` runs a simulation that ended in an infrastructure error again (same task, trial and
+seed) up to ``--tau2-infra-retries`` times before the domain finishes; each retry is a ``retry``
+event, counted on the row (``retries``) and per domain in ``run.json``. What still failed scores 0
+in both arms (counted the same way), is counted per domain in ``run.json`` with its reason, and
+``evals run --resume`` runs it again; the gate flags an arm whose infrastructure-error rate is above
+the policy's threshold.
 """
 
 from __future__ import annotations
@@ -72,6 +75,21 @@ def events_of(path: Path) -> dict[tuple[str, int | None], dict]:
     return out
 
 
+def retries_of(path: Path) -> dict[tuple[str, int | None], int]:
+    """How often each (task id, seed) was run again after an infrastructure error (``retry`` events)."""
+    out: dict = {}
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "retry":
+                key = (str(event["task_id"]), event.get("seed"))
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
 def classify(sim: dict, errors: dict) -> tuple[bool, str | None]:
     """``(infra_error, reason)`` of one simulation (see the module docstring)."""
     termination = str(sim["termination_reason"])
@@ -108,6 +126,7 @@ def domain_rows(path: Path) -> tuple[str, list[dict], dict]:
     info = results["info"]
     domain = info["environment_info"]["domain_name"]
     errors = events_of(Path(path).with_suffix(".events.jsonl"))
+    retries = retries_of(Path(path).with_suffix(".events.jsonl"))
     tasks = {t["id"]: t for t in results["tasks"]}
     rows, reasons, terminations = [], {}, {}
     for sim in results["simulations"]:
@@ -124,13 +143,15 @@ def domain_rows(path: Path) -> tuple[str, list[dict], dict]:
                      "score": float((sim.get("reward_info") or {}).get("reward") or 0.0),
                      "doc_hash": sha256_of(tasks[sim["task_id"]]),
                      "prompt_hash": sha256_of(info["environment_info"].get("policy")),
-                     "termination_reason": termination, "infra_error": infra, "error": reason})
+                     "termination_reason": termination, "infra_error": infra, "error": reason,
+                     "retries": retries.get((str(sim["task_id"]), sim.get("seed")), 0)})
     per_task: dict[str, list[float]] = {}
     for r in rows:
         per_task.setdefault(r["item_id"], []).append(r["score"])
     infra_rows = [r for r in rows if r["infra_error"]]
     summary = {"file": str(path), "sha256": sha256_of(Path(path)),
                "tasks": len(per_task), "simulations": len(rows), "infra_errors": len(infra_rows),
+               "retries": sum(r["retries"] for r in rows),
                "model_errors": sum(1 for r in rows if r["error"] and not r["infra_error"]),
                "terminations": dict(sorted(terminations.items())),
                "errors": dict(sorted(reasons.items())),
@@ -163,9 +184,10 @@ def rows_from_results(files: list[Path]) -> tuple[list[dict], dict]:
     first = next(iter(domains.values()))
     simulations = sum(d["simulations"] for d in domains.values())
     infra = sum(d["infra_errors"] for d in domains.values())
+    retried = sum(d["retries"] for d in domains.values())
     summary = {"domains": domains, "primary_filter": "reward",
                "macro_pass1": sum(d["pass1"] for d in domains.values()) / len(domains),
-               "simulations": simulations, "infra_errors": infra,
+               "simulations": simulations, "infra_errors": infra, "retries": retried,
                "infra_error_rate": infra / simulations if simulations else None,
                **{k: first[k] for k in SETTINGS}}
     return rows, summary

@@ -46,7 +46,8 @@ def arm_differences(reference: dict, candidate: dict) -> list[str]:
 
 def infra_counts(rows: list[dict]) -> dict:
     errors = sum(1 for r in rows if r.get("infra_error"))
-    return {"errors": errors, "simulations": len(rows), "rate": errors / len(rows) if rows else None}
+    return {"errors": errors, "simulations": len(rows), "rate": errors / len(rows) if rows else None,
+            "retries": sum(int(r.get("retries") or 0) for r in rows)}
 
 
 def split_infra(pairs: list[tuple[dict, dict]]) -> tuple[list[tuple[dict, dict]], list[tuple[dict, dict]]]:

@@ -62,6 +62,9 @@ class Tau2Settings:
     agent_max_tokens: int | None = None  # the agent's generation budget per turn (evals' --max-gen-toks)
     concurrency: int = 8  # simulations in flight per domain (tau2's max_concurrency)
     max_retries: int = 3  # litellm retries per LLM call (tau2's max_retries)
+    # A simulation that ended in an infrastructure error is run again (same task, trial and seed) up to this
+    # many times before the run finishes, so dropped pairs are the exception (each retry is recorded).
+    infra_retries: int = 2
 
     def recorded(self) -> dict:
         return {**asdict(self), "domains": list(self.domains), "skip_failed_samples": True,
@@ -99,9 +102,21 @@ def paths(out_dir: Path, domain: str) -> dict[str, Path]:
 
 def _without_addresses(settings: dict) -> dict:
     """Settings less where things are served: a restarted server may come back on another port."""
-    out = {k: v for k, v in settings.items() if k not in ("api_base", "concurrency")}
+    out = {k: v for k, v in settings.items() if k not in ("api_base", "concurrency", "infra_retries")}
     out["user_llm_args"] = {k: v for k, v in settings["user_llm_args"].items() if k not in ("api_base", "base_url")}
     return out
+
+
+def _drop_infra_errors(save_to: Path, events: Path) -> list[dict]:
+    """Remove the infrastructure-error simulations from a results file, so tau2's resume runs them
+    again (it skips what the file holds by trial, task id and seed); returns the removed ones."""
+    results = load_results(save_to)
+    drop = infra_simulations(results, events)
+    removed = [s for s in results["simulations"] if s["id"] in drop]
+    if removed:
+        results["simulations"] = [s for s in results["simulations"] if s["id"] not in drop]
+        write_atomic(save_to, json.dumps(results, indent=2))
+    return removed
 
 
 def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
@@ -117,15 +132,14 @@ def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
                             "resume with the same settings or choose a new --out")
     if not files["results"].exists():
         return 0
+    removed = _drop_infra_errors(files["results"], files["events"])
     results = load_results(files["results"])
-    drop = infra_simulations(results, files["events"])
-    results["simulations"] = [s for s in results["simulations"] if s["id"] not in drop]
     results["info"]["agent_info"]["llm_args"]["api_base"] = settings.api_base
     for key in ("api_base", "base_url"):
         if key in settings.user_llm_args:
             results["info"]["user_info"]["llm_args"][key] = settings.user_llm_args[key]
     write_atomic(files["results"], json.dumps(results, indent=2))
-    return len(drop)
+    return len(removed)
 
 
 def _finished(files: dict[str, Path]) -> bool:
@@ -166,7 +180,8 @@ def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: b
            "PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
                                                       os.environ.get("PYTHONPATH", "")] if p)}
     with open(log_path, "a") as log:
-        child = subprocess.Popen([sys.executable, "-m", "evals.tau2_run", *(str(files[d]["config"]) for d in todo)],
+        child = subprocess.Popen([sys.executable, "-m", "evals.tau2_run", str(settings.infra_retries),
+                                  *(str(files[d]["config"]) for d in todo)],
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _follow(child, {d: files[d]["events"] for d in todo}, todo, progress)
@@ -207,6 +222,9 @@ def _follow(child: subprocess.Popen, events: dict[str, Path], rerun: dict[str, i
                                             unit="sim", disable=not progress, dynamic_ncols=True)
                         if rerun[domain]:
                             bars[domain].write(f"tau2 {domain}: running {rerun[domain]} infrastructure error(s) again")
+                    elif event["event"] == "retry" and domain in bars:  # one more simulation to run
+                        bars[domain].total += 1
+                        bars[domain].refresh()
                     elif event["event"] in ("done", "error") and domain in bars:
                         errors[domain] += event["event"] == "error"
                         bars[domain].set_postfix(raised=errors[domain], refresh=False)
@@ -234,7 +252,7 @@ def _side(tb) -> str:
     return side
 
 
-def child_main(config_paths: list[str]) -> int:
+def child_main(infra_retries: int, config_paths: list[str]) -> int:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import tau2.run as tau2_run
     from tau2.data_model.simulation import RunConfig
@@ -267,16 +285,24 @@ def child_main(config_paths: list[str]) -> int:
         config = RunConfig(**json.loads(Path(config_path).read_text()))
         save_to = Path(config.results_dir) / f"{config.save_to}.json"
         state["events"] = save_to.with_suffix(".events.jsonl")
-        answers = iter(["y"])  # resume our own file; "n" when tau2 finds its settings changed (it then refuses)
-        ConsoleDisplay.console.input = lambda *a, _answers=answers, **k: next(_answers, "n")
         tasks = tau2_run.get_tasks(task_set_name=config.domain, task_split_name=config.task_split_name,
                                    task_ids=config.task_ids, num_tasks=config.num_tasks)
         done = len(json.loads(save_to.read_text())["simulations"]) if save_to.exists() else 0
         emit(event="start", total=len(tasks) * config.num_trials, done=done)
-        results = tau2_run.run_domain(config)
+        for attempt in range(infra_retries + 1):
+            if attempt:  # the infrastructure errors of the last pass, run again before the domain finishes
+                removed = _drop_infra_errors(save_to, state["events"])
+                if not removed:
+                    break
+                for sim in removed:
+                    emit(event="retry", task_id=str(sim["task_id"]), seed=sim.get("seed"), trial=sim.get("trial"),
+                         attempt=attempt)
+            answers = iter(["y"])  # resume our own file; "n" when tau2 finds its settings changed (it then refuses)
+            ConsoleDisplay.console.input = lambda *a, _answers=answers, **k: next(_answers, "n")
+            results = tau2_run.run_domain(config)
         emit(event="finish", simulations=len(results.simulations))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))
+    sys.exit(child_main(int(sys.argv[1]), sys.argv[2:]))

@@ -118,6 +118,10 @@ def tau2_flags(run: argparse.ArgumentParser) -> None:
                    help="simulations in flight per domain (tau2's max_concurrency; default: %(default)s)")
     g.add_argument("--tau2-max-retries", type=int, default=d.max_retries,
                    help="litellm retries per LLM call before a simulation counts as failed (default: %(default)s)")
+    g.add_argument("--tau2-infra-retries", type=int, default=d.infra_retries,
+                   help="times a simulation that ended in an infrastructure error (a dropped connection, a server or "
+                        "user-simulator failure) is run again before the run finishes; each retry is recorded per "
+                        "task (default: %(default)s)")
 
 
 def tau2_settings(args: argparse.Namespace):
@@ -133,7 +137,8 @@ def tau2_settings(args: argparse.Namespace):
                         domains=tuple(d for d in args.tau2_domains.split(",") if d), trials=args.tau2_trials,
                         max_steps=args.tau2_max_steps, max_errors=args.tau2_max_errors, seed=args.tau2_seed,
                         num_tasks=args.limit, task_split=args.tau2_task_split, concurrency=args.tau2_concurrency,
-                        max_retries=args.tau2_max_retries, agent_max_tokens=args.max_gen_toks)
+                        max_retries=args.tau2_max_retries, infra_retries=args.tau2_infra_retries,
+                        agent_max_tokens=args.max_gen_toks)
 
 
 def endpoint_url(base_url: str, api: str) -> str:

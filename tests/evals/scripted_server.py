@@ -22,6 +22,7 @@ tag and acts out the mode the script gives that task for the requested model:
   ``ContextWindowExceededError`` (``litellm_core_utils/exception_mapping_utils.py``, the
   "this model's maximum context length is" marker).
 - ``drop``: close the connection without an answer (litellm raises ``APIConnectionError``).
+- ``drop_once``: ``drop`` on the task's first agent request, then ``solve`` (a transient failure).
 
 Run: ``python -m tests.evals.scripted_server SCRIPT.json PORT`` (SCRIPT: ``{"tasks": {TAG: {"key",
 "agent_actions", "user_actions", "say"}}, "modes": {MODEL: {TAG: MODE}}}``); it prints ``ready``.
@@ -98,6 +99,10 @@ class Script:
         mode = self.modes.get(model, {}).get(tag, "solve") if tag else "wrong"
         self._log(side="agent", model=model, tag=tag, mode=mode)
         spec = self.tasks.get(tag, {})
+        if mode == "drop_once":
+            with self.lock:
+                self.modes[model][tag] = "solve"
+            return "drop", None
         if mode == "drop":
             return "drop", None
         if mode == "overflow":

@@ -200,10 +200,17 @@ def test_a_few_errors_below_the_ceiling_are_dropped_from_both_arms_and_reported(
     result = compare_benchmark("tau2", pairs, load_policy())
     assert result.verdict == "PASS" and result.decidable  # 3 dropped pairs cannot overturn a lossless 278 x 4
     assert result.infra["dropped_pairs"] == 3 and result.agreement["reference_only"] == 0
-    assert result.infra["candidate"]["domains"]["airline"] == {"errors": 1, "simulations": 200, "rate": 0.005}
+    assert result.infra["candidate"]["domains"]["airline"] == {"errors": 1, "simulations": 200, "rate": 0.005,
+                                                                 "retries": 0}
     note = [n for n in render.notes(asdict(result)) if n.startswith("infrastructure errors")][0]
     assert note == ("infrastructure errors: reference 0/1112, candidate 3/1112; 3 (task, trial) pairs dropped from "
                     "both arms (airline 1, retail 1, telecom 1)")
+    # simulations that evals run retried (and that then scored) are counted per arm
+    retried = [(a, {**b, "retries": 2} if i < 2 else b) for i, (a, b) in enumerate(pairs)]
+    result = compare_benchmark("tau2", retried, load_policy())
+    assert result.infra["candidate"]["retries"] == 4 and result.infra["reference"]["retries"] == 0
+    note = [n for n in render.notes(asdict(result)) if n.startswith("infrastructure errors")][0]
+    assert note.startswith("infrastructure errors: reference 0/1112, candidate 3/1112 (4 retried); ")
 
 
 def test_a_pass_the_dropped_pairs_could_overturn_is_inconclusive():

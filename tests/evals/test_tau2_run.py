@@ -63,6 +63,9 @@ def test_every_simulation_ends_as_a_row_and_resume_runs_infra_errors_again(airli
     # a dropped connection is the measurement failing: counted as an infrastructure error, scored 0
     assert by[item["drop"]]["infra_error"] and by[item["drop"]]["score"] == 0.0
     assert summary["infra_errors"] == 1 and summary["infra_error_rate"] == pytest.approx(0.2)
+    # run again twice (the default) before the run finished, and still dropped: recorded on the row
+    assert by[item["drop"]]["retries"] == 2 and summary["retries"] == 2
+    assert sum(1 for r in script.requests if r["side"] == "agent" and r["tag"] == item["drop"]) == 3
     assert summary["domains"]["airline"]["errors"] == {"infra: agent: InternalServerError": 1,
                                                         "model: agent: ContextWindowExceededError": 1,
                                                         "model: agent: JSONDecodeError": 1}
@@ -77,6 +80,35 @@ def test_every_simulation_ends_as_a_row_and_resume_runs_infra_errors_again(airli
     # only the infrastructure error ran again; tau2's resume question was answered without a terminal
     assert {r["tag"] for r in script.requests[served_before:] if r["side"] == "agent"} == {item["drop"]}
     assert "Resuming run from 4 runs. 1 runs remaining." in (out / "tau2.log").read_text()
+
+
+def test_a_transient_infrastructure_error_is_retried_before_the_run_finishes(tmp_path):
+    """A dropped connection that does not recur costs no pair: the simulation is run again inside the
+    same `tau2 run` (same task, trial and seed), scores as the model does, and the retry is counted."""
+    tasks = get_tasks("airline", "base", num_tasks=2)
+    flaky, steady = (f"airline/{t.id}" for t in tasks)
+    server, script = serve(script_for({"airline": tasks}, {"cand": {flaky: "drop_once"}}))
+    api_base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        files = run_domains(settings(api_base, num_tasks=2), tmp_path / "units", resume=False, progress=False)
+    finally:
+        server.shutdown()
+    rows, summary = rows_from_results(files)
+    by = {r["item_id"]: r for r in rows}
+    assert len(rows) == 2 and summary["infra_errors"] == 0 and summary["retries"] == 1
+    assert by[flaky]["score"] == 1.0 and by[flaky]["retries"] == 1 and by[steady]["retries"] == 0
+    events = [json.loads(line) for line in (tmp_path / "units" / "airline.events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("retry") == 1 and events[-1]["event"] == "finish"
+    # no retries asked for: the dropped simulation stays an infrastructure error
+    server, script = serve(script_for({"airline": tasks}, {"cand": {flaky: "drop_once"}}))
+    api_base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        files = run_domains(settings(api_base, num_tasks=2, infra_retries=0), tmp_path / "none", resume=False,
+                            progress=False)
+    finally:
+        server.shutdown()
+    rows, summary = rows_from_results(files)
+    assert summary["infra_errors"] == 1 and summary["retries"] == 0
 
 
 def test_existing_results_need_resume_and_the_same_settings(airline, tmp_path):
