@@ -38,7 +38,7 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
         saved = json.loads(Path(report).read_text())
         data["accuracy"], data["structure"] = saved["accuracy"], saved.get("structure")
         if "verdict" in saved:  # a gate release report: its verdict, reasons and kernel check head the page
-            data["release"] = {k: saved.get(k) for k in ("verdict", "reasons", "checkpoint", "kernels")}
+            data["release"] = {k: saved.get(k) for k in ("verdict", "reasons", "checkpoint", "kernels", "provenance")}
         data["load"] = data.get("load") or saved.get("load")
         data["candidate"] = data["candidate"] or saved["accuracy"]["candidate"]
         data["reference"] = data["reference"] or saved["accuracy"]["reference"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from evals import design, render, tau2_gate
+from evals import binding, design, render, tau2_gate
 from evals.bundle import BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
 from evals.policy import BenchmarkPolicy, GatePolicy
@@ -290,6 +290,7 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
     """
     ref_run, ref_rows = read_bundle(reference)
     cand_run, cand_rows = read_bundle(candidate)
+    binding.distinct_arms(candidate, reference, cand_run, ref_run)
     rerun = read_bundle(reference_rerun) if reference_rerun else None
     ref_b, cand_b = set(ref_run["benchmarks"]), set(cand_run["benchmarks"])
     if benchmarks:
@@ -385,10 +386,12 @@ def release_verdict(structure: dict, accuracy: dict, kernels: dict | None = None
 
 
 def release_report(checkpoint: Path, structure: dict, accuracy: dict, kernels: dict | None = None,
-                   load: dict | None = None) -> dict:
+                   load: dict | None = None, provenance: dict | None = None) -> dict:
+    """The release verdict with everything it rests on; ``provenance`` (``binding.provenance``): the
+    policy, tool, date, recipe and both arms' checkpoint hashes."""
     verdict, reasons = release_verdict(structure, accuracy, kernels, load)
-    return {"verdict": verdict, "reasons": reasons, "checkpoint": str(checkpoint), "structure": structure,
-            "accuracy": accuracy, "kernels": kernels, "load": load}
+    return {"verdict": verdict, "reasons": reasons, "checkpoint": str(checkpoint), "provenance": provenance,
+            "structure": structure, "accuracy": accuracy, "kernels": kernels, "load": load}
 
 
 def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[dict]:

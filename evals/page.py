@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals import dashboard, render
+from evals import binding, dashboard, render
 from evals.report import LOAD_COLUMNS, load_summary
 from quant.outputs import write_atomic  # bytes: complete or absent, never half-written
 
@@ -94,6 +94,10 @@ def html(data: dict, pngs: dict[str, bytes]) -> str:
             ("reference run", data.get("reference"))]
     out.append("<p class='small'>" + " &middot; ".join(f"{k}: <code>{escape(str(v))}</code>" for k, v in runs if v)
                + "</p>")
+    prov = binding.lines(release.get("provenance"))  # what judged it: policy, tool, date, recipe, checkpoint hashes
+    if prov:
+        out.append("<table class='small' id='provenance'><tbody>" + "".join(
+            f"<tr><th>{escape(k)}</th><td><code>{escape(v)}</code></td></tr>" for k, v in prov) + "</tbody></table>")
     if acc:
         out += [f"<div class='caveat'>{escape(c)}</div>" for c in render.caveats(acc)]
         out += ["<h2>Accuracy</h2>", _table(render.COLUMNS, render.table(acc), tagged=("verdict",)),

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from evals import render
+from evals import binding, render
 from quant.outputs import write_atomic
 
 
@@ -33,7 +33,8 @@ def markdown(report: dict) -> str:
     loads = ("loads correctly in " + ", ".join(structure["engines"])) if structure["ok"] else "WOULD NOT LOAD"
     lines = [f"# Release gate: {report['verdict']}", "",
              f"- checkpoint: `{report['checkpoint']}` - structure: {loads}",
-             f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`", "",
+             f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`",
+             *[f"- {label}: {text}" for label, text in binding.lines(report.get("provenance"))], "",
              *render.markdown(acc)]
     if report["reasons"]:
         lines += ["## Blocking", *[f"- {x}" for x in report["reasons"]], ""]

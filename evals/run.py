@@ -226,13 +226,21 @@ def _versions() -> dict:
     return out
 
 
+def checkpoint_manifest_sha256(folder: Path) -> str | None:
+    """A quantgate checkpoint's identity: the sha256 of its ``conversion_manifest.json`` (it holds every
+    output shard's sha256), or None for a folder without one. ``evals run`` records it in run.json and
+    ``gate release`` checks the released checkpoint against it."""
+    manifest = Path(folder) / "conversion_manifest.json"
+    return sha256_of(manifest) if manifest.is_file() else None
+
+
 def _checkpoint_provenance(spec: RunSpec) -> dict:
     """Manifest hash when the model is a local quantgate checkpoint; chat template hash if any."""
     out: dict = {}
     path = Path(spec.tokenizer or spec.model)
-    manifest = Path(spec.model) / "conversion_manifest.json"
-    if manifest.exists():
-        out["checkpoint_manifest_sha256"] = sha256_of(manifest)
+    manifest_sha = checkpoint_manifest_sha256(Path(spec.model))
+    if manifest_sha:
+        out["checkpoint_manifest_sha256"] = manifest_sha
     config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
     # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
     # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)

@@ -65,13 +65,14 @@ def test_release_report_labels_a_comparison_across_settings(glm_ckpt, tmp_path, 
     from quant.convert import convert
     from quant.plan import make_plan
     from quant.recipe import load_recipe
-    from tests.evals.test_gate import gsm8k_policy
+    from tests.evals.test_gate import evaluated, gsm8k_policy
 
     ckpt = tmp_path / "mxfp4"
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(1000, 3, 3)
     r = with_settings(bundle(tmp_path / "r", "gsm8k", ref), "gsm8k", COMPLETIONS_16K)
-    c = with_settings(bundle(tmp_path / "c", "gsm8k", cand), "gsm8k", {**COMPLETIONS_16K, "max_gen_toks": 8192})
+    c = with_settings(evaluated(bundle(tmp_path / "c", "gsm8k", cand), ckpt), "gsm8k",
+                      {**COMPLETIONS_16K, "max_gen_toks": 8192})
     code, report, _ = gate_json(capsys, "release", ckpt, "--candidate", c, "--reference", r, "--policy",
                                 gsm8k_policy(tmp_path / "p.yaml"), "--allow-setting-differences")
     assert code == 0 and report["verdict"] == "RELEASE"

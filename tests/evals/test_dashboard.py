@@ -14,7 +14,7 @@ from evals.cli import main as gate
 from quant.convert import convert
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
-from tests.evals.test_gate import binary_pair, bundle
+from tests.evals.test_gate import binary_pair, bundle, evaluated
 from tests.evals.test_load import REFERENCE, load_bundle
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "dashboard.ipynb"
@@ -39,7 +39,7 @@ def runs(tmp_path_factory, glm_ckpt):
     load_bundle(root / "load-cand", [(1, 0.99, 1.1, 1), (2, 1.9, 6.0, 1), (3, 2.2, 9.0, 1)])  # knee at half the load
     ckpt = root / "mxfp4"
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), ckpt, show_progress=False)
-    return root / "cand", root / "ref", ckpt
+    return evaluated(root / "cand", ckpt), root / "ref", ckpt
 
 
 def test_figures_and_tables_are_not_empty(runs):

@@ -29,7 +29,18 @@ def bundle(path, benchmark: str, scores, repeats: int = 1, domains=None, doc="d"
                 row["domain"] = domains[i]
             rows.append(row)
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "run.json").write_text(json.dumps({"benchmarks": {benchmark: {"primary_filter": primary}}}))
+    # each arm its own model: two runs with the same scores are still two runs (a copy of one is refused)
+    (path / "run.json").write_text(json.dumps({"model": path.name, "benchmarks": {benchmark: {"primary_filter": primary}}}))
+    return path
+
+
+def evaluated(path: Path, checkpoint: Path) -> Path:
+    """A synthetic bundle that records ``checkpoint`` as the one it evaluated, as `evals run --model DIR` does."""
+    from evals.run import checkpoint_manifest_sha256
+
+    run = json.loads((path / "run.json").read_text())
+    run["checkpoint_manifest_sha256"] = checkpoint_manifest_sha256(checkpoint)
+    (path / "run.json").write_text(json.dumps(run))
     return path
 
 
@@ -154,7 +165,7 @@ def test_release_writes_reports_and_blocks_on_structure(glm_ckpt, tmp_path, caps
     ckpt = tmp_path / "mxfp4"
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(1000, 3, 3)
-    r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
+    r, c = bundle(tmp_path / "r", "gsm8k", ref), evaluated(bundle(tmp_path / "c", "gsm8k", cand), ckpt)
     policy = gsm8k_policy(tmp_path / "policy.yaml")
     code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r, "--policy", policy)
     assert code == 0 and report["verdict"] == "RELEASE"

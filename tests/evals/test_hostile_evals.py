@@ -28,7 +28,7 @@ from evals.cli import evals_main, main as gate_main
 from evals.data import BUNDLED_DATA_DIR
 from tests.conftest import default_sigint
 from tests.evals.conftest import send_json
-from tests.evals.test_gate import binary_pair, bundle, gsm8k_policy
+from tests.evals.test_gate import binary_pair, bundle, evaluated, gsm8k_policy
 from tests.evals.test_load import REFERENCE, load_bundle
 
 VICTIM = b"a file of someone else's, never to be written\n"
@@ -267,7 +267,7 @@ def test_gate_release_report_and_plots_never_write_through_links(tmp_path, outsi
     ckpt = tmp_path / "mxfp4"
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(40, 2, 2)
-    r, c = bundle(tmp_path / "ref", "gsm8k", ref), bundle(tmp_path / "cand", "gsm8k", cand)
+    r, c = bundle(tmp_path / "ref", "gsm8k", ref), evaluated(bundle(tmp_path / "cand", "gsm8k", cand), ckpt)
     policy = gsm8k_policy(tmp_path / "policy.yaml")
     reports, plots = tmp_path / "reports", tmp_path / "plots"
     reports.mkdir()

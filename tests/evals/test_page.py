@@ -17,7 +17,7 @@ from evals.cli import main as gate
 from quant.convert import convert
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
-from tests.evals.test_gate import binary_pair, bundle
+from tests.evals.test_gate import binary_pair, bundle, evaluated
 
 
 def seed_sized_runs(root: Path) -> tuple[Path, Path]:
@@ -45,8 +45,8 @@ def release_page(tmp: Path, glm_ckpt: Path) -> Path:
     convert(make_plan(glm_ckpt, with_overrides(load_recipe(), shared_experts="mxfp4")), ckpt, show_progress=False)
     policy = tmp / "policy.yaml"  # the two benchmarks of the published GLM-5.2 table, both required
     policy.write_text("benchmarks:\n  gsm8k: {margin: 0.02, required: true}\n  gpqa_diamond: {margin: 0.03, required: true}\n")
-    code = gate(["release", str(ckpt), "--candidate", str(cand), "--reference", str(ref), "--policy", str(policy),
-                 "--report-dir", str(tmp / "report"), "--plots", str(tmp / "plots")])
+    code = gate(["release", str(ckpt), "--candidate", str(evaluated(cand, ckpt)), "--reference", str(ref),
+                 "--policy", str(policy), "--report-dir", str(tmp / "report"), "--plots", str(tmp / "plots")])
     assert code == 1  # seed-sized: GPQA cannot be decided, so the release is blocked
     return tmp / "plots" / "report.html"
 

@@ -22,7 +22,7 @@ from quant.plan import make_plan
 from quant.recipe import load_recipe
 from quant.quark_config import fp8_config
 from tests.conftest import write_sparse_checkpoint
-from tests.evals.test_gate import binary_pair, bundle, gsm8k_policy
+from tests.evals.test_gate import binary_pair, bundle, evaluated, gsm8k_policy
 
 AITER = Path(__file__).parent / "data" / "aiter_configs"
 HEADER = ("gfx,cu_num,token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,q_type,use_g1u1,"
@@ -271,7 +271,7 @@ def test_release_reports_kernels_as_a_warning_unless_the_policy_blocks(glm_ckpt,
     ckpt = tmp_path / "mxfp4"
     convert(make_plan(glm_ckpt, load_recipe()), ckpt, show_progress=False)
     ref, cand = binary_pair(1000, 3, 3)
-    r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
+    r, c = bundle(tmp_path / "r", "gsm8k", ref), evaluated(bundle(tmp_path / "c", "gsm8k", cand), ckpt)
     policy = gsm8k_policy(tmp_path / "policy.yaml")  # the bundles hold GSM8K only
     args = ["release", str(ckpt), "--candidate", str(c), "--reference", str(r), "--gpu", "mi355x", "--tp", "1",
             "--aiter-configs", str(AITER)]
