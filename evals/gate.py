@@ -134,11 +134,12 @@ def _rule(p: Paired, rules, cand_score: float, n_items: int, confidence: float) 
         return INCONCLUSIVE, f"{n_items} items, below the policy's minimum of {rules.min_items} to judge"
     if rules.floor is not None and cand_score < rules.floor:
         return FAIL, f"candidate score {cand_score:.4f} is below the floor {rules.floor}"
+    lower, upper = render.versus(p.lower, -margin), render.versus(p.upper, -margin)  # a hair from it shows
     if p.lower > -margin:
-        return PASS, f"one-sided {confidence:.0%} lower bound {p.lower:+.4f} > -{margin} ({p.method})"
+        return PASS, f"one-sided {confidence:.0%} lower bound {lower} > -{margin} ({p.method})"
     if p.upper < -margin:
-        return FAIL, f"one-sided {confidence:.0%} upper bound {p.upper:+.4f} < -{margin}"
-    return INCONCLUSIVE, f"bounds [{p.lower:+.4f}, {p.upper:+.4f}] straddle -{margin} ({p.method})"
+        return FAIL, f"one-sided {confidence:.0%} upper bound {upper} < -{margin}"
+    return INCONCLUSIVE, f"bounds [{lower}, {upper}] straddle -{margin} ({p.method})"
 
 
 def judge(ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | None, rules: BenchmarkPolicy,

@@ -37,8 +37,23 @@ def _100(x: float | None) -> float | None:
     return None if x is None else 100 * x
 
 
+AT_THE_MARGIN = "at the margin"
+
+
+def versus(x: float, edge: float, digits: int = 4) -> str:
+    """``x`` signed with the fewest decimals (from ``digits``, up to 8) that tell it apart from ``edge``,
+    so a bound a hair from the margin never prints as the margin (``-0.02497``, not ``-0.0250``
+    against ``-0.025``); one that equals it says so."""
+    for d in range(digits, 9):
+        if format(x, f"+.{d}f") != format(edge, f"+.{d}f"):
+            return format(x, f"+.{d}f")
+    return f"{x:+.{digits}f} ({AT_THE_MARGIN})"
+
+
 def bounds(b: dict) -> str:
-    return f"[{100 * b['lower']:+.2f}, {100 * b['upper']:+.2f}] pts"
+    """``[lower, upper] pts``, each with the digits it takes to compare it with -margin honestly."""
+    edge = -100 * b["margin"]
+    return f"[{versus(100 * b['lower'], edge, 2)}, {versus(100 * b['upper'], edge, 2)}] pts"
 
 
 def table(accuracy: dict) -> list[dict]:
