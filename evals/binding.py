@@ -78,7 +78,7 @@ def provenance(checkpoint: Path, binding: dict, ref_run: dict, policy_source: st
         "policy": {"path": policy_source, "sha256": sha256_of(Path(policy_source)) if policy_source else None,
                    "margin_overrides": margins or {}},
         "tool": {"name": "quantgate", "version": quant.__version__},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "recipe": recipe.get("name") if isinstance(recipe, dict) else recipe,
         "candidate_checkpoint_sha256": binding["sha256"],
         "checkpoint_verified": binding["verified"],

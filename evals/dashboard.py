@@ -14,28 +14,39 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure  # the object API: no global backend, works in scripts and notebooks
+from matplotlib.figure import (
+    Figure,  # the object API: no global backend, works in scripts and notebooks
+)
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import ScalarFormatter
 
 from evals import render
+from evals.errors import BadInput
 from evals.gate import accuracy_gate
 from evals.policy import load_policy
+from quant.safe_files import read_json
 
 _LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.(?=(?:shared_)?experts\.))?(.+)\.weight$")
 _EXPERT_INDEX = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def load(candidate=None, reference=None, checkpoint=None, report=None, load_candidate=None,
-         load_reference=None) -> dict:
-    """Everything the dashboard shows: from a gate report.json, or computed from the bundles."""
+         load_reference=None, policy=None) -> dict:
+    """Everything the dashboard shows: from a gate report.json (given, or the one `gate release` wrote
+    beside the candidate run for these two runs), or computed from the bundles by the gate's own
+    ``accuracy_gate`` under ``policy`` (default: the release policy), so the notebook, the page and
+    the CLI cannot disagree. A report judged under another policy than ``policy`` is refused."""
     data: dict = {"candidate": candidate, "reference": reference, "checkpoint": checkpoint}
     if load_candidate and load_reference:
         from evals.knee import load_gate
 
         data["load"] = load_gate(Path(load_candidate), Path(load_reference))
+    report = report or (release_report_beside(candidate, reference) if candidate and reference else None)
     if report:
-        saved = json.loads(Path(report).read_text())
+        saved = read_json(Path(report), BadInput, "give the report.json that `gate release` wrote")
+        if policy is not None:
+            _same_policy(saved["accuracy"]["policy"], load_policy(policy), report)
+        data["report"] = str(report)
         data["accuracy"], data["structure"] = saved["accuracy"], saved.get("structure")
         if "verdict" in saved:  # a gate release report: its verdict, reasons and kernel check head the page
             data["release"] = {k: saved.get(k) for k in ("verdict", "reasons", "checkpoint", "kernels", "provenance")}
@@ -43,7 +54,7 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
         data["candidate"] = data["candidate"] or saved["accuracy"]["candidate"]
         data["reference"] = data["reference"] or saved["accuracy"]["reference"]
     elif candidate and reference:
-        data["accuracy"] = accuracy_gate(Path(candidate), Path(reference), load_policy())
+        data["accuracy"] = accuracy_gate(Path(candidate), Path(reference), load_policy(policy))
     if checkpoint:
         from quant.verify import verify
 
@@ -54,6 +65,28 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
         # layers from num_hidden_layers on are the MTP (next-n) draft's: model.layers.{num_hidden_layers + i}
         data["num_hidden_layers"] = json.loads(config.read_text()).get("num_hidden_layers") if config.exists() else None
     return data
+
+
+def release_report_beside(candidate, reference) -> Path | None:
+    """``CANDIDATE/report.json`` when `gate release` wrote it there (its default) for these two runs."""
+    path = Path(candidate) / "report.json"
+    if not path.is_file():
+        return None
+    saved = read_json(path, BadInput, "a report.json beside a run is written by `gate release`")
+    accuracy = saved.get("accuracy") if isinstance(saved, dict) else None
+    if "verdict" not in saved or not isinstance(accuracy, dict):
+        return None
+    same = all(Path(str(accuracy.get(arm))).resolve() == Path(given).resolve()
+               for arm, given in (("candidate", candidate), ("reference", reference)))
+    return path if same else None
+
+
+def _same_policy(judged: dict, given, report) -> None:
+    """A saved report shown under ``policy`` must have been judged by that policy (margins and all)."""
+    ours = given.to_dict()
+    if {k: v for k, v in judged.items() if k != "source"} != {k: v for k, v in ours.items() if k != "source"}:
+        raise BadInput(f"{report}: judged under the policy {judged.get('source')}, not {ours['source']}: rerun "
+                       f"`gate release ... --policy {ours['source']}`, or leave policy unset to show the report")
 
 
 def headline(data: dict) -> tuple[str, list[str]]:
