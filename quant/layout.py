@@ -1,8 +1,9 @@
 """Model families as data: which checkpoint tensor plays which role.
 
-A family manifest (``manifests/models/<family>.yaml``) lists roles by regex; how each engine
-names, fuses and quantizes them is engine knowledge (``quant/engines/``). Adding a family is a new
-manifest, not new code.
+A family manifest (``manifests/models/<family>.yaml``) lists roles by regex and names the model
+class each engine builds it with (``engine_classes``); how that class names, fuses and quantizes
+them is engine knowledge (``quant/engines/``, rules keyed by the class). Adding a family is a new
+manifest plus the engine rules read for its classes, not new code.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class Family:
     model_types: tuple[str, ...]
     num_layers_key: str
     roles: tuple[Role, ...]
+    engine_classes: tuple[tuple[str, str], ...] = ()  # (engine, the engine's model class for the architecture)
+
+    @property
+    def engine_class(self) -> dict[str, str]:
+        return dict(self.engine_classes)
 
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
         match = _LAYER_INDEX.match(tensor_name)
@@ -91,10 +97,24 @@ def load_family(path: Path) -> Family:
             model_types=tuple(data["model_types"]),
             num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
             roles=roles,
+            engine_classes=tuple(sorted((str(e), str(c)) for e, c in (data.get("engine_classes") or {}).items())),
         )
     except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "
                                  f"{manifests_root() / 'models' / 'glm_moe_dsa.yaml'}") from None
+
+
+def _known() -> list[Family]:
+    return [load_family(path) for path in sorted((manifests_root() / "models").glob("*.yaml"))]
+
+
+def family_named(name: str) -> Family:
+    """The built-in family manifest called ``name``."""
+    for family in _known():
+        if family.name == name:
+            return family
+    raise UnknownFamilyError(f"no family manifest named {name!r} under {manifests_root() / 'models'} (known: "
+                             f"{', '.join(f.name for f in _known())})")
 
 
 def family_for(config: dict, manifest: Path | None = None) -> Family:
@@ -103,12 +123,14 @@ def family_for(config: dict, manifest: Path | None = None) -> Family:
         return load_family(manifest)
     model_type = config.get("model_type")
     models_dir = manifests_root() / "models"
-    for path in sorted(models_dir.glob("*.yaml")):
-        family = load_family(path)
+    known = _known()
+    for family in known:
         if model_type in family.model_types:
             return family
-    known = sorted(t for p in models_dir.glob("*.yaml") for t in load_family(p).model_types)
+    listed = "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in known)
     raise UnknownFamilyError(
-        f"no model-family manifest for model_type {model_type!r} (known: {', '.join(known)}). "
-        f"Write one like {models_dir / 'glm_moe_dsa.yaml'} (tensor roles by regex) "
-        f"and pass it with --family-manifest FILE.")
+        f"config.json model_type {model_type!r}: no model-family manifest (known families: {listed}). To add one: "
+        f"write manifests/models/<family>.yaml like {models_dir / 'glm4_moe.yaml'} (model_types, tensor roles by "
+        "regex, engine_classes: the sglang and vLLM model class of the architecture), and the engine rules read for "
+        "those classes in the wheels (manifests/engines/<engine>.<family>.yaml: packed_modules_mapping, fused "
+        "modules, which modules get the quant config, draft naming, shared-expert fusion)")

@@ -109,7 +109,7 @@ class Plan:
         for tensor in self.tensors:
             counts = by_role.setdefault(tensor.role, {"quantize": 0, "keep": 0})
             counts["quantize" if tensor.action == ENCODE else "keep"] += 1
-        aliases = sorted({alias for rules in select("all") for name in self.exclude
+        aliases = sorted({alias for rules in select("all", self.family) for name in self.exclude
                           if (alias := draft_name(name, rules, self.num_hidden_layers)) and alias != name})
         return {
             **sizes,
@@ -185,6 +185,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
         tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file) for info in infos)
         shards.append(ShardPlan(file, header.file_size, tensors))
 
+    _check_roles(shards, family)
     kept, quantized = set(), set()
     for shard in shards:
         for tensor in shard.tensors:
@@ -197,11 +198,25 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     if recipe.weight_only:
         warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
                         "vLLM loads it")
-    exclude = build_exclude(kept, quantized, num_hidden_layers)
+    exclude = build_exclude(kept, quantized, num_hidden_layers, family)
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
     fusion = _check_engines_load(plan)
     return replace(plan, warnings=plan.warnings + tuple(fusion)) if fusion else plan
+
+
+def _check_roles(shards: list[ShardPlan], family: Family) -> None:
+    """Refuse a checkpoint whose weights the family's roles do not name: a matrix matching no role
+    would be copied as is while the engines look for the release's names (a transformers state_dict
+    with fused 3-D experts, another family's layout, a renamed export)."""
+    unmatched = [(s.file, t.source) for s in shards for t in s.tensors if t.role == "other" and len(t.source.shape) >= 2]
+    if unmatched:
+        shown = ", ".join(f"{info.name} {list(info.shape)} ({file})" for file, info in unmatched[:4])
+        more = f" and {len(unmatched) - 4} more" if len(unmatched) > 4 else ""
+        raise PlanError(f"{len(unmatched)} weight tensor(s) match no role of family {family.name}'s manifest: "
+                        f"{shown}{more}. The checkpoint is not stored as the {family.name} release names its tensors; "
+                        "convert the original release (not a re-saved state_dict), or fix the manifest's role "
+                        "patterns (--family-manifest FILE)")
 
 
 def _check_engines_load(plan: Plan) -> list[str]:
@@ -212,7 +227,7 @@ def _check_engines_load(plan: Plan) -> list[str]:
                for t in plan.tensors if t.linear and len(t.source.shape) == 2}
     kind = "fp8" if plan.recipe.format == "fp8" else "quark"
     qconfig = plan.quantization_config()
-    findings = [f for rules in select("all") for f in replay(rules, modules, qconfig, plan.family.name,
+    findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,
                                                               plan.num_hidden_layers, kind, plan.recipe.format.upper(),
                                                               plan.config)]
     fusion = [f for f in findings if f.check == "fusion"]
@@ -223,7 +238,8 @@ def _check_engines_load(plan: Plan) -> list[str]:
                           "Change the recipe (quantize whole fused modules and whole expert layers).")
     if not fusion:
         return []
-    releases = release_spans([r for r in select("sglang") if any(f.engine == r.id for f in fusion)])
+    releases = release_spans([r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)],
+                             plan.family)
     return [(f"shared-expert fusion: on MI355X (ROCm gfx942+, CUDA sm80+; TP, fusion on) {releases} fold the shared "
              f"expert into the routed experts' FusedMoE, and this recipe stores them in different dtypes, so these "
              f"releases fail to load it ({fusion[0].module}). Ways out: {fusion[0].fix}. gate checkpoint lists each "

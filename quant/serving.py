@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
-from quant.engines.rules import ENGINES
+from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ROUTED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.\d+\.[^.]+$")
@@ -25,36 +25,37 @@ class NamingError(ValueError):
     """A quantization choice the engines cannot load (the message says which modules and why)."""
 
 
-def _all_rule_sets():
-    return [r for engine in ENGINES for r in rule_sets(engine)]
+def _all_rule_sets(family):
+    """Every rule set read for the family's model classes, in both engines."""
+    return [r for engine in ENGINES for r in rule_sets(engine, family)]
 
 
-def _built_fused() -> dict[str, tuple[str, ...]]:
-    """Fused module -> shards, as any known engine release builds them."""
-    return {fused: tuple(shards) for r in _all_rule_sets() for fused, shards in r["built_fused"].items()}
+def _built_fused(family=DEFAULT_FAMILY) -> dict[str, tuple[str, ...]]:
+    """Fused module -> shards, as any release read for the family's classes builds them."""
+    return {fused: tuple(shards) for r in _all_rule_sets(family) for fused, shards in r["built_fused"].items()}
 
 
-def _fused_names(modules: set[str]) -> set[str]:
+def _fused_names(modules: set[str], family=DEFAULT_FAMILY) -> set[str]:
     """Fused module names whose every shard is in ``modules`` (routed experts excepted)."""
     fused: set[str] = set()
     for module in modules:
         if _ROUTED_EXPERT.match(module):
             continue
         parent, _, leaf = module.rpartition(".")
-        for fused_leaf, shards in _built_fused().items():
+        for fused_leaf, shards in _built_fused(family).items():
             if leaf in shards and all(f"{parent}.{s}" in modules for s in shards):
                 fused.add(f"{parent}.{fused_leaf}")
     return fused
 
 
-def check_fused_agreement(kept: set[str], quantized: set[str]) -> None:
+def check_fused_agreement(kept: set[str], quantized: set[str], family=DEFAULT_FAMILY) -> None:
     """Refuse a split that makes an engine raise "different quantization schemes"."""
     present = kept | quantized
     for module in sorted(kept):
         if _ROUTED_EXPERT.match(module):
             continue
         parent, _, leaf = module.rpartition(".")
-        for fused_leaf, shards in _built_fused().items():
+        for fused_leaf, shards in _built_fused(family).items():
             siblings = [f"{parent}.{s}" for s in shards if f"{parent}.{s}" in present]
             if leaf in shards and any(s in quantized for s in siblings):
                 raise NamingError(
@@ -82,10 +83,11 @@ def check_expert_agreement(kept: set[str], quantized: set[str]) -> None:
             f"FusedMoE module with one scheme. Quantize all routed experts of the layer or none.")
 
 
-def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int) -> list[str]:
-    """The sorted, exact exclude list for modules left unquantized (``kept``), in every engine's names."""
-    check_fused_agreement(kept, quantized)
+def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, family=DEFAULT_FAMILY) -> list[str]:
+    """The sorted, exact exclude list for modules left unquantized (``kept``), in the names every
+    release read for the family's model classes looks up."""
+    check_fused_agreement(kept, quantized, family)
     check_expert_agreement(kept, quantized)
-    names = set(kept) | set(expert_groups(kept)) | _fused_names(kept)
-    aliases = {draft_name(name, rules, num_hidden_layers) for rules in _all_rule_sets() for name in names}
+    names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family)
+    aliases = {draft_name(name, rules, num_hidden_layers) for rules in _all_rule_sets(family) for name in names}
     return sorted(names | {alias for alias in aliases if alias})

@@ -217,14 +217,16 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     ``sglang==0.5.23``, ``vllm`` ...) served as ``serving``; findings are reported per release's rule
     set, and for each sglang release the GPUs and switches under which it loads."""
     try:
-        rule_sets = select(engine)
+        select(engine)  # an unknown engine or release is refused before the checkpoint is read
     except UnknownEngine as exc:
-        raise UnreadableCheckpoint(str(exc)) from None
+        if "has not been read" not in str(exc):
+            raise UnreadableCheckpoint(str(exc)) from None
     try:
         checkpoint = Checkpoint.open(folder)
         family = family_for(checkpoint.config)
         num_hidden_layers = checkpoint.config_int(family.num_layers_key)
-    except (CheckpointError, UnknownFamilyError) as exc:
+        rule_sets = select(engine, family)  # the rules read for this family's model classes only
+    except (CheckpointError, UnknownFamilyError, UnknownEngine) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
     config = checkpoint.config
     report = Report(str(folder), [r.id for r in rule_sets], serving=serving)

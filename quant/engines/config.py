@@ -53,13 +53,16 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
                     "(AttributeError at load unless the config class supplies it)", f"add {key!r} (the source "
                     "checkpoint's value; DeepSeek-V3 and GLM-5 use topk_method 'noaux_tc')")
     biases, routers = routers
-    noaux = config.get("topk_method") == router["bias_when"]
+    # bias_when: the topk_method for which the class creates e_score_correction_bias, or "always"
+    noaux = router["bias_when"] == "always" or config.get("topk_method") == router["bias_when"]
     if biases and not noaux:
         finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but topk_method is "
                 f"{config.get('topk_method')!r}: {rules.engine} creates the bias only for {router['bias_when']!r} "
                 "(KeyError for the unexpected tensor at load)", f"set \"topk_method\": \"{router['bias_when']}\"")
     if noaux and len(biases) < len(routers):
-        finding("e_score_correction_bias", f"topk_method {router['bias_when']!r} but only {len(biases)} of "
+        when = "the model class always creates one" if router["bias_when"] == "always" else \
+            f"topk_method {router['bias_when']!r}"
+        finding("e_score_correction_bias", f"{when} but only {len(biases)} of "
                 f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
                 "copy the source checkpoint's e_score_correction_bias tensors")
     declared = int(config.get("num_nextn_predict_layers") or 0)

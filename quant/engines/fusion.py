@@ -62,16 +62,22 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
         return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
                 "can_fuse_shared_expert)")
     architectures = config.get("architectures") or [None]
-    if draft:
+    if rule["arch"] is None:  # the class compares no architecture (and no expert counts beyond a shared one)
+        pass
+    elif draft:
         arch = rule["draft_arch"].get(family)
         if arch is None or arch["config"] != arch["class"]:
             return f"the draft class compares {arch and arch['class']!r}, the draft config says {arch and arch['config']!r}"
     elif architectures[0] != rule["arch"].get(family):
         return f"architecture {architectures[0]!r} is not {rule['arch'].get(family)!r}"
     routed, shared = config.get("n_routed_experts"), config.get("n_shared_experts")
-    needs = rule["routed_experts"].get(routed)
-    if needs is None or (needs != "any" and needs != kind) or shared != rule["shared_experts"]:
-        return f"{routed} routed + {shared} shared experts is not a fused configuration"
+    if rule["routed_experts"] == "any":  # num_fusable_shared_experts: n_shared_experts or 0
+        if not shared:
+            return "the model has no shared expert"
+    else:
+        needs = rule["routed_experts"].get(routed)
+        if needs is None or (needs != "any" and needs != kind) or shared != rule["shared_experts"]:
+            return f"{routed} routed + {shared} shared experts is not a fused configuration"
     least = tuple(rule["min_capability"][serving.platform])
     if serving.capability < least:
         return f"{serving.gpu_arch} is below capability {least}"
@@ -82,4 +88,5 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
 
 
 def cite(rules: RuleSet) -> str:
-    return f"deepseek_v2.py: {rules['shared_experts_fusion']['decided_by']}"
+    rule = rules["shared_experts_fusion"]
+    return f"{rule.get('file', 'deepseek_v2.py')}: {rule['decided_by']}"

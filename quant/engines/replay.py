@@ -129,6 +129,8 @@ def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> froze
     on CUDA fuses wk into a bf16 wk_weights_proj when the indexer's rope is interleaved
     (``use_dsa_indexer_fusion = CUDA and not is_neox_style``)."""
     indexer = rules["indexer"]
+    if indexer is None:  # a model class without a DSA indexer
+        return frozenset()
     leaves = {leaf for leaf in ("wq_b", "wk", "weights_proj") if indexer[leaf] == "bf16"}
     if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and config.get("indexer_rope_interleave", False):
         leaves.add("wk")
@@ -288,28 +290,29 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
         slot = fmt_name if slots[moe] else "bf16"
         disk = fmt_name if modules[shared].quantized else "bf16"
         runner = "the MTP draft" if draft else "the main model"
-        ok = [r for r in rule_sets("sglang") if no_fusion_reason(
+        ok = [r for r in rule_sets("sglang", family) if no_fusion_reason(
             r, family, config, kind, loader_mapped(entries, r, family) if draft else entries, serving, draft)]
         findings.append(Finding(
             "fusion", rules.id, moe,
             f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert "
             f"{config.get('n_routed_experts')} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
             f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
-            (f"serve with {release_spans(ok)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
+            (f"serve with {release_spans(ok, family)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
     return findings
 
 
-def release_spans(ok: list[RuleSet]) -> str:
-    """Rule sets as release spans ('sglang >= 0.5.18' when a span runs to the last release read)."""
-    order = [r.id for r in rule_sets("sglang")]
+def release_spans(ok: list[RuleSet], family: str) -> str:
+    """Rule sets as release spans ('sglang >= 0.5.18' when a span runs to the last release read for
+    the family's class)."""
+    order = [r.id for r in rule_sets("sglang", family)]
     spans: list[list[RuleSet]] = []
     for r in ok:
         if spans and order.index(r.id) == order.index(spans[-1][-1].id) + 1:
             spans[-1].append(r)
         else:
             spans.append([r])
-    last = rule_sets("sglang")[-1].last
+    last = rule_sets("sglang", family)[-1].last
     return " or ".join(f"sglang >= {s[0].first}" if s[-1].last == last else f"sglang {s[0].first}..{s[-1].last}"
                        for s in spans)
 

@@ -1,10 +1,16 @@
-"""Engine rule sets as data: ``manifests/engines/<engine>.yaml``, one rule set per range of releases.
+"""Engine rule sets as data, keyed by the engine's model class: ``manifests/engines/<engine>.yaml``
+holds the DeepSeek-V2 class's rules (DeepseekV2/V3ForCausalLM, GlmMoeDsaForCausalLM and their
+drafts) and the rules of the quantization layer every model shares (``engine_wide``);
+``manifests/engines/<engine>.<family>.yaml`` holds another model class's rules, read for that class in
+the releases it lists. A family manifest (``manifests/models/``) names its class per engine; adding a
+family is a manifest plus the rule entries read for its classes.
 
 Each rule carries its value and a citation (file and function in the release it was read in).
 A rule set starts from the previous one and overrides what changed, so the YAML only lists changes.
 Only releases that were read are replayed: ``checked`` lists them, ``post_releases`` maps each
 ``.postN`` to the release whose rule set it follows (a post release sorts after its base, so a
-version range alone would hand it the next set's rules).
+version range alone would hand it the next set's rules). A release not read for a family's class
+is refused for that family, never replayed with another class's rules.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import yaml
 from packaging.version import InvalidVersion, Version
 
 from quant.errors import QuantgateError
-from quant.layout import manifests_root
+from quant.layout import Family, family_named, manifests_root
 
 ENGINES = ("sglang", "vllm")
+DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers that name no family mean
 
 
 class UnknownEngine(QuantgateError, ValueError):
@@ -33,6 +40,7 @@ class RuleSet:
     values: dict
     cites: dict
     release: str | None = None  # the one release asked for (--engine sglang==X), read in the wheel of X
+    model_class: str = ""  # the engine's model class these rules were read for
 
     @property
     def id(self) -> str:
@@ -50,52 +58,115 @@ class RuleSet:
 
 
 @cache
-def _manifest(engine: str) -> dict:
-    return yaml.safe_load((manifests_root() / "engines" / f"{engine}.yaml").read_text())
+def _manifest(name: str) -> dict:
+    """``manifests/engines/<name>.yaml``: ``sglang`` / ``vllm`` (the DeepSeek-V2 class and the
+    engine-wide rules) or ``<engine>.<family>`` (another model class)."""
+    return yaml.safe_load((manifests_root() / "engines" / f"{name}.yaml").read_text())
 
 
-def releases_read(engine: str) -> dict[str, str]:
-    """Each release whose sources were read -> the release its rule set is chosen by (itself, or
-    the base of a ``.postN``)."""
-    data = _manifest(engine)
+def _class_files(engine: str) -> list[str]:
+    return [engine] + sorted(p.stem for p in (manifests_root() / "engines").glob(f"{engine}.*.yaml"))
+
+
+def rules_file(engine: str, family: Family | str) -> str:
+    """The rule file read for the family's model class in ``engine`` (exit 2 when none is)."""
+    if isinstance(family, str):
+        return _rules_file_named(engine, family)
+    model_class = family.engine_class.get(engine)
+    if model_class is None:
+        raise UnknownEngine(f"family {family.name}: its manifest names no {engine} model class (engine_classes."
+                            f"{engine}); read the class in the {engine} wheel and add it with its rule file")
+    for name in _class_files(engine):
+        if model_class in _manifest(name)["model_classes"]:
+            return name
+    raise UnknownEngine(f"family {family.name}: no {engine} rules were read for its model class {model_class} "
+                        f"(no manifests/engines/{engine}.*.yaml lists it); read that class's loading in the wheels "
+                        "and write its rule file before converting or checking this family")
+
+
+@cache
+def _rules_file_named(engine: str, family: str) -> str:
+    return rules_file(engine, family_named(family))
+
+
+def releases_read(engine: str, family: Family | str = DEFAULT_FAMILY) -> dict[str, str]:
+    """Each release whose sources were read for the family's class -> the release its rule set is
+    chosen by (itself, or the base of a ``.postN``)."""
+    data = _manifest(rules_file(engine, family))
     posts = {str(k): str(v) for k, v in (data.get("post_releases") or {}).items()}
     return {**{str(v): str(v) for v in data["checked"]}, **posts}
 
 
-@cache
-def rule_sets(engine: str) -> tuple[RuleSet, ...]:
-    data = _manifest(engine)
+def _raw_sets(name: str) -> tuple[RuleSet, ...]:
+    data = _manifest(name)
     values: dict = {}
     cites: dict = {}
     out = []
     for raw in data["rule_sets"]:
-        for name, rule in raw["rules"].items():
-            values[name], cites[name] = rule["value"], rule["cite"]
+        for rule, entry in raw["rules"].items():
+            values[rule], cites[rule] = entry["value"], entry["cite"]
         first, last = (str(v) for v in raw["versions"])
-        out.append(RuleSet(data["engine"], first, last, dict(values), dict(cites)))
+        out.append(RuleSet(data["engine"], first, last, dict(values), dict(cites), model_class=data["model_classes"][0]))
     return tuple(out)
 
 
-def select(spec: str = "all") -> list[RuleSet]:
-    """Rule sets for ``all``, ``sglang``, ``vllm`` or ``ENGINE==VERSION`` (the set covering it)."""
+@cache
+def _rule_sets(name: str) -> tuple[RuleSet, ...]:
+    """A rule file's sets; a model class's file takes the engine-wide rules (the quantization layer's
+    matching, config schema and error text) from the engine file's set covering its span, which must
+    not change inside the span, and must state every other rule itself."""
+    engine = name.split(".", 1)[0]
+    own = _raw_sets(name)
+    if name == engine:
+        return own
+    base = _raw_sets(engine)
+    shared = _manifest(engine)["engine_wide"]
+    out = []
+    for rules in own:
+        covering = [b for b in base if Version(b.first) <= Version(rules.last) and Version(b.last) >= Version(rules.first)]
+        if not covering or any({k: b.values[k] for k in shared} != {k: covering[0].values[k] for k in shared}
+                               for b in covering):
+            raise UnknownEngine(f"manifests/engines/{name}.yaml: {rules.first}..{rules.last} spans releases whose "
+                                f"engine-wide rules ({', '.join(shared)}) differ in {engine}.yaml; split the set there")
+        missing = sorted(set(base[-1].values) - set(shared) - set(rules.values))
+        if missing:
+            raise UnknownEngine(f"manifests/engines/{name}.yaml: {rules.first}..{rules.last} does not state "
+                                f"{', '.join(missing)}; read them for {rules.model_class} in the wheel")
+        values = {**{k: covering[0].values[k] for k in shared}, **rules.values}
+        cites = {**{k: covering[0].cites[k] for k in shared}, **rules.cites}
+        out.append(replace(rules, values=values, cites=cites))
+    return tuple(out)
+
+
+def rule_sets(engine: str, family: Family | str = DEFAULT_FAMILY) -> tuple[RuleSet, ...]:
+    """The rule sets read for the family's model class in ``engine``, oldest first."""
+    return _rule_sets(rules_file(engine, family))
+
+
+def select(spec: str = "all", family: Family | str = DEFAULT_FAMILY) -> list[RuleSet]:
+    """Rule sets for ``all``, ``sglang``, ``vllm`` or ``ENGINE==VERSION`` (the set covering it), for
+    the family's model classes."""
     engine, _, version = spec.partition("==")
     engines = ENGINES if engine == "all" and not version else (engine,)
     if any(e not in ENGINES for e in engines):
         raise UnknownEngine(f"unknown engine {engine!r}; known: {', '.join(ENGINES)} (see gate checkpoint --list-engines)")
     if not version:
-        return [r for e in engines for r in rule_sets(e)]
+        return [r for e in engines for r in rule_sets(e, family)]
     try:
         Version(version)
     except InvalidVersion:
         raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
-    read = releases_read(engine)
+    read = releases_read(engine, family)
     release = next((v for v in read if Version(v) == Version(version)), None)
     if release is None:
-        raise UnknownEngine(f"{engine} {version} has not been read; the releases read are: {', '.join(read)} "
-                            "(read that release's sources before trusting a replay of it; a .postN release "
-                            "needs its own entry)")
-    chosen = [r for r in rule_sets(engine) if r.covers(read[release])]
+        name = family.name if isinstance(family, Family) else family
+        model_class = rule_sets(engine, family)[0].model_class
+        raise UnknownEngine(f"{engine} {version} has not been read for family {name} ({engine} class {model_class}); "
+                            f"the releases read for it are: {', '.join(read)} (read that release's sources for this "
+                            "class before trusting a replay of it; a .postN release needs its own entry)")
+    chosen = [r for r in rule_sets(engine, family) if r.covers(read[release])]
     if len(chosen) != 1:
         raise UnknownEngine(f"{engine} {version} was read but {len(chosen)} rule sets cover it; fix "
-                            f"manifests/engines/{engine}.yaml (each release read belongs to exactly one set)")
+                            f"manifests/engines/{rules_file(engine, family)}.yaml (each release read belongs to "
+                            "exactly one set)")
     return [replace(r, release=release) for r in chosen]
