@@ -27,11 +27,12 @@ import pytest
 import quant.engines.rules as rules_module
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py"]
+TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py"]
 
 
 def data(engine, first, rule, path, value, why):
-    """Set ``rule``'s value at ``path`` (keys) in the rule set starting at ``first``."""
+    """Set ``rule``'s value at ``path`` (keys) in the rule set starting at ``first`` of the rule file
+    ``engine`` (``sglang``, ``vllm``: the DeepSeek-V2 class; ``sglang.glm4_moe`` ...: another class)."""
     return {"kind": "data", "engine": engine, "first": first, "rule": rule, "path": path, "value": value, "why": why}
 
 
@@ -76,6 +77,32 @@ MUTATIONS = [
     data("sglang", "0.5.9", "mtp_naming", ["max_layers"], None, "no 1-nextn-layer assert"),
     data("sglang", "0.5.16", "draft_exclude", ["glm_moe_dsa"], "mapper_61", "0.5.16 GLM draft uses the 61 mapper"),
     data("sglang", "0.5.11", "fp8_skip", ["match"], "substring", "0.5.11 FP8 entries as substrings"),
+    # GLM-4.5 (Glm4MoeForCausalLM) rules: manifests/engines/{sglang,vllm}.glm4_moe.yaml
+    data("sglang.glm4_moe", "0.5.21", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
+         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+         "glm4 sglang Quark expands qkv_proj"),
+    data("vllm.glm4_moe", "0.33.0", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"]},
+         "glm4 vLLM Quark mapping without qkv_proj"),
+    data("sglang.glm4_moe", "0.5.21", "built_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"]},
+         "glm4 sglang builds q/k/v separately"),
+    data("sglang.glm4_moe", "0.5.21", "fp8_skip", ["fallback_fused"], {}, "glm4 sglang FP8 without fallback shards"),
+    data("vllm.glm4_moe", "0.33.0", "fp8_skip", ["fused"], {}, "glm4 vLLM FP8 without the class mapping"),
+    data("sglang.glm4_moe", "0.5.21", "shared_experts_fusion", ["exclude_veto"], "draft_layers",
+         "glm4 exclude list vetoes fusion"),
+    data("sglang.glm4_moe", "0.5.21", "shared_experts_fusion", ["min_capability", "rocm"], [9, 5],
+         "glm4 fusion needs gfx950"),
+    data("sglang.glm4_moe", "0.5.21", "shared_experts_fusion", ["ep_min_capability"], {}, "glm4 no fusion under EP"),
+    data("sglang.glm4_moe", "0.5.21", "shared_experts_fusion", ["routed_experts"], {160: "any"},
+         "glm4 fusion needs 160 experts"),
+    data("sglang.glm4_moe", "0.5.21", "mtp_naming", ["top_level"], ["eh_proj", "enorm", "hnorm"],
+         "glm4 draft shared_head.norm under decoder"),
+    data("sglang.glm4_moe", "0.5.21", "mtp_naming", ["style"], "original", "glm4 sglang draft keeps names"),
+    data("vllm.glm4_moe", "0.33.0", "mtp_naming", ["style"], "decoder", "glm4 vLLM draft renamed"),
+    data("sglang.glm4_moe", "0.5.21", "router", ["bias_when"], "noaux_tc", "glm4 bias only for noaux_tc"),
+    data("vllm.glm4_moe", "0.33.0", "eh_proj", [], "quant_config", "glm4 vLLM eh_proj quantized"),
+    data("vllm.glm4_moe", "0.33.0", "draft_exclude", ["glm4_moe"], "mapper_61", "glm4 vLLM draft mapped"),
+    data("vllm.glm4_moe", "0.33.0", "unquantized_roles", [], ["lm_head", "mtp_head"], "glm4 vLLM router quantized"),
+    top("sglang.glm4_moe", ("checked",), ["0.5.21", "0.5.23"], "glm4 0.5.22 not read"),
     top("sglang", ("rule_sets", "0.5.19", "versions"), ["0.5.19", "0.5.19"], "0.5.20 moved into the 0.5.21 set"),
     top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
     top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",
@@ -109,7 +136,7 @@ def _apply_data(manifest: dict, m: dict) -> None:
         return
     raw = next(r for r in manifest["rule_sets"] if str(r["versions"][0]) == m["first"])
     if m["rule"] not in raw["rules"]:  # the set inherits it: restate the inherited value, then change it
-        inherited = next(r for r in rules_module.rule_sets(m["engine"]) if r.first == m["first"])
+        inherited = next(r for r in rules_module._rule_sets(m["engine"]) if r.first == m["first"])
         raw["rules"][m["rule"]] = {"value": copy.deepcopy(inherited[m["rule"]]), "cite": "mutation"}
     target = raw["rules"][m["rule"]]
     if not m["path"]:
@@ -128,13 +155,13 @@ def mutated(m: dict):
         original = rules_module._manifest
         manifest = copy.deepcopy(original(m["engine"]))
         _apply_data(manifest, m)
-        rules_module._manifest = lambda engine: manifest if engine == m["engine"] else original(engine)
-        rules_module.rule_sets.cache_clear()
+        rules_module._manifest = lambda name: manifest if name == m["engine"] else original(name)
+        _clear_caches()
         try:
             yield
         finally:
             rules_module._manifest = original
-            rules_module.rule_sets.cache_clear()
+            _clear_caches()
         return
     module = sys.modules[m["module"]]
     text = Path(module.__file__).read_text()
@@ -162,9 +189,14 @@ def _swap(module, new: dict) -> dict:
             if id(value) in by_id:
                 setattr(other, attr, by_id[id(value)])
     module.__dict__.update({k: v for k, v in new.items() if not k.startswith("__")})
-    if hasattr(rules_module.rule_sets, "cache_clear"):
-        rules_module.rule_sets.cache_clear()
+    _clear_caches()
     return old
+
+
+def _clear_caches() -> None:
+    for cached in ("_rule_sets", "_rules_file_named"):
+        if hasattr(getattr(rules_module, cached, None), "cache_clear"):
+            getattr(rules_module, cached).cache_clear()
 
 
 class _FirstFailure:
@@ -176,12 +208,12 @@ class _FirstFailure:
             self.failed = report.nodeid
 
 
-def run_tests() -> tuple[int, str | None]:
-    for name in [n for n in sys.modules if n.startswith(("tests.quant.test_fusion", "tests.quant.test_engine_sources"))]:
+def run_tests(tests: list[str] = TESTS) -> tuple[int, str | None]:
+    for name in [n for n in sys.modules if n.startswith(("tests.quant.test_fusion", "tests.quant.test_engine_"))]:
         del sys.modules[name]
     probe = _FirstFailure()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        code = pytest.main([*(str(ROOT / t) for t in TESTS), "-x", "-q", "-p", "no:cacheprovider",
+        code = pytest.main([*(str(ROOT / t) for t in tests), "-x", "-q", "-p", "no:cacheprovider",
                             "--rootdir", str(ROOT)], plugins=[probe])
     return int(code), probe.failed
 
@@ -190,10 +222,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated mutation numbers (1-based)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--match", help="only the mutations whose rule file or module contains this (e.g. glm4_moe)")
+    ap.add_argument("--tests", help=f"comma-separated test files instead of {', '.join(TESTS)}")
     args = ap.parse_args()
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(1, len(MUTATIONS) + 1)
+    if args.match:
+        chosen = [i for i in chosen if args.match in MUTATIONS[i - 1].get("engine", MUTATIONS[i - 1].get("module", ""))]
+    tests = args.tests.split(",") if args.tests else TESTS
     start = time.time()
-    code, failed = run_tests()
+    code, failed = run_tests(tests)
     if code != 0:
         print(f"the unmutated tests fail ({failed}); fix them first", file=sys.stderr)
         return 3
@@ -203,7 +240,7 @@ def main() -> int:
         m = MUTATIONS[i - 1]
         t0 = time.time()
         with mutated(m):
-            code, failed = run_tests()
+            code, failed = run_tests(tests)
         rows.append({"n": i, "mutation": m["why"], "killed": code != 0, "by": failed, "seconds": round(time.time() - t0)})
         r = rows[-1]
         print(f"{i:>3}  {'killed  ' if r['killed'] else 'SURVIVED'}  {r['seconds']:>4} s  {m['why']:<45} "

@@ -1,0 +1,75 @@
+"""Tiny random checkpoints of the MoE families, named exactly as their Hugging Face releases store
+them: transformers' own modeling class builds the decoder (so names and shapes are transformers'),
+and the tensors the releases carry beyond it (the MTP / next-n layer at index ``num_hidden_layers``,
+which transformers does not build) are added with the release's names.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from quant.example import write_tokenizer
+
+TINY = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096,
+        "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
+
+
+def _glm4_moe(num_hidden_layers: int):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(**TINY, num_hidden_layers=num_hidden_layers, n_routed_experts=4, n_shared_experts=1,
+                           num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=1,
+                           attention_bias=True, n_group=1, topk_group=1, partial_rotary_factor=0.5)
+    return config, Glm4MoeForCausalLM
+
+
+def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
+    """The next-n layer's own tensors as GLM-4.5 / DeepSeek-V3 store them (beside a full decoder layer)."""
+    h, v = config.hidden_size, config.vocab_size
+    p = f"model.layers.{layer}."
+    return {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
+            p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h), p + "embed_tokens.weight": (v, h)}
+
+
+BUILDERS = {"glm4_moe": (_glm4_moe, True)}  # family -> (config + model class, whether the release has an MTP layer)
+
+
+def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0) -> Path:
+    """A bf16 checkpoint of ``family`` in two shards with index, config.json and tokenizer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build, has_mtp = BUILDERS[family]
+    config, model_class = build(num_hidden_layers + has_mtp)  # the MTP layer's decoder: one layer more
+    torch.manual_seed(seed)
+    dst = Path(dst)
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        # save_pretrained writes the release's names (transformers reverts its fused expert tensors
+        # to the per-expert checkpoint layout, modeling_utils' weight conversions)
+        model_class(config).to(torch.bfloat16).save_pretrained(tmp)
+        tensors = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        if has_mtp:
+            gen = torch.Generator().manual_seed(seed + 1)
+            for name, shape in _mtp_extras(config, num_hidden_layers).items():
+                tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    dst.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves, start=1):
+        file = f"model-{i:05d}-of-{len(halves):05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+    saved = config.to_dict()
+    saved.update(num_hidden_layers=num_hidden_layers, architectures=[model_class.__name__], torch_dtype="bfloat16")
+    (dst / "config.json").write_text(json.dumps(saved, indent=2))
+    write_tokenizer(dst, config.vocab_size, config.max_position_embeddings)
+    return dst

@@ -1,0 +1,300 @@
+"""Differential tests for the model classes beyond DeepSeek-V2's (GLM-4.5 ``glm4_moe`` ...): for each
+release read for a family's class (``manifests/engines/<engine>.<family>.yaml``), that release's own
+functions decide beside ``quant.engines`` on generated cases: Quark's ``should_ignore_layer`` fed the
+class's packed-modules mapping read from the same wheel (not the YAML under test), FP8's
+``is_layer_skipped`` + ``Fp8Config.from_config``, and sglang's shared-expert fusion decision (the
+class's ``shared_experts_fusion_disable_reason`` with the loader's switch, hardware queries stubbed).
+How modules are built (router, eh_proj, fused modules, MTP naming, the draft class) is read from the
+classes' constructors and loaders. The wheels come from the registry (``tests/quant/engine_sources.py``);
+without it the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import types
+
+import pytest
+from packaging.version import Version
+
+from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines.fusion import no_fusion_reason
+from quant.engines.match import fp8_ignored_layers, fp8_skipped
+from quant.engines.rules import releases_read
+from quant.engines.serving import serving
+from quant.layout import family_named
+from tests.quant.engine_sources import attribute_builds, class_constant, class_def, method_def, methods, parsed, source
+from tests.quant.test_engine_sources import (
+    GPUS,
+    _draft_config_arch,
+    _fp8_engine,
+    _outcome,
+    _quark_engine,
+    _stubs,
+    engine_wheel,
+)
+
+CASES = 150
+
+# Where each engine defines a family's classes (main model, its MTP draft), as the wheels hold them.
+SOURCES = {
+    "glm4_moe": {
+        "sglang": {"main": "sglang/srt/models/glm4_moe.py", "draft": "sglang/srt/models/glm4_moe_nextn.py"},
+        "vllm": {"main": "vllm/model_executor/models/glm4_moe.py", "draft": "vllm/model_executor/models/glm4_moe_mtp.py"},
+    },
+}
+FAMILIES = sorted(SOURCES)
+
+
+def _cases() -> list[tuple]:
+    out = []
+    for family in FAMILIES:
+        for engine in ENGINES:
+            for rules in rule_sets(engine, family):
+                read = releases_read(engine, family)
+                out += [(family, rules, v) for v in sorted(read, key=Version) if rules.covers(read[v])]
+    return out
+
+
+CASES_ALL = _cases()
+SGLANG = [c for c in CASES_ALL if c[1].engine == "sglang"]
+
+
+def _ids(cases) -> list[str]:
+    return [f"{family}-{rules.engine} {release}" for family, rules, release in cases]
+
+
+def _classes(family: str, engine: str, rules) -> tuple[str, str]:
+    """(the main class, the draft class) the rule file was read for."""
+    from quant.engines.rules import _manifest, rules_file
+
+    classes = _manifest(rules_file(engine, family))["model_classes"]
+    assert classes[0] == family_named(family).engine_class[engine] == rules.model_class
+    return classes[0], classes[1]
+
+
+def class_mapping(whl, engine: str, path: str, cls: str, kind: str) -> dict[str, list[str]]:
+    """The packed_modules_mapping the quant config gets: the class's literal, plus, in sglang with
+    quark, the loader's additions (model_loader/loader.py: _get_quantization_config)."""
+    mapping = dict(class_constant(class_def(whl, path, cls), "packed_modules_mapping") or {})
+    if engine == "sglang" and kind == "quark":
+        loader = parsed(whl, "sglang/srt/model_loader/loader.py")
+        fn = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "_get_quantization_config")
+        for stmt in ast.walk(fn):
+            if isinstance(stmt, ast.If) and "'quark'" in ast.unparse(stmt.test).replace('"', "'"):
+                for call in ast.walk(stmt):
+                    if isinstance(call, ast.Call) and ast.unparse(call.func) == "packed_modules_mapping.update":
+                        mapping.update(ast.literal_eval(call.args[0]))
+    return {k: list(v) for k, v in mapping.items()}
+
+
+def _pool(family: str, rules, num_layers: int = 3):
+    """Engine module names and exclude entries the generator draws from (GQA attention, dense and MoE
+    MLPs, shared experts, the draft's names in both engines' styles, regexes and prefixes)."""
+    layers = ["model.layers.0.", "model.layers.1.", f"model.layers.{num_layers}."] + \
+        (["model.decoder."] if rules.engine == "sglang" else [])
+    modules, entries = [], ["lm_head", "model.decoder", "mlp.gate", "re:.*shared_experts.*", "re:.*experts.*",
+                            "re:model\\.layers\\.1\\..*", "re:.*gate_up_proj", "re:.*(q_proj|k_proj)", "self_attn",
+                            "experts", "model.layers.1", "re:.*qkv_proj"]
+    for p in layers:
+        modules += [p + m for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts")]
+        entries += [p + m for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj",
+                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj",
+                                    "mlp.down_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts",
+                                    "mlp.experts.0.gate_proj", "mlp.experts.1.down_proj", "mlp.gate")]
+    return modules, entries
+
+
+@pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
+def test_packed_mapping_is_the_wheels(family, rules, release):
+    whl = engine_wheel(rules, release)
+    main, _ = _classes(family, rules.engine, rules)
+    path = SOURCES[family][rules.engine]["main"]
+    assert class_mapping(whl, rules.engine, path, main, "quark") == rules["quark_fused"]
+    fp8 = rules["fp8_skip"]
+    assert class_mapping(whl, rules.engine, path, main, "fp8") == fp8["fused"]
+
+
+@pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
+def test_quark_exclude_decisions_equal_the_engines(family, rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
+    main, _ = _classes(family, rules.engine, rules)
+    fused = class_mapping(whl, rules.engine, SOURCES[family][rules.engine]["main"], main, "quark")
+    modules, entries = _pool(family, rules)
+    rng = random.Random(f"{family}{rules.id}{release}")
+    disagree, excluded_seen = [], 0
+    for _ in range(CASES):
+        exclude = rng.sample(entries, rng.randint(0, 14))
+        for name in rng.sample(modules, 4):
+            moe = name.endswith(".experts")
+            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
+            theirs = _outcome(engine, name, exclude, fused, moe)
+            excluded_seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, exclude, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert excluded_seen > 20  # the cases reach both answers
+
+
+@pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
+def test_fp8_skip_decisions_equal_the_engines(family, rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _fp8_engine(rules, whl)
+    main, _ = _classes(family, rules.engine, rules)
+    fused = class_mapping(whl, rules.engine, SOURCES[family][rules.engine]["main"], main, "fp8")
+    modules, entries = _pool(family, rules)
+    entries = [e for e in entries if not e.startswith("re:")] + [e.removeprefix("model.") for e in entries[12:30]]
+    rng = random.Random(f"fp8{family}{rules.id}{release}")
+    skip = rules["fp8_skip"]
+    disagree = []
+    for _ in range(CASES):
+        listed = rng.sample(entries, rng.randint(0, 14))
+        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
+        for name in rng.sample(modules, 4):
+            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
+                            fallback_fused=skip["fallback_fused"])
+            theirs = _outcome(engine, name, qconfig, fused)
+            if ours != theirs:
+                disagree.append((name, qconfig, ours, theirs))
+    assert not disagree, disagree[:3]
+
+
+# --- Shared-expert fusion (sglang), decided by the class's own function -------------------------
+
+def _fusion_engine(whl, family: str, path: str, cls: str):
+    """(config, kind, serving) -> whether the release fuses this class's shared expert."""
+    names = ["shared_experts_fusion_disable_reason", "num_fusable_shared_experts", "determine_num_fused_shared_experts"]
+    holder = methods(whl, path, cls, names)["cls"]
+    gate = holder.__dict__["shared_experts_fusion_disable_reason"].__func__
+    count = holder.__dict__.get("num_fusable_shared_experts")
+
+    def decide(config, kind, setup) -> bool:
+        gate.__globals__.update(_stubs(whl, setup, None))
+        hf = types.SimpleNamespace(**config)
+        qc = types.SimpleNamespace(get_name=lambda: kind)
+        disabled = setup.disable_shared_experts_fusion or gate(holder, hf, qc) is not None
+        if count is not None:  # 0.5.23: resolve_shared_experts_config
+            return not disabled and count.__func__(holder, hf) > 0
+        # 0.5.21/0.5.22: install_shared_experts_fusion_decision, then determine_num_fused_shared_experts
+        fn = holder.__dict__["determine_num_fused_shared_experts"]
+        fn.__globals__.update(is_shared_experts_fusion_disabled=lambda: disabled)
+        model = types.SimpleNamespace(config=hf)
+        fn(model)
+        return bool(model.num_fused_shared_experts)
+    return decide
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["main", "draft"])
+@pytest.mark.parametrize(("family", "rules", "release"), SGLANG, ids=_ids(SGLANG))
+def test_shared_expert_fusion_decisions_are_the_engines(family, rules, release, draft):
+    whl = engine_wheel(rules, release)
+    main, draft_cls = _classes(family, "sglang", rules)
+    if draft:  # the draft class decides with what it inherits: it must not override the decision
+        node = class_def(whl, SOURCES[family]["sglang"]["draft"], draft_cls)
+        assert method_def(node, "shared_experts_fusion_disable_reason") is None
+    engine = _fusion_engine(whl, family, SOURCES[family]["sglang"]["main"], main)
+    rng = random.Random(f"fusion{family}{release}{draft}")
+    disagree, fused = [], 0
+    for _ in range(CASES):
+        config = {"num_hidden_layers": 46, "n_routed_experts": rng.choice([128, 160, 256, 4]),
+                  "n_shared_experts": rng.choice([1, 1, 1, 2, None, 0]), "num_nextn_predict_layers": 1,
+                  "architectures": [main]}
+        kind = rng.choice(["quark", "quark", "fp8"])
+        platform, arch = rng.choice(GPUS)
+        setup = serving(platform, arch, tp=8, ep=rng.choice([1, 1, 8]),
+                        disable_shared_experts_fusion=rng.random() < 0.15)
+        exclude = rng.sample(["model.layers.1.mlp.shared_experts.gate_proj", "model.layers.46.mlp.experts",
+                              "re:.*shared_experts.*", "lm_head"], rng.randint(0, 3))
+        theirs = engine(config, kind, setup)
+        ours = no_fusion_reason(rules, family, config, kind, exclude, setup, draft) is None
+        fused += theirs
+        if theirs != ours:
+            disagree.append((config, kind, setup.label(), theirs, ours))
+    assert not disagree, disagree[:3]
+    assert 0 < fused < CASES
+
+
+# --- How modules are built and named, read from the classes --------------------------------------
+
+def _unconditional(fn: ast.FunctionDef, attr_target: str) -> bool:
+    """Whether ``<attr_target> = ...`` is assigned at the top level of ``fn`` (under no ``if``)."""
+    return any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == attr_target for s in fn.body)
+
+
+@pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
+def test_module_construction_is_the_engine_classes(family, rules, release):
+    whl = engine_wheel(rules, release)
+    where = SOURCES[family][rules.engine]
+    main, draft = _classes(family, rules.engine, rules)
+    text = source(whl, where["main"])
+    # fused modules: built as one Linear from these shards
+    assert {"qkv_proj", "gate_up_proj"} == set(rules["built_fused"])
+    assert "self.qkv_proj = QKVParallelLinear(" in text and "self.gate_up_proj = MergedColumnParallelLinear(" in text
+    if rules.engine == "sglang":
+        gate = method_def(class_def(whl, where["main"], "Glm4MoeGate"), "__init__")
+        assert all(b.call == "nn.Parameter" for b in attribute_builds(gate, "weight"))  # no quant config
+        bias_always = _unconditional(gate, "self.e_score_correction_bias")
+        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeModelNextN"), "__init__"), "eh_proj")
+        draft_text = source(whl, where["draft"])
+        remaps = "hf_to_sglang_mapper" in draft_text or "_resolve_nextn_quant_config" in draft_text
+    else:
+        moe = method_def(class_def(whl, where["main"], "Glm4MoE"), "__init__")
+        gates = attribute_builds(moe, "gate")
+        assert gates and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
+        bias_always = _unconditional(moe, "self.gate.e_score_correction_bias")
+        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeMultiTokenPredictorLayer"),
+                                         "__init__"), "eh_proj")
+        remaps = "hf_to_vllm_mapper" in source(whl, where["draft"])
+    assert "router" in rules["unquantized_roles"]
+    assert (rules["router"]["bias_when"] == "always") == bias_always
+    assert rules["eh_proj"] == ("plain" if eh and all(b.call == "nn.Linear" for b in eh) else "quant_config")
+    assert rules["draft_exclude"][family] == ("none" if not remaps else "remapped")
+
+
+@pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
+def test_draft_class_and_names_are_the_engines(family, rules, release):
+    whl = engine_wheel(rules, release)
+    main, draft = _classes(family, rules.engine, rules)
+    naming = rules["mtp_naming"]
+    if rules.engine == "sglang":
+        assert _draft_config_arch(whl, main) == draft  # configs/model_config.py rewrites the draft's class
+        text = source(whl, SOURCES[family]["sglang"]["draft"])
+        assert f"class {draft}({main})" in text and "is_nextn=True" in text  # the main class's loader, as nextn
+        load = ast.unparse(method_def(class_def(whl, SOURCES[family]["sglang"]["main"], main), "load_weights"))
+        spec = load[load.index("nextn_spec_weight_names = ["):]
+        spec = ast.literal_eval(spec[len("nextn_spec_weight_names = "):spec.index("]") + 1])
+        assert naming["style"] == "decoder" and sorted(spec) == sorted(naming["top_level"])
+        for skipped in naming["skipped"]:
+            assert f"'{skipped}' in name" in load
+        assert "name.replace(nextn_layer_prefix, 'model.decoder')" in load
+        assert (naming["max_layers"] == 1) == ("Only 1 nextn layer is supported" in load)
+    else:
+        registry = source(whl, "vllm/model_executor/models/registry.py")
+        assert f'("glm4_moe_mtp", "{draft}")' in registry and '"glm4_moe_mtp"' in source(whl, "vllm/config/speculative.py")
+        path = SOURCES[family]["vllm"]["draft"]
+        layer = method_def(class_def(whl, path, "Glm4MoeMultiTokenPredictorLayer"), "__init__")
+        block = attribute_builds(layer, "mtp_block")
+        # the decoder is built under the layer's own prefix model.layers.{N}: quant lookups see the checkpoint names
+        assert block and block[0].keywords.get("prefix") == "prefix" and naming["style"] == "original"
+        assert "self.mtp_start_layer_idx = config.num_hidden_layers" in source(whl, path)
+        assert naming["max_layers"] is None and "Only 1 nextn layer" not in source(whl, path)
+
+
+# The releases issue 35 asks to read for every new family: each one read and covered by one rule set.
+REQUIRED = {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_required_release_is_read_and_has_one_rule_set(family):
+    from quant.engines import select
+
+    for engine, releases in REQUIRED.items():
+        assert set(releases) <= set(releases_read(engine, family)), (engine, family)
+        for release in releases:
+            assert len(select(f"{engine}=={release}", family)) == 1

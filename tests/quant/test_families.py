@@ -1,0 +1,117 @@
+"""Each supported MoE family end to end on a tiny checkpoint named as its Hugging Face release stores
+it (``tests/quant/family_checkpoints.py``: transformers' own modeling class, saved): ``quantize --to
+mxfp4`` / ``--to fp8`` convert it, only routed experts become MXFP4, ``gate checkpoint`` replays the
+rules read for the family's model classes (and refuses a release not read for them), and a layout
+that is not the release's is refused naming the tensors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from evals.cli import main as gate
+from quant.cli import main as quantize
+from quant.layout import family_for
+from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
+
+FAMILIES = sorted(BUILDERS)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def converted(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    src = write_family_checkpoint(root / "bf16", family)
+    outputs = {}
+    for to in ("mxfp4", "fp8"):
+        assert quantize(["--to", to, str(src), str(root / to)]) == 0
+        outputs[to] = root / to
+    return family, src, outputs
+
+
+def dtypes(folder) -> dict[str, str]:
+    out = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            out.update({name: str(f.get_slice(name).get_dtype()) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+def run_gate(capsys, *args) -> tuple[int, str]:
+    code = gate(["checkpoint", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_mxfp4_quantizes_routed_experts_only(converted):
+    family, src, outputs = converted
+    config = json.loads((src / "config.json").read_text())
+    roles = family_for(config)
+    stored = dtypes(outputs["mxfp4"])
+    packed = {n.removesuffix(".weight") for n, d in stored.items() if d == "U8" and n.endswith(".weight")}
+    routed = {n.removesuffix(".weight") for n in stored if n.endswith(".weight")
+              and roles.classify(n, config["num_hidden_layers"]).role == "routed_expert"}
+    assert routed and packed == routed
+    exclude = json.loads((outputs["mxfp4"] / "config.json").read_text())["quantization_config"]["exclude"]
+    # every unquantized fused module is listed by its fused name too (sglang's Quark lookup of qkv_proj
+    # has no shards to expand for this class), in the draft's names as well
+    assert "model.layers.0.self_attn.qkv_proj" in exclude and "model.layers.1.mlp.shared_experts.gate_up_proj" in exclude
+    assert "model.decoder.self_attn.qkv_proj" in exclude
+
+
+def test_fp8_converts_and_loads_in_both_engines(converted, capsys):
+    family, _, outputs = converted
+    stored = dtypes(outputs["fp8"])
+    assert any(d == "F8_E4M3" for d in stored.values())
+    for engine in ("sglang==0.5.23", "sglang==0.5.21", "vllm"):
+        code, text = run_gate(capsys, outputs["fp8"], "--engine", engine)
+        assert code == 0 and "verdict: loads correctly" in text, text
+
+
+def test_mxfp4_gate_is_the_engines_fusion_answer(converted, capsys):
+    """sglang 0.5.21-0.5.23 fuse GLM-4.5's shared expert on MI355X whatever the exclude list says
+    (glm4_moe.py: shared_experts_fusion_disable_reason): the bf16 shared expert cannot load into the
+    MXFP4 FusedMoE, so the default setup fails and --disable-shared-experts-fusion loads; vLLM loads."""
+    family, _, outputs = converted
+    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.23")
+    assert code == 1 and "[fusion] model.layers.1.mlp.experts" in text and "--disable-shared-experts-fusion" in text
+    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.23", "--disable-shared-experts-fusion")
+    assert code == 0 and "verdict: loads correctly" in text, text
+    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "vllm")
+    assert code == 0 and "vllm 0.33.0: OK" in text, text
+
+
+def test_a_release_not_read_for_the_family_is_refused(converted, capsys):
+    family, _, outputs = converted
+    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.19")
+    assert code == 2 and f"not been read for family {family}" in text and "0.5.21, 0.5.22, 0.5.23" in text
+    assert len(text.strip().splitlines()) == 1 and "Traceback" not in text
+
+
+def test_a_state_dict_layout_names_the_tensors_matching_no_role(tmp_path, capsys):
+    """transformers' in-memory layout (fused 3-D experts) is not the release's: refused, naming them."""
+    import torch
+    from safetensors.torch import save_file
+
+    build, _ = BUILDERS["glm4_moe"]
+    config, model_class = build(3)
+    save_file({k: v.contiguous() for k, v in model_class(config).to(torch.bfloat16).state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": [model_class.__name__]}))
+    code = quantize(["--to", "mxfp4", "--dry-run", str(tmp_path), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "match no role of family glm4_moe" in err and "model.layers.1.mlp.experts.gate_up_proj" in err
+
+
+def test_an_unknown_model_type_names_the_families_and_how_to_add_one(tmp_path, capsys):
+    write_family_checkpoint(tmp_path / "src", "glm4_moe", num_hidden_layers=2)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "model_type": "step5_moe"}))
+    code = quantize(["--to", "mxfp4", "--dry-run", str(tmp_path / "src"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "'step5_moe'" in err
+    for known in ("glm4_moe", "glm_moe_dsa", "deepseek_v3"):
+        assert known in err
+    assert "engine_classes" in err and "manifests/engines/<engine>.<family>.yaml" in err
