@@ -65,8 +65,10 @@ DEFAULT_ASSUMPTIONS = {
                                               "discordant per repeat)"),
     # three domains at their own levels, trials at temperature; 15% discordant per trial (pooled)
     "tau2": Assumptions(0.045, 0.12, "stated: sim_gate's tau2 tasks (15% discordant per trial)"),
+    # the built-in example (greedy, like GSM8K): its MXFP4 and FP8 arms differ on 5 of 250 items (README)
+    "arith": Assumptions(0.02, 0.0, "stated: the built-in example's MXFP4 vs FP8 (greedy, 2% discordant)"),
 }
-MAX_REPEATS = {"gsm8k": 1, "gpqa_diamond": 8, "tau2": 8}  # repeats allowed by default (GSM8K: greedy)
+MAX_REPEATS = {"gsm8k": 1, "gpqa_diamond": 8, "tau2": 8, "arith": 1}  # repeats allowed by default (greedy: 1)
 
 
 def se_of(benchmark: str, assumptions: Assumptions, items: int, repeats: int) -> float:

@@ -37,8 +37,9 @@ PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 RELEASE, BLOCK = "RELEASE", "BLOCK"
 DEFAULT_FILTER = "flexible-extract"
 # Items each benchmark has at most, so the gate never asks for more than exist: GPQA-Diamond's
-# questions, GSM8K's test split, tau2-bench's tasks (airline 50 + retail 114 + telecom 114).
-BENCHMARK_ITEMS = {"gpqa_diamond": 198, "gsm8k": 1319, "tau2": 278}
+# questions, GSM8K's test split, tau2-bench's tasks (airline 50 + retail 114 + telecom 114), and
+# the built-in example's arith test split (evals/benchmarks/data/arith/test.jsonl).
+BENCHMARK_ITEMS = {"gpqa_diamond": 198, "gsm8k": 1319, "tau2": 278, "arith": 250}
 
 
 @dataclass
