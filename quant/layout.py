@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import yaml
+from quant.safe_files import read_yaml
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -66,18 +66,9 @@ def manifests_root() -> Path:
 
 
 def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
-    """A YAML file that must hold a mapping; anything else raises ``error`` naming the file and line."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise error(f"{what} {path} not found") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise error(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix the {what}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc}); check the {what} file") \
-            from None
+    """A YAML file that must hold a mapping (read by ``safe_files.read_yaml``: a regular file, size
+    capped, no aliases); anything else raises ``error`` naming the file and line."""
+    data = read_yaml(Path(path), error, f"fix the {what}")
     if not isinstance(data, dict):
         raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; compare it with the {what} files under "
                     f"{manifests_root()}")

@@ -7,7 +7,9 @@ removed, never written through. Reads take only regular files (a FIFO would bloc
 device like ``/dev/zero`` never ends): the file is opened non-blocking and checked on the open
 descriptor before a byte is read, and whole-file reads are capped. JSON is parsed with integers
 capped in digits and nesting bounded by the parser's recursion limit, so a hostile file is an
-error naming it, never a traceback or an exhausted machine.
+error naming it, never a traceback or an exhausted machine. YAML (policies, plans, recipes,
+manifests) is read the same way, capped far lower, with aliases refused (``*name`` is how a few
+hundred bytes expand to gigabytes: no quantgate file uses them) and integers capped in digits.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import os
 import stat
 from pathlib import Path
 
+import yaml
+
 from quant.errors import UnsafeFileError
 
 JSON_BYTES = 64 << 20  # far above any config, index, progress file or bundle file quantgate reads
 INT_DIGITS = 40  # far above any integer in those files (u64 has 20 digits)
+YAML_BYTES = 1 << 20  # far above any policy, plan, recipe or manifest (the largest shipped is ~20 kB)
 
 
 def refuse_link(path: Path) -> None:
@@ -111,6 +116,53 @@ def read_json(path: Path, error=UnsafeFileError, fix: str = "check the file", li
               follow: bool = True):
     """The JSON value in the regular file ``path`` (size capped, integers bounded), or ``error``."""
     return parse_json(read_regular(path, limit, error, follow), str(path), error, fix)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases and with integers capped in digits."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "an alias (*name), which quantgate does not expand (a few "
+                                              "aliases can expand to gigabytes): write the value out",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_yaml_int(self, node):
+        digits = node.value.lstrip("+-").replace("_", "")
+        if len(digits) > INT_DIGITS:
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(digits)} digits (at most "
+                                                    f"{INT_DIGITS} are read)", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def parse_yaml(data: bytes | str, where: str, error=UnsafeFileError, fix: str = "check the file"):
+    """``data`` parsed as YAML (JSON is YAML) by ``_BoundedLoader``, any defect raised as ``error``
+    naming ``where`` and the line."""
+    try:
+        return yaml.load(data, Loader=_BoundedLoader)  # a SafeLoader, aliases refused
+    except RecursionError:
+        raise error(f"{where}: YAML nested too deeply to read; {fix}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise error(f"{where}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc}); {fix}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{where}: not valid YAML ({exc}); {fix}") from None
+
+
+def read_yaml(path: Path, error=UnsafeFileError, fix: str = "check the file", limit: int = YAML_BYTES):
+    """The YAML value in the regular file ``path`` (size capped, no aliases, integers bounded), or ``error``."""
+    try:
+        data = read_regular(path, limit, error)
+    except FileNotFoundError:
+        raise error(f"{path}: not found; {fix}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc}); {fix}") from None
+    return parse_yaml(data, str(path), error, fix)
 
 
 def hf_cache_blobs(folder: Path) -> Path | None:
