@@ -33,10 +33,10 @@ from scipy import stats as sps
 from evals import sequential
 from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
+from evals.plan_file import PLAN_VERSION
 from evals.stats import variance_components
 from quant.outputs import write_atomic
 
-PLAN_VERSION = 1
 DEFAULT_DROP = 0.01
 DEFAULT_POWER = 0.8
 # tau2's macro over airline 50, retail 114, telecom 114 tasks (docs/reference.md §6), tasks drawn in
@@ -173,13 +173,18 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
                   gpu_hours=hours, note=note)
 
 
-def _arm_matrix(rows: list[dict]) -> tuple[list[str], np.ndarray]:
-    """Items x repeats of one arm's scores (items with every repeat)."""
+def _arm_matrix(rows: list[dict], where: str) -> tuple[list[str], np.ndarray]:
+    """Items x repeats of one arm's scores (items with every repeat); fewer than two such items
+    cannot show a variance (BadInput naming ``where``)."""
     by_item: dict[str, dict[int, float]] = {}
     for r in rows:
         by_item.setdefault(r["item_id"], {})[r["repeat"]] = r["score"]
     repeats = sorted({k for d in by_item.values() for k in d})
     items = sorted(i for i, d in by_item.items() if len(d) == len(repeats))
+    if len(items) < 2:
+        raise BadInput(f"{where}: {len(items)} of {len(by_item)} items have every repeat ({len(repeats)}); a pilot "
+                       "needs at least two such items to show a variance: finish the pilot (`evals run --resume`), or "
+                       "give one whose items all have the same repeats")
     return items, np.array([[by_item[i][k] for k in repeats] for i in items], dtype=float).reshape(len(items), len(repeats))
 
 
@@ -195,12 +200,13 @@ def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, s
     if candidate is not None:
         _, cand_rows = read_bundle(candidate)
         pairs = pair(pick(ref_rows), pick(cand_rows))
-        _, ref = _arm_matrix([a for a, _ in pairs])
-        _, cand = _arm_matrix([b for _, b in pairs])
+        where = f"--pilot-reference {reference} --pilot-candidate {candidate}: {benchmark}"
+        _, ref = _arm_matrix([a for a, _ in pairs], where)
+        _, cand = _arm_matrix([b for _, b in pairs], where)
         between, within = variance_components(cand - ref)
         return Assumptions(between, within, f"pilot: {reference} vs {candidate}, {len(ref)} items x {ref.shape[1]} "
                                             "repeats")
-    _, ref = _arm_matrix(pick(ref_rows))
+    _, ref = _arm_matrix(pick(ref_rows), f"--pilot-reference {reference}: {benchmark}")
     if ref.shape[1] < 2:
         raise BadInput(f"--pilot-reference {reference}: {benchmark} has one repeat, which shows no sampling noise; "
                        "give --pilot-candidate too, or a pilot with two or more repeats")
@@ -216,28 +222,19 @@ def make_plan(designs: list[Design], policy, power: float) -> dict:
             "benchmarks": {d.benchmark: {**asdict(d), "seeds": list(range(d.repeats))} for d in designs}}
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Every value written out: the plan reader refuses aliases (``safe_files.read_yaml``)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def write_plan(plan: dict, path: Path) -> None:
     """YAML for .yaml/.yml, else JSON; written whole or not at all."""
-    text = yaml.safe_dump(plan, sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(plan, indent=2)
+    text = yaml.dump(plan, Dumper=_NoAliases, sort_keys=False) if path.suffix in (".yaml", ".yml") else \
+        json.dumps(plan, indent=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text)
-
-
-def read_plan(path: Path) -> dict:
-    """A plan written by ``gate plan``, checked enough to run and judge by; else BadInput naming it."""
-    try:
-        plan = yaml.safe_load(Path(path).read_text())  # JSON is YAML
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise BadInput(f"--plan {path}: cannot be read as a plan ({exc}); write one with `gate plan --out`") from None
-    if not isinstance(plan, dict) or plan.get("plan_version") != PLAN_VERSION or not isinstance(
-            plan.get("benchmarks"), dict):
-        raise BadInput(f"--plan {path}: not a plan of version {PLAN_VERSION} written by `gate plan --out`")
-    for bench, entry in plan["benchmarks"].items():
-        looks = entry.get("looks") if isinstance(entry, dict) else None
-        if not looks or any(not isinstance(lk, dict) or not {"repeats", "confidence"} <= set(lk) for lk in looks) or \
-                not isinstance(entry.get("items"), int) or entry.get("seeds") is None:
-            raise BadInput(f"--plan {path}: benchmarks.{bench} lacks items, seeds or looks; write it with `gate plan`")
-    return plan
 
 
 def planned_look(plan: dict, benchmark: str, items: int, repeats: int, confidence: float) -> dict:

@@ -24,14 +24,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from evals import binding, design, render, tau2_gate
-from evals.bundle import BundleError, pair, read_bundle
+from evals.bundle import RUN_JSON, BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
+from evals.plan_file import plan_under_policy
 from evals.policy import BenchmarkPolicy, GatePolicy
 from evals.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
                          noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
+from quant.layout import read_yaml_mapping
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 RELEASE, BLOCK = "RELEASE", "BLOCK"
@@ -309,7 +310,8 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
     if rerun and not set(compared) <= set(rerun[0]["benchmarks"]):
         raise BundleError(f"the reference rerun lacks {sorted(set(compared) - set(rerun[0]['benchmarks']))}")
     all_pairs, differences = {}, {}
-    plan = cand_run.get("plan") or {"benchmarks": {}}  # a run made by `evals run --plan`: judged at its looks
+    # a run made by `evals run --plan` is judged at its looks, at levels from the policy (never the bundle's)
+    plan = plan_under_policy(cand_run.get("plan"), policy, f"{Path(candidate) / RUN_JSON}: plan")
     for bench in compared:
         primary = _check_same_data(bench, ref_run["benchmarks"][bench], cand_run["benchmarks"][bench])
         ref_sel, cand_sel = _select(ref_rows, bench, primary), _select(cand_rows, bench, primary)
@@ -398,11 +400,14 @@ def release_report(checkpoint: Path, structure: dict, accuracy: dict, kernels: d
 
 def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[dict]:
     """The weaker comparison against published summary scores (no per-item pairing possible)."""
-    try:
-        table = yaml.safe_load(Path(reference_table).read_text())
-        published = table["benchmarks"]
-    except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
-        raise BadInput(f"{reference_table}: not a reference table with a 'benchmarks' mapping ({exc})") from None
+    table = read_yaml_mapping(Path(reference_table), "reference table", BadInput)
+    published = table.get("benchmarks")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+    if not isinstance(published, dict) or not all(
+            isinstance(v, dict) and number(v.get("score")) and (v.get("se") is None or number(v["se"]))
+            for v in published.values()):
+        raise BadInput(f"{reference_table}: benchmarks: not a mapping of benchmark -> {{score, se}} in [0, 1]; "
+                       "compare it with the reference tables under manifests/references/")
     run, rows = read_bundle(candidate)
     out = []
     for bench, ref in published.items():

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from evals.errors import BadInput
+from evals.plan_file import plan_under_policy
 from quant.outputs import write_atomic
 
 LOOKS_FILE = "looks.json"
@@ -33,6 +34,7 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
     if "tau2" in spec.benchmarks:
         raise BadInput("--until-decided runs lm-eval benchmarks repeat by repeat; tau2 runs its trials in one `tau2 "
                        "run` per domain: run it with --plan alone and judge it with `gate accuracy`")
+    plan_under_policy(spec.plan, policy, "--plan")  # a plan made under another confidence is refused before any run
     looks = {b: spec.plan["benchmarks"][b]["looks"] for b in spec.benchmarks}
     at = dict.fromkeys(spec.benchmarks, 0)  # each benchmark's current look (index)
     history: list[dict] = []

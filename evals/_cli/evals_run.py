@@ -244,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, benchmarks: list[str]) -> dict | None:
     """The plan of ``--plan``, checked against the other flags (it fixes items, seeds, tau2 trials)."""
-    from evals.design import read_plan
     from evals.errors import BadInput
+    from evals.plan_file import read_plan
 
     if (args.until_decided or args.reference) and not (args.plan and args.until_decided and args.reference):
         raise BadInput("--until-decided needs --plan PLAN and --reference REF (and --reference is only for it)")

@@ -34,7 +34,8 @@ still printed and written: it shows the best there is); 2 bad input"""
 def register(sub) -> None:
     p = sub.add_parser("plan", help="items x repeats per benchmark for a target power, with sequential looks",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", type=Path, help="gate policy YAML (default: manifests/gates/release.yaml)")
+    p.add_argument("--policy", help="gate policy: a YAML file, or a shipped one by name (release, arith-example; "
+                                     "default: release = manifests/gates/release.yaml)")
     p.add_argument("--benchmarks", metavar="B1,B2", help="plan only these (default: the policy's benchmarks)")
     p.add_argument("--margin", action="append", default=[], metavar="BENCH=VALUE", help="override a margin")
     p.add_argument("--drop", action="append", default=[], metavar="[BENCH=]VALUE",
@@ -115,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
                                  "stated: --between/--within")
         assumed = pilot_assumptions(bench, args.pilot_reference, args.pilot_candidate, stated) \
             if args.pilot_reference else stated
+        if assumed.between + assumed.within <= 0:
+            raise BadInput(f"{bench}: no variance to plan with (between 0, within 0: {assumed.source}); no item's "
+                           "paired delta varies, so every design would look certain: give a pilot with more items, "
+                           "or state --between/--within")
         available = items.get(bench, BENCHMARK_ITEMS[bench])
         if available > BENCHMARK_ITEMS[bench]:
             raise BadInput(f"--items {bench}={available}: the benchmark has {BENCHMARK_ITEMS[bench]}")

@@ -20,11 +20,11 @@ from evals.design import (
     operating,
     plan_looks,
     planned_look,
-    read_plan,
     se_of,
 )
 from evals.errors import BadInput
 from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark
+from evals.plan_file import read_plan
 from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
 
 
@@ -147,7 +147,7 @@ def test_gate_plan_cli_prints_writes_and_refuses_bad_flags(tmp_path, capsys):
                       (["--benchmarks", "mmlu"], "unknown"), (["--pilot-candidate", str(tmp_path)], "needs")):
         assert gate(["plan", *bad]) == 2
         assert says in capsys.readouterr().err
-    with pytest.raises(BadInput, match="cannot be read as a plan"):
+    with pytest.raises(BadInput, match="plan.yaml.missing: not found; write the plan with `gate plan"):
         read_plan(tmp_path / "plan.yaml.missing")
 
 
