@@ -2,12 +2,18 @@
 required, an absolute floor and what an INCONCLUSIVE does; the confidence and the bootstrap.
 
 The defaults live here and only here; ``manifests/gates/release.yaml`` says which values the
-release gate uses and why. A policy file is validated on load: a wrong key or value is a
-``BadInput`` naming the file and the key.
+release gate uses and why. A policy file is read by the validating reader (``safe_files.read_yaml``:
+a regular file, size capped, no aliases) and checked on load: a wrong key or value is a
+``BadInput`` naming the file and the key. A policy shipped with the package is named by its file's
+stem (``--policy arith-example``: ``manifests/gates/arith-example.yaml``).
+
+A benchmark has no hidden margin: one the policy does not name is judged only at a margin the user
+names (``--margin BENCH=VALUE``), else refused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -49,20 +55,27 @@ class GatePolicy:
     source: str | None = None  # the file it was read from
 
     def of(self, benchmark: str) -> BenchmarkPolicy:
-        """A benchmark's rules; one the policy does not name gets the defaults, and is not required."""
-        return self.benchmarks.get(benchmark, BenchmarkPolicy(required=False))
+        """A benchmark's rules; one the policy does not name (nor ``--margin``) is refused, naming how to name it."""
+        if benchmark not in self.benchmarks:
+            shipped = ", ".join(shipped_policies())
+            raise BadInput(f"{benchmark}: the policy {self.source or '(built in)'} names no margin for it; pass "
+                           f"--margin {benchmark}=VALUE, or a policy that names it (--policy FILE, or a shipped one: "
+                           f"{shipped})")
+        return self.benchmarks[benchmark]
 
     @property
     def required(self) -> list[str]:
         return sorted(b for b, rules in self.benchmarks.items() if rules.required)
 
     def with_margins(self, margins: dict[str, float]) -> GatePolicy:
-        """The policy with some margins overridden (``gate ... --margin BENCH=VALUE``)."""
+        """The policy with some margins overridden or named (``gate ... --margin BENCH=VALUE``); a
+        benchmark the policy does not name is then judged at that margin, and is not required."""
         benchmarks = dict(self.benchmarks)
         for bench, margin in margins.items():
             if not 0 <= margin < 1:
                 raise BadInput(f"--margin {bench}={margin}: a margin is a score difference between 0 and 1")
-            benchmarks[bench] = replace(self.of(bench), margin=margin)
+            named = benchmarks.get(bench, BenchmarkPolicy(required=False))
+            benchmarks[bench] = replace(named, margin=margin)
         return replace(self, benchmarks=benchmarks)
 
     def to_dict(self) -> dict:
@@ -79,29 +92,61 @@ def _typed(cls, raw, where: str):
         raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
     for key, value in raw.items():
         kind = known[key].type
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ok = (value is None and "None" in kind) or (
             "bool" in kind and isinstance(value, bool)) or (
-            ("float" in kind or "int" in kind) and isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+            "float" in kind and number) or ("int" in kind and isinstance(value, int) and not isinstance(value, bool)) or (
             "str" in kind and isinstance(value, str))
         if not ok:
-            raise BadInput(f"{where}.{key}: {value!r} is not a {kind}")
+            raise BadInput(f"{where}.{key}: {value!r} is not a{'n' if kind.startswith('int') else ''} {kind}; fix "
+                           "the policy (compare manifests/gates/release.yaml)")
     return cls(**raw)
 
 
-def load_policy(path: Path | None = None) -> GatePolicy:
-    """The policy at ``path`` (default: ``manifests/gates/release.yaml``), validated."""
-    path = Path(path) if path else manifests_root() / "gates" / "release.yaml"
+def shipped_policies() -> list[str]:
+    """The names of the policies shipped under ``manifests/gates/``."""
+    return sorted(p.stem for p in (manifests_root() / "gates").glob("*.yaml"))
+
+
+def policy_path(path: Path | str | None) -> Path:
+    """The file of ``--policy``: a path, or a shipped policy's name (a bare word: no folder, no suffix)."""
+    if path is None:
+        return manifests_root() / "gates" / "release.yaml"
+    text = str(path)
+    if "/" in text or text.endswith((".yaml", ".yml", ".json")) or Path(text).exists():
+        return Path(path)
+    if text not in shipped_policies():
+        raise BadInput(f"--policy {text}: no shipped policy of that name (shipped: {', '.join(shipped_policies())}); "
+                       "give a policy file's path (e.g. ./my-policy.yaml) or one of those names")
+    return manifests_root() / "gates" / f"{text}.yaml"
+
+
+def load_policy(path: Path | str | None = None) -> GatePolicy:
+    """The policy at ``path`` (default: ``manifests/gates/release.yaml``; a bare name: a shipped one), validated."""
+    path = policy_path(path)
     raw = dict(read_yaml_mapping(path, "gate policy", BadInput))  # one line naming file and line, or BadInput
     benchmarks = {}
-    for bench, rules in (raw.pop("benchmarks", None) or {}).items():
-        rules = _typed(BenchmarkPolicy, rules, f"{path}: benchmarks.{bench}")
+    named = raw.pop("benchmarks", None) or {}
+    if not isinstance(named, dict):
+        raise BadInput(f"{path}: benchmarks: a {type(named).__name__} where a mapping of benchmark -> rules belongs; "
+                       "compare manifests/gates/release.yaml")
+    for bench, rules in named.items():
+        at = f"{path}: benchmarks.{bench}"
+        rules = _typed(BenchmarkPolicy, rules, at)
         if rules.inconclusive not in INCONCLUSIVE_MODES:
-            raise BadInput(f"{path}: benchmarks.{bench}.inconclusive must be one of {INCONCLUSIVE_MODES}")
+            raise BadInput(f"{at}.inconclusive must be one of {INCONCLUSIVE_MODES}")
         if not 0 <= rules.margin < 1:
-            raise BadInput(f"{path}: benchmarks.{bench}.margin {rules.margin} is not a score difference in [0, 1)")
+            raise BadInput(f"{at}.margin {rules.margin} is not a score difference in [0, 1)")
+        for key in ("floor", "max_infra_error_rate"):
+            if getattr(rules, key) is not None and not 0 <= getattr(rules, key) <= 1:
+                raise BadInput(f"{at}.{key} {getattr(rules, key)} is not a score or rate in [0, 1]")
+        if rules.min_items < 0:
+            raise BadInput(f"{at}.min_items {rules.min_items} is negative; 0 means no minimum")
         benchmarks[bench] = rules
     bootstrap = _typed(Bootstrap, raw.pop("bootstrap", None) or {}, f"{path}: bootstrap")
     kernels = _typed(KernelsPolicy, raw.pop("kernels", None) or {}, f"{path}: kernels")
+    if bootstrap.resamples < 1:
+        raise BadInput(f"{path}: bootstrap.resamples {bootstrap.resamples} must be at least 1, e.g. 10000")
     policy = _typed(GatePolicy, raw, str(path))
     if not 0.5 < policy.confidence < 1:
         raise BadInput(f"{path}: confidence {policy.confidence} must lie in (0.5, 1), e.g. 0.95")

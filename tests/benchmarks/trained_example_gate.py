@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 DAMAGING_RECIPE = Path(__file__).with_name("mxfp4-all-linear-floor.yaml")
-POLICY = Path(__file__).with_name("arith-gate.yaml")  # arith required, margin 0.025 as GSM8K's
+POLICY = "arith-example"  # shipped: manifests/gates/arith-example.yaml (arith required, margin 0.025 as GSM8K's)
 ARMS = ("bf16", "fp8", "mxfp4", "damaged")
 COMPARISONS = (("fp8", "bf16"), ("mxfp4", "fp8"), ("damaged", "fp8"))  # (candidate, reference)
 

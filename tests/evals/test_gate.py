@@ -193,10 +193,11 @@ def test_unpaired_comparison_against_the_published_table_is_labelled_weaker(tmp_
 
 
 def test_a_benchmark_named_with_benchmarks_decides_even_if_the_policy_makes_it_optional(tmp_path, capsys):
-    """`gate accuracy --benchmarks arith`: arith is not in the release policy, yet a FAIL must not exit 0."""
+    """`gate accuracy --benchmarks arith --margin arith=0.02`: arith is not in the release policy, yet a FAIL must
+    not exit 0 (without a margin it is refused: no hidden default margin)."""
     ref, cand = binary_pair(200, 60, 0)
     bundle(tmp_path / "ref", "arith", ref)
     bundle(tmp_path / "cand", "arith", cand)
     code, result = run_gate(capsys, "accuracy", "--candidate", tmp_path / "cand", "--reference", tmp_path / "ref",
-                            "--benchmarks", "arith")
+                            "--benchmarks", "arith", "--margin", "arith=0.02")
     assert result["benchmarks"][0]["verdict"] == "FAIL" and result["verdict"] == "FAIL" and code == 1
