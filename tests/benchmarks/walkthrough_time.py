@@ -3,8 +3,8 @@
     python3 -m tests.benchmarks.walkthrough_time [--keep DIR]
 
 Takes the bash block under "Evaluating a quantized checkpoint as served, locally" in README.md
-(continuations joined), runs each command in an empty folder laid out like a clone (its `tests/`
-linked, for the arith policy), one after another as a user would, and prints per command its
+(continuations joined), runs each command in an empty folder (the arith policy ships with the
+package), one after another as a user would, and prints per command its
 exit code, wall seconds, CPU seconds (user + system of the command's processes) and peak RSS, then
 the totals and the machine's load average before and after (a shared machine inflates wall time;
 CPU seconds are the figure to compare). A command exiting other than 0 or 1 stops the run.
@@ -26,16 +26,28 @@ REPO = Path(__file__).resolve().parents[2]
 SECTION = "### Evaluating a quantized checkpoint as served, locally"
 
 
+def _commands(block: str) -> list[str]:
+    """A bash block's commands, comment lines and trailing comments dropped, continuations joined."""
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def walkthrough_commands(readme: Path = REPO / "README.md") -> list[str]:
     """The commands of the first bash block after SECTION, comments dropped, continuations joined."""
     text = readme.read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index(SECTION):], re.S)[1]
-    joined = re.sub(r"\\\n\s*", "", block)
-    return [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines() if line.strip()]
+    return _commands(re.search(r"```bash\n(.*?)```", text[text.index(SECTION):], re.S)[1])
+
+
+def section_commands(readme: Path = REPO / "README.md") -> list[str]:
+    """Every bash block of SECTION (up to the next heading), in order: the walkthrough and what follows it."""
+    text = readme.read_text()
+    body = text[text.index(SECTION) + len(SECTION):]
+    body = body[:re.search(r"^#{2,4} ", body, re.M).start()]  # the next heading (a bash comment has one #)
+    return [c for block in re.findall(r"```bash\n(.*?)```", body, re.S) for c in _commands(block)]
 
 
 def run(commands: list[str], folder: Path) -> list[dict]:
-    (folder / "tests").symlink_to(REPO / "tests")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     rows = []
     for command in commands:
