@@ -46,6 +46,7 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
         entry = {"look": len(history) + 1, "repeats": repeats_now, "verdict": accuracy["verdict"], "benchmarks": {
             b: {"verdict": r["verdict"], "look": (r["look"] or {}).get("look"), "of": (r["look"] or {}).get("of"),
                 "confidence": r["confidence"], "delta": r["delta"], "lower": r["lower"], "upper": r["upper"],
+                "margin": r["margin"],
                 "final": r["verdict"] in (PASS, FAIL) or bool((r["look"] or {}).get("final")) or not r["decidable"]}
             for b, r in by_bench.items()}}
         history.append(entry)
@@ -61,9 +62,12 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
 
 
 def render(result: dict) -> str:
+    from evals.render import versus
+
     lines = ["look  " + "  ".join(f"{b:>28}" for b in result["looks"][0]["benchmarks"]) + "  verdict"]
     for entry in result["looks"]:
-        cells = [f"{v['verdict']} r{entry['repeats'][b]} [{v['lower']:+.3f},{v['upper']:+.3f}]"
-                 for b, v in entry["benchmarks"].items()]
+        # each bound with the digits that tell it from -margin (a pass by a hair never prints as the margin)
+        cells = [f"{v['verdict']} r{entry['repeats'][b]} [{versus(v['lower'], -v['margin'], 3)},"
+                 f"{versus(v['upper'], -v['margin'], 3)}]" for b, v in entry["benchmarks"].items()]
         lines.append(f"{entry['look']:>4}  " + "  ".join(f"{c:>28}" for c in cells) + f"  {entry['verdict']}")
     return "\n".join(lines)
