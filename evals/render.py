@@ -96,6 +96,11 @@ def notes(b: dict) -> list[str]:
     return out
 
 
+def _power(p: float) -> str:
+    """A power as a whole percent that never rounds a chance of failing away (0.996 is '>99%', not '100%')."""
+    return ">99%" if 0.99 < p < 1 else "<1%" if 0 < p < 0.01 else f"{p:.0%}"
+
+
 def guidance(g: dict) -> str:
     """What it takes from here to decide an INCONCLUSIVE result (``stats.guidance``): a design the run
     does not have yet, with its conditional power at the observed delta and at 0, or why none
@@ -104,7 +109,7 @@ def guidance(g: dict) -> str:
     at = f"at the observed delta {g['observed_delta']:+.4f}"
     design = f"{g['design_items']} items x {g['design_repeats']}"
     power = ("" if g["power_at_observed"] is None else
-             f"{g['power_at_observed']:.0%} power {at}, {g['power_at_zero']:.0%} were the true delta 0")
+             f"{_power(g['power_at_observed'])} power {at}, {_power(g['power_at_zero'])} were the true delta 0")
     if g["action"] == "loss":
         out = (f"the observed delta {g['observed_delta']:+.4f} is beyond the margin -{m}: more data would more likely "
                f"FAIL it than pass it" + (f" ({design}: {power})" if power else ""))

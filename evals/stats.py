@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from scipy import stats as sps
 from scipy.optimize import brentq
+from scipy.special import betainc, gammaln
 
 REPORTED_CONFIDENCE = 0.95  # two-sided, for every score's interval and the unpaired comparison
 NOISE_ALPHA = 0.05  # a candidate is "beyond noise" when its excess discordance has p <= this
@@ -82,7 +84,7 @@ def macro_interval(values: np.ndarray, strata: np.ndarray, confidence: float = R
     return macro, float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
 
 
-FEW_LOSSES = 5  # at or below this many losing items the exact bound is computed too (see paired_delta)
+FEW_LOSSES = 5  # averaged items: at or below this many losing items the loss rate's exact bound is computed too
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,6 @@ class Paired:
     lower: float  # one-sided lower bound at the confidence (``method``)
     upper: float  # one-sided upper bound
     method: str  # how ``lower`` was obtained, for the report
-    scaling_lower: float  # the score or BCa bound alone: the one that scales with more data (guidance)
     normal_lower: float
     normal_upper: float
     sd: float
@@ -177,22 +178,24 @@ def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: i
             float(np.quantile(boot, level(z))))
 
 
-def _score_z(b: int, c: int, n: int, delta0: float) -> float:
+def _score_z(b, c, n: int, delta0: float):
     """Tango's (1998) score statistic for H0: delta = delta0 on paired 0/1 items (b reference-only,
     c candidate-only): ``(c - b - n delta0) / sqrt(n (2 p_b + delta0 - delta0^2))``, with p_b the
     restricted maximum-likelihood P(reference-only) under H0, the root of
-    ``2n x^2 - ((b + c)(1 - delta0) - 2 delta0 (n - c)) x - b delta0 (1 - delta0) = 0``."""
+    ``2n x^2 - ((b + c)(1 - delta0) - 2 delta0 (n - c)) x - b delta0 (1 - delta0) = 0``.
+    ``b`` and ``c`` may be arrays (the exact test orders every outcome by it)."""
+    b, c = np.asarray(b, dtype=float), np.asarray(c, dtype=float)
     lin = (b + c) * (1 - delta0) - 2 * delta0 * (n - c)
-    x = (lin + math.sqrt(max(lin * lin + 8 * n * b * delta0 * (1 - delta0), 0.0))) / (4 * n)
-    var = max(n * (2 * x + delta0 - delta0 * delta0), 1e-300)
-    return (c - b - n * delta0) / math.sqrt(var)
+    x = (lin + np.sqrt(np.maximum(lin * lin + 8 * n * b * delta0 * (1 - delta0), 0.0))) / (4 * n)
+    var = np.maximum(n * (2 * x + delta0 - delta0 * delta0), 1e-300)
+    z = (c - b - n * delta0) / np.sqrt(var)
+    return float(z) if z.ndim == 0 else z
 
 
 def score_bounds(b: int, c: int, n: int, confidence: float) -> tuple[float, float]:
-    """One-sided score bounds of the paired delta of 0/1 items (Tango 1998): the deltas where the
-    score statistic equals +-z. Unlike the bootstrap (or any mean +- z se) its variance is taken
-    under each tested delta, so a run that happened to lose few items is not also credited with a
-    small spread (the bootstrap passed GSM8K 1319 x 1 at the margin 6% of the time, this 5%)."""
+    """One-sided asymptotic score bounds of the paired delta of 0/1 items (Tango 1998): the deltas
+    where the score statistic equals +-z. The gate's bounds are the exact ones (``exact_bounds``),
+    which order outcomes by this statistic; this is their normal approximation."""
     z = float(sps.norm.ppf(confidence))
     hat = (c - b) / n
     lower = -1.0 if _score_z(b, c, n, -1 + 1e-12) < z else brentq(lambda d: _score_z(b, c, n, d) - z, -1 + 1e-12, hat)
@@ -200,12 +203,176 @@ def score_bounds(b: int, c: int, n: int, confidence: float) -> tuple[float, floa
     return float(lower), float(upper)
 
 
+# The exact unconditional test of H0: delta <= d0 for paired 0/1 items (docs/reference.md §7). The
+# counts (b, c, n - b - c) are trinomial with P(reference-only) = (s - d0) / 2, P(candidate-only) =
+# (s + d0) / 2 on the boundary delta = d0, s = P(discordant) the nuisance. Outcomes are ordered by
+# Tango's statistic (larger: more evidence of delta > d0); the p-value is the largest probability
+# of an outcome at least as extreme over the nuisance, restricted to a 1 - gamma confidence interval
+# for s from the observed discordance, plus gamma (Berger & Boos 1994: exact for any gamma).
+EXACT_GAMMA = 0.001  # Berger and Boos' choice for a 5% test
+NUISANCE_POINTS = 32  # s is searched on this many points of its interval, then as many around the largest
+_TAIL = 1e-13  # binomial tails below this are not summed (and are added to the p-value)
+
+
+def _first_extreme(n: int, delta0: float, t_obs: float, discordant: np.ndarray) -> np.ndarray:
+    """Per discordant count d: the fewest candidate-only items c whose outcome (d - c, c) is at
+    least as extreme as ``t_obs`` (d + 1: none is). For a fixed d the statistic rises with c
+    (checked in tests/evals/test_stats.py), so the extreme outcomes are c >= this: one bisection
+    for all d at once."""
+    lo, hi = np.zeros(len(discordant), dtype=int), discordant + 1
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        extreme = (_score_z(discordant - mid, mid, n, delta0) >= t_obs - 1e-9) & (mid <= discordant)
+        open_ = lo < hi
+        hi = np.where(open_ & extreme, mid, hi)
+        lo = np.where(open_ & ~extreme, mid + 1, lo)
+    return lo
+
+
+def exact_p(b: int, c: int, n: int, delta0: float, gamma: float = EXACT_GAMMA) -> float:
+    """The exact unconditional p-value of H0: delta <= ``delta0`` (one-sided; see above)."""
+    d_obs = b + c
+    t_obs = _score_z(b, c, n, delta0)
+    s_lo = float(sps.beta.ppf(gamma / 2, d_obs, n - d_obs + 1)) if d_obs > 0 else 0.0  # Clopper-Pearson for s
+    s_hi = float(sps.beta.ppf(1 - gamma / 2, d_obs + 1, n - d_obs)) if d_obs < n else 1.0
+    s_lo, s_hi = max(s_lo, abs(delta0), 1e-12), min(s_hi, 1.0)
+    if s_lo > s_hi:  # no nuisance of the interval lies in H0
+        return gamma
+    d_min, d_max = int(sps.binom.ppf(_TAIL, n, s_lo)), int(sps.binom.isf(_TAIL, n, s_hi))
+    discordant = np.arange(max(0, d_min - 1), min(n, d_max + 1) + 1)
+    c_min = _first_extreme(n, delta0, t_obs, discordant)
+
+    def tail(s: np.ndarray) -> np.ndarray:  # P(an outcome at least as extreme) at each nuisance s
+        share = np.clip((s + delta0) / (2 * s), 0.0, 1.0)  # P(candidate-only | discordant)
+        return (_binom_pmf(discordant, n, s) * _binom_at_least(c_min, discordant, share)).sum(axis=1)
+
+    coarse = np.linspace(s_lo, s_hi, NUISANCE_POINTS)
+    at = tail(coarse)
+    top = int(at.argmax())  # then the neighbourhood of the largest, finer
+    fine = np.linspace(coarse[max(top - 1, 0)], coarse[min(top + 1, len(coarse) - 1)], NUISANCE_POINTS)
+    return float(max(at.max(), tail(fine).max())) + gamma + 2 * _TAIL
+
+
+def _binom_pmf(k: np.ndarray, n: int, p: np.ndarray) -> np.ndarray:
+    """P(Binomial(n, p) = k) for every p (rows) and k (columns); scipy.special, not the slower
+    distribution objects (the exact bound evaluates thousands per call)."""
+    p = np.clip(p, 1e-300, 1 - 1e-16)[:, None]
+    log = gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
+    return np.exp(log[None, :] + k[None, :] * np.log(p) + (n - k)[None, :] * np.log1p(-p))
+
+
+def _binom_at_least(c: np.ndarray, d: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """P(Binomial(d, p) >= c) for every p (rows) and (c, d) (columns): the regularized incomplete beta."""
+    inside = (c >= 1) & (c <= d)
+    cc, dd = np.where(inside, c, 1), np.where(inside, d, 1)
+    out = betainc(cc[None, :].astype(float), (dd - cc + 1)[None, :].astype(float), p[:, None])
+    return np.where(inside[None, :], out, np.where(c[None, :] <= 0, 1.0, 0.0))
+
+
+def exact_passes(b: int, c: int, n: int, margin: float, confidence: float) -> bool:
+    """Whether the exact test rejects delta <= -margin at ``confidence``: the gate's PASS rule for one
+    0/1 outcome per item (``exact_bounds``'s lower bound is above -margin exactly then)."""
+    return exact_p(b, c, n, -margin) <= 1 - confidence
+
+
+def exact_bounds(b: int, c: int, n: int, confidence: float) -> tuple[float, float]:
+    """One-sided exact lower and upper bounds of the paired delta of 0/1 items (b reference-only,
+    c candidate-only of n): the largest delta0 the exact test rejects, found by bisection to 1e-7;
+    the upper bound is the lower one with the arms swapped. Both discordant counts count: 4 lost and
+    4 won of 200 give -0.0268 (the loss rate's Clopper-Pearson bound alone: -0.045); 1 lost, 0 won
+    of 200 gives -0.0236, so it does not certify 0.02; none of 200: -0.0150 (the rule of three)."""
+    alpha = 1 - confidence
+
+    def lower(lost: int, won: int) -> float:
+        lo, hi = -1 + 1e-9, (won - lost) / n  # rejected at lo (else the bound is -1), never at the estimate
+        if exact_p(lost, won, n, lo) > alpha:
+            return -1.0
+        near = score_bounds(lost, won, n, confidence)[0]  # the exact bound lies near the asymptotic one
+        for probe in (near - 0.003, near + 0.001, near - 0.02):
+            if lo < probe < hi:
+                if exact_p(lost, won, n, probe) <= alpha:
+                    lo = max(lo, probe)
+                else:
+                    hi = min(hi, probe)
+        # p rises with delta0 (in steps); brentq narrows the bracket [rejected, not rejected] to 1e-7
+        excess = lambda d0: exact_p(lost, won, n, d0) - alpha  # noqa: E731
+        if hi - lo > 1e-7:
+            root = brentq(excess, lo, hi, xtol=5e-8)
+            while excess(root) > 0:  # the root's rejected side
+                root -= 5e-8
+            lo = root
+        return float(lo)
+
+    return lower(b, c), -lower(c, b)
+
+
+_PASS_THRESHOLDS: dict[tuple[int, float, float], dict[int, int]] = {}  # (n, margin, confidence) -> {d: c}
+
+
+def pass_thresholds(n: int, margin: float, confidence: float, discordant: np.ndarray) -> np.ndarray:
+    """Per discordant count d: the fewest candidate-only items c at which n paired 0/1 items PASS
+    (``exact_passes``), d + 1 where none does. For a fixed d the p-value falls as c rises (the
+    nuisance interval depends on d alone and the statistic rises with c), so PASS is c >= this.
+    Searched from the previous d's answer (it moves by about one per d), and kept for reuse."""
+    if len(_PASS_THRESHOLDS) > 256:  # a long simulation: keep the memory bounded
+        _PASS_THRESHOLDS.clear()
+    known = _PASS_THRESHOLDS.setdefault((n, round(margin, 12), round(confidence, 12)), {})
+    passes = lambda d, c: exact_passes(d - c, c, n, margin, confidence)  # noqa: E731
+    out, guess = [], None
+    for d in (int(x) for x in discordant):
+        if d not in known:
+            if guess is None:  # bisection on c in [0, d + 1]
+                lo, hi = 0, d + 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if passes(d, mid) else (mid + 1, hi)
+                known[d] = lo
+            else:
+                c = min(guess, d + 1)
+                while c <= d and not passes(d, c):
+                    c += 1
+                while c > 0 and passes(d, c - 1):
+                    c -= 1
+                known[d] = c
+        guess = known[d]
+        out.append(known[d])
+    return np.array(out, dtype=int)
+
+
+@lru_cache(maxsize=4096)
+def exact_power(n: int, p_lost: float, p_won: float, margin: float, confidence: float, lost: int = 0, won: int = 0,
+                observed: int = 0) -> float:
+    """P(the gate PASSes n paired 0/1 items) when each item is reference-only with probability
+    ``p_lost`` and candidate-only with ``p_won``, by exact enumeration of the trinomial counts
+    (terms below 1e-10 left out). Items drawn at random from any population of items are such
+    draws, whatever each item's own probabilities: the power of a one-outcome design holds under
+    any item model. With ``observed`` items already run (``lost`` and ``won`` of them), it is the
+    conditional power of running the other ``n - observed``."""
+    m, s = n - observed, p_lost + p_won
+    if m < 0:
+        raise ValueError(f"{observed} items observed, more than the design's {n}")
+    if s <= 0 or m == 0:
+        return float(exact_passes(lost, won, n, margin, confidence)) if s <= 0 or m == 0 else 0.0
+    lo, hi = int(sps.binom.ppf(1e-10, m, s)), int(sps.binom.isf(1e-10, m, s)) + 1
+    new = np.arange(max(0, lo - 1), min(m, hi) + 1)  # discordant items among the new ones
+    need = pass_thresholds(n, margin, confidence, lost + won + new) - won  # candidate-only among them
+    return float((sps.binom.pmf(new, m, s) * sps.binom.sf(need - 1, new, p_won / s)).sum())
+
+
 def exact_loss_bound(losing: int, n: int, confidence: float) -> float:
     """A lower bound on the delta from the count of items that lost: delta >= -P(an item loses), and
-    that rate's one-sided Clopper-Pearson upper bound is exact. Items that gained are ignored, so
-    it is conservative when there are some; 1 losing item of 200 gives -0.0234 at 95%, none gives
-    about -3/n (the rule of three)."""
+    that rate's one-sided Clopper-Pearson upper bound is exact. Used only where per-item deltas are
+    not 0/1 (items averaged over repeats) and few lost: the bootstrap sees too little of the losses
+    to bound them. 1 losing item of 200 gives -0.0234 at 95%, none gives about -3/n."""
     return -float(sps.beta.ppf(confidence, losing + 1, n - losing)) if losing < n else -1.0
+
+
+def paired_se(ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | None = None) -> float:
+    """The standard error of the paired delta (of stratum deltas' mean, with ``strata``), as
+    ``paired_delta`` reports it; the information a sequential look has is 1 / its square."""
+    d = cand - ref
+    groups = [d] if strata is None else [d[strata == s] for s in np.unique(strata)]
+    return math.sqrt(sum(g.var(ddof=1) / len(g) for g in groups if len(g) > 1)) / len(groups) if len(d) else float("nan")
 
 
 def paired_delta(ref: np.ndarray, cand: np.ndarray, confidence: float, resamples: int, seed: int,
@@ -216,37 +383,38 @@ def paired_delta(ref: np.ndarray, cand: np.ndarray, confidence: float, resamples
     for both arms. With ``strata`` (tau2 domains) items are resampled within each stratum and the
     statistic is the mean of stratum deltas (the macro average), as the benchmark reports it.
 
-    The bounds are BCa paired bootstrap bounds (the percentile bootstrap's lower bound passed a
-    candidate at the margin too often when the deltas are skewed or the discordant items few); for
-    one 0/1 outcome per item, unstratified, Tango's score bounds (``score_bounds``). When
-    at most ``FEW_LOSSES`` items lost (unstratified), the bootstrap sees too little of the losses to
-    bound them, so the exact bound on the loss rate (``exact_loss_bound``) is computed as well and
-    the lower bound is the more conservative of the two; ``method`` says which one it is.
+    For one 0/1 outcome per item, unstratified, the bounds are exact (``exact_bounds``: the exact
+    unconditional test on Tango's statistic, using both discordant counts). Otherwise they are BCa
+    paired bootstrap bounds (the percentile bootstrap's lower bound passed a candidate at the margin
+    too often when the deltas are skewed or the discordant items few); where at most ``FEW_LOSSES``
+    items lost (unstratified) the bootstrap sees too little of the losses to bound them, so the
+    exact bound on the loss rate (``exact_loss_bound``) is computed as well and the lower bound is
+    the more conservative of the two; ``method`` says which one it is.
     """
     d = cand - ref
     n = len(d)
     groups = [d] if strata is None else [d[strata == s] for s in np.unique(strata)]
     delta = float(np.mean([g.mean() for g in groups]))
-    se = math.sqrt(sum(g.var(ddof=1) / len(g) for g in groups if len(g) > 1)) / len(groups) if n else float("nan")
+    se = paired_se(ref, cand, strata)
     sd = se * math.sqrt(n)
     where = "" if strata is None else " within domains"
     binary = strata is None and n > 0 and bool(np.isin(ref, (0.0, 1.0)).all() and np.isin(cand, (0.0, 1.0)).all())
-    if binary:  # one 0/1 outcome per item: the score bound, whose variance follows the tested delta
-        lower, upper = score_bounds(int((d < 0).sum()), int((d > 0).sum()), n, confidence)
-        method = "Tango score bound (paired 0/1 items)"
+    losing = int((d < 0).sum())
+    if binary:  # one 0/1 outcome per item: exact, from both discordant counts
+        lower, upper = exact_bounds(losing, int((d > 0).sum()), n, confidence)
+        method = (f"exact unconditional bound on Tango's statistic ({losing} lost, {int((d > 0).sum())} won of "
+                  f"{n} paired 0/1 items)")
     else:
         lower, upper = _bca(groups, delta, confidence, resamples, seed)
         method = f"BCa paired bootstrap ({resamples} resamples of items{where})"
-    scaling_lower = lower
-    losing = int((d < 0).sum())
-    if strata is None and losing <= FEW_LOSSES:
-        exact = exact_loss_bound(losing, n, confidence)
-        if exact < lower:
-            method = (f"exact Clopper-Pearson bound on the loss rate ({losing} of {n} items lost; more conservative "
-                      f"than the {method.split(' (')[0]}'s {lower:+.4f})")
-            lower = exact
+        if strata is None and losing <= FEW_LOSSES:
+            exact = exact_loss_bound(losing, n, confidence)
+            if exact < lower:
+                method = (f"exact Clopper-Pearson bound on the loss rate ({losing} of {n} items lost; more "
+                          f"conservative than the BCa paired bootstrap's {lower:+.4f})")
+                lower = exact
     z = sps.norm.ppf(confidence)
-    return Paired(n=n, delta=delta, se=se, lower=lower, upper=upper, method=method, scaling_lower=scaling_lower,
+    return Paired(n=n, delta=delta, se=se, lower=lower, upper=upper, method=method,
                   normal_lower=float(delta - z * se), normal_upper=float(delta + z * se), sd=sd)
 
 
@@ -338,12 +506,15 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
     comparison's ``paired_delta``."""
     between, within = variance_components(deltas)
     n, repeats = p.n, deltas.shape[1]
-    # the gate's score or BCa bound may lie further below the delta than z standard errors: powers use its
-    # distance in standard errors (not the exact bound's: it applies to a few losses, not to more data)
-    z = max(float(sps.norm.ppf(confidence)), (p.delta - p.scaling_lower) / p.se) if p.se > 0 else None
+    # the gate's bound may lie further below the delta than z standard errors: powers use its distance
+    z = max(float(sps.norm.ppf(confidence)), (p.delta - p.lower) / p.se) if p.se > 0 else None
     size = max(benchmark_items or n, n)
     var_now = p.se ** 2
     per_item = between + within / repeats
+    one_outcome = repeats == 1 and p.method.startswith("exact unconditional")  # the gate's exact rule decides
+    if one_outcome and p.delta > -margin:
+        return _exact_guidance(int((deltas < 0).sum()), int((deltas > 0).sum()), p, margin, confidence, size,
+                               benchmark_items, power, between)
     if var_now == 0:  # no item differs: only the exact bound (rule of three) limits it, and only items move it
         needed = math.floor(math.log(1 - confidence) / math.log(1 - margin)) + 1 if margin > 0 else None
         ok = needed is not None and n < needed <= size
@@ -384,6 +555,51 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
                     power_at_observed=cp(p.delta) if designs else None,
                     power_at_zero=cp(0.0) if designs else None, between=between, within=within,
                     best_margin=certified_margin(best), certified_margin=certified_margin(p.lower))
+
+
+def _exact_guidance(b: int, c: int, p: Paired, margin: float, confidence: float, size: int,
+                    benchmark_items: int | None, power: float, between: float) -> Guidance:
+    """``guidance`` for one 0/1 outcome per item: the powers are the exact rule's (``exact_power`` of
+    the items still to run, at the observed loss and win rates, and at a delta of 0 with the observed
+    discordance). The design is found by the normal approximation with the exact bound's distance
+    below the delta (each exact power costs ~0.3 s), then checked exactly and enlarged (up to three
+    times) while its exact power falls short: the power printed is always the design's exact power."""
+    n = p.n
+    at_observed = lambda items: exact_power(items, b / n, c / n, margin, confidence, b, c, n)  # noqa: E731
+    at_zero = lambda items: exact_power(items, (b + c) / (2 * n), (b + c) / (2 * n), margin, confidence, b, c, n)  # noqa: E731
+    if size <= n:
+        design = None
+    elif b + c == 0:  # every new item concordant too: the exact bound at (0, 0) of the design decides
+        design = next((items for items in _doubling(n + 1, size) if exact_passes(0, 0, items, margin, confidence)), None)
+    else:
+        z = max(float(sps.norm.ppf(confidence)), (p.delta - p.lower) / p.se)
+        grid = np.arange(n + 1, size + 1)
+        normal = conditional_power(p.delta, p.se ** 2, p.se ** 2 * n / grid, margin, confidence, p.delta, z)
+        reach = np.flatnonzero(normal >= power)
+        design = int(grid[reach[0]]) if len(reach) else size
+        for _ in range(3):
+            if at_observed(design) >= power or design == size:
+                break
+            design = min(size, design + max(1, design // 8))
+    found = design if design is not None and at_observed(design) >= power else None
+    shown = design if design is not None else size
+    # what the largest design is expected to certify at the observed delta: its bound at the expected counts
+    best = exact_bounds(round(b * size / n), round(c * size / n), size, confidence)[0]
+    return Guidance(action="items" if found else ("second_repeat" if b + c else "none"), observed_delta=p.delta,
+                    margin=margin, n_items=n, repeats=1, benchmark_items=benchmark_items, items_needed=found,
+                    repeats_needed=1 if found else None, design_items=shown, design_repeats=1,
+                    power_at_observed=at_observed(shown) if size > n else None,
+                    power_at_zero=at_zero(shown) if size > n else None, between=between, within=0.0,
+                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower))
+
+
+def _doubling(first: int, last: int):
+    """first, 2 first, 4 first, ... then last: designs of every size up to the benchmark's, few of them."""
+    items = first
+    while items < last:
+        yield items
+        items *= 2
+    yield last
 
 
 def discordance(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from evals import render
 from evals.cli import main as gate
 from evals.gate import compare_benchmark
 from evals.policy import load_policy
-from evals.stats import certified_margin, conditional_power, guidance, paired_delta, variance_components
+from evals.stats import certified_margin, conditional_power, exact_power, guidance, paired_delta, variance_components
 from tests.evals.test_gate import binary_pair, bundle
 from tests.evals.test_stats import pairs_of
 
@@ -90,11 +90,21 @@ def test_more_items_are_named_only_beyond_those_run_with_the_power_at_the_observ
     assert f"{g['items_needed'] - 400} more items ({g['items_needed']} of the benchmark's 1319)" in text
     assert f"at the observed delta {result.delta:+.4f}" in text and "were the true delta 0" in text
     assert g["power_at_observed"] >= 0.8 and g["power_at_observed"] != g["power_at_zero"]
-    # the design is the smallest that reaches the power: one item fewer does not
-    p = paired_delta(*(np.array(x, float) for x in binary_pair(400, 8, 6)), 0.95, 10000, 0)
-    z = max(1.6449, (p.delta - p.scaling_lower) / p.se)  # the gate's bound, in standard errors below the delta
-    fewer = conditional_power(p.delta, p.se ** 2, p.se ** 2 * 400 / (g["items_needed"] - 1), 0.02, 0.95, p.delta, z)
-    assert fewer < 0.8
+    # one outcome per item: the powers printed are the exact rule's for the items still to run (issue 37: the
+    # normal approximation of the bound promised "1 more items would reach 100% power")
+    n_items = g["items_needed"]
+    assert g["power_at_observed"] == pytest.approx(exact_power(n_items, 8 / 400, 6 / 400, 0.02, 0.95, 8, 6, 400))
+    assert g["power_at_zero"] == pytest.approx(exact_power(n_items, 7 / 400, 7 / 400, 0.02, 0.95, 8, 6, 400))
+    assert exact_power(n_items - n_items // 4, 8 / 400, 6 / 400, 0.02, 0.95, 8, 6, 400) < 0.8  # not far too many
+
+
+def test_a_near_miss_is_not_promised_a_certain_pass_by_one_more_item():
+    """Issue 37: 200 items, 4 lost and 3 won at 0.03 (the exact bound -0.0313): no "1 more items would reach
+    100% power"; the design named reaches the power by the exact rule."""
+    result, text = judged(pairs_of(*binary_pair(200, 4, 3)), "gsm8k", gsm8k=0.03)
+    g = result.guidance
+    assert result.verdict == "INCONCLUSIVE" and g["action"] == "items" and g["items_needed"] > 210
+    assert 0.8 <= g["power_at_observed"] < 1 and "100% power" not in text and "1 more items" not in text
 
 
 def test_repeats_are_named_only_beyond_those_run():
