@@ -34,7 +34,7 @@ from evals import sequential
 from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
 from evals.plan_file import PLAN_VERSION
-from evals.stats import variance_components
+from evals.stats import exact_power, variance_components
 from quant.outputs import write_atomic
 
 DEFAULT_DROP = 0.01
@@ -69,6 +69,9 @@ DEFAULT_ASSUMPTIONS = {
     "arith": Assumptions(0.02, 0.0, "stated: the built-in example's MXFP4 vs FP8 (greedy, 2% discordant)"),
 }
 MAX_REPEATS = {"gsm8k": 1, "gpqa_diamond": 8, "tau2": 8, "arith": 1}  # repeats allowed by default (greedy: 1)
+# Benchmarks run in whole task sets: `evals run --plan` runs every tau2 task of its domains, so a design
+# with fewer tasks could never be followed (the gate would say "does not follow its plan" forever).
+WHOLE_SETS = {"tau2"}
 
 
 def se_of(benchmark: str, assumptions: Assumptions, items: int, repeats: int) -> float:
@@ -98,18 +101,44 @@ def operating(looks: list[dict], drift: float) -> dict:
     return sequential.operating([lk["information_fraction"] for lk in looks], [lk["z"] for lk in looks], drift)
 
 
+def one_outcome(benchmark: str, repeats: int) -> bool:
+    """A design the gate judges by its exact rule for paired 0/1 items: one repeat, no strata (not tau2)."""
+    return repeats == 1 and benchmark != "tau2"
+
+
+def outcome_rates(assumptions: Assumptions, drop: float) -> tuple[float, float]:
+    """``(P(reference-only), P(candidate-only))`` of one paired 0/1 outcome at a true delta of -drop: the
+    per-item delta's variance at one repeat, ``between + within``, is P(discordant) - drop^2."""
+    discordant = max(assumptions.between + assumptions.within + drop * drop, abs(drop))
+    return (discordant + drop) / 2, (discordant - drop) / 2
+
+
 def _power(benchmark, assumptions, items, repeats, margin, drop, looks) -> float:
+    """The gate's power at the drop: for one-outcome designs exact (``stats.exact_power``: the sum over
+    the trinomial outcomes the exact rule passes); otherwise the normal approximation of the
+    sequential rule (``sequential.operating``)."""
     if margin <= drop:
         return 0.0
+    if one_outcome(benchmark, repeats):
+        return exact_power(items, *outcome_rates(assumptions, drop), margin, looks[-1]["confidence"])
     return operating(looks, (margin - drop) / se_of(benchmark, assumptions, items, repeats))["pass"]
 
 
 def certifiable_margin(benchmark: str, assumptions: Assumptions, items: int, repeats: int, drop: float,
                        looks: list[dict], power: float) -> float:
-    """The smallest margin this design passes with ``power`` when the true drop is ``drop``."""
+    """The smallest margin this design passes with ``power`` when the true drop is ``drop`` (one-outcome
+    designs: by bisection on the exact power, to 0.0005)."""
     se = se_of(benchmark, assumptions, items, repeats)
     drift = optimize.brentq(lambda th: operating(looks, th)["pass"] - power, 0.0, 20.0, xtol=1e-6)
-    return drop + drift * se
+    if not one_outcome(benchmark, repeats):
+        return drop + drift * se
+    lo, hi = drop, drop + 2 * drift * se  # the exact bound lies further below the delta than the normal one
+    while _power(benchmark, assumptions, items, repeats, hi, drop, looks) < power:
+        lo, hi = hi, hi + drift * se
+    while hi - lo > 5e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _power(benchmark, assumptions, items, repeats, mid, drop, looks) >= power else (mid, hi)
+    return hi
 
 
 @dataclass
@@ -144,9 +173,14 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
         if _power(benchmark, assumptions, benchmark_items, repeats, margin, drop, looks) < power:
             continue
         lo, hi = max(1, min_items), benchmark_items  # power rises with items: the fewest that reach it
-        while lo < hi:
+        if benchmark in WHOLE_SETS:
+            lo = hi  # a run has all of its tasks (`evals run --plan` runs every one): only the repeats vary
+        # one-outcome designs to 0.5% of the items: their exact power steps with the lattice, and each costs ~0.5 s
+        step = max(1, benchmark_items // 200) if one_outcome(benchmark, repeats) else 1
+        while hi - lo >= step:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if _power(benchmark, assumptions, mid, repeats, margin, drop, looks) >= power else (mid + 1, hi)
+        lo = hi
         if best is None or lo * repeats < best[0] * best[1]:
             best = (lo, repeats, looks)
     feasible = best is not None
@@ -156,7 +190,7 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
     items, repeats, looks = best
     se = se_of(benchmark, assumptions, items, repeats)
     ops = operating(looks, (margin - drop) / se) if margin > drop else None
-    p = ops["pass"] if ops else 0.0
+    p = _power(benchmark, assumptions, items, repeats, margin, drop, looks)  # exact for one-outcome designs
     stop = ops["stop_by_look"] if ops else [0.0] * len(looks)
     expected = sum(s * lk["repeats"] for s, lk in zip(stop, looks)) + (1 - sum(stop)) * repeats
     cert = certifiable_margin(benchmark, assumptions, items, repeats, drop, looks, power)
@@ -173,19 +207,26 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
                   gpu_hours=hours, note=note)
 
 
-def _arm_matrix(rows: list[dict], where: str) -> tuple[list[str], np.ndarray]:
-    """Items x repeats of one arm's scores (items with every repeat); fewer than two such items
-    cannot show a variance (BadInput naming ``where``)."""
+def arm_matrix(rows: list[dict]) -> tuple[list[str], int, np.ndarray]:
+    """Items x repeats of one arm's scores (items with every repeat), and how many items there were."""
     by_item: dict[str, dict[int, float]] = {}
     for r in rows:
         by_item.setdefault(r["item_id"], {})[r["repeat"]] = r["score"]
     repeats = sorted({k for d in by_item.values() for k in d})
     items = sorted(i for i, d in by_item.items() if len(d) == len(repeats))
+    return items, len(by_item), np.array([[by_item[i][k] for k in repeats] for i in items],
+                                         dtype=float).reshape(len(items), len(repeats))
+
+
+def _arm_matrix(rows: list[dict], where: str) -> tuple[list[str], np.ndarray]:
+    """``arm_matrix`` of a pilot: fewer than two items with every repeat cannot show a variance
+    (BadInput naming ``where``)."""
+    items, seen, matrix = arm_matrix(rows)
     if len(items) < 2:
-        raise BadInput(f"{where}: {len(items)} of {len(by_item)} items have every repeat ({len(repeats)}); a pilot "
+        raise BadInput(f"{where}: {len(items)} of {seen} items have every repeat ({matrix.shape[1]}); a pilot "
                        "needs at least two such items to show a variance: finish the pilot (`evals run --resume`), or "
                        "give one whose items all have the same repeats")
-    return items, np.array([[by_item[i][k] for k in repeats] for i in items], dtype=float).reshape(len(items), len(repeats))
+    return items, matrix
 
 
 def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, stated: Assumptions) -> Assumptions:

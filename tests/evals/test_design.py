@@ -18,6 +18,7 @@ from evals.design import (
     Assumptions,
     design,
     operating,
+    outcome_rates,
     plan_looks,
     planned_look,
     se_of,
@@ -26,6 +27,7 @@ from evals.errors import BadInput
 from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark
 from evals.plan_file import read_plan
 from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
+from evals.stats import exact_power
 
 
 def test_boundaries_are_the_published_lan_demets_obrien_fleming_values():
@@ -48,8 +50,13 @@ def test_designs_stay_within_the_benchmark_and_say_when_none_certifies():
     assert gsm.certifiable_margin > 0.02 and f"it certifies {np.ceil(gsm.certifiable_margin * 1000) / 1000:.3f}" in gsm.note
     easy = design("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], 0.05, 0.01, 0.05, 0.8, 1319, 1, 150)
     assert easy.feasible and 150 <= easy.items < 1319 and easy.power >= 0.8
-    smaller = replace(easy, items=easy.items - 1)  # the fewest items that reach the power
-    assert operating(easy.looks, 0.04 / se_of("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], smaller.items, 1))["pass"] < 0.8
+    # one outcome per item: the printed power is the exact rule's, summed over every trinomial outcome; the
+    # normal approximation (the bound 1.645 se below the delta) overstated it
+    rates = outcome_rates(DEFAULT_ASSUMPTIONS["gsm8k"], 0.01)
+    assert easy.power == pytest.approx(exact_power(easy.items, *rates, 0.05, 0.95))
+    assert exact_power(easy.items - 2 * 1319 // 200, *rates, 0.05, 0.95) < 0.8  # about the fewest that reach it
+    normal = operating(easy.looks, 0.04 / se_of("gsm8k", DEFAULT_ASSUMPTIONS["gsm8k"], easy.items, 1))["pass"]
+    assert normal > easy.power + 0.03
     gpqa = design("gpqa_diamond", Assumptions(0.005, 0.05, "stated"), 0.03, 0.01, 0.05, 0.8, 198, 8, 100)
     assert gpqa.feasible and gpqa.items <= 198 and 1 < gpqa.repeats <= 8 and len(gpqa.looks) == gpqa.repeats
     assert 1 <= gpqa.expected_repeats < gpqa.repeats  # looks stop early at the drop on average
