@@ -9,13 +9,19 @@ variance of a plain mean over the same tasks. Both components come from a pilot 
 a candidate bundle: ``stats.variance_components`` of their paired deltas; a reference alone with
 two or more repeats gives ``within``), or from stated assumptions (``DEFAULT_ASSUMPTIONS``).
 
-Power is that of the gate's sequential rule at the plausible drop ``d`` (true delta ``-d``): the
-non-inferiority statistic ``(delta + margin) / se`` drifts to ``(margin - d) / se_K`` at the last
-look, and ``sequential.operating`` integrates the looks' boundaries exactly. This normal
-approximation is checked against the real decision function (``gate.compare_benchmark``) by
-simulation in tests/evals/test_design.py. A design never has more items than the benchmark
-(``gate.BENCHMARK_ITEMS``) nor more repeats than allowed; when none reaches the power the plan
-says so and gives the margin the largest design can certify.
+Power is that of the gate's rule at the plausible drop ``d`` (true delta ``-d``). For one 0/1
+outcome per item (one repeat, no domains) it is exact: ``stats.exact_power`` sums the trinomial
+probability of every outcome the gate's exact rule passes, which holds under any item model. Else
+it is the normal approximation of the sequential rule: the non-inferiority statistic
+``(delta + margin) / se`` drifts to ``(margin - d) / se_K`` at the last look, and
+``sequential.operating`` integrates the looks' boundaries exactly; tests/benchmarks/sim_gate.py
+prints it beside the simulated power. A design never has more items than the benchmark
+(``gate.BENCHMARK_ITEMS``) nor more repeats than allowed, and tau2 designs have every task; when
+none reaches the power the plan says so and gives the margin the largest design can certify.
+
+The plan's looks carry levels at its assumed information fractions; the gate judges a look at the
+level its observed information gives (``observed_levels``), so a world noisier than the plan's
+cannot make an early look spend alpha it has not earned.
 """
 
 from __future__ import annotations
@@ -97,6 +103,50 @@ def plan_looks(assumptions: Assumptions, repeats: int, alpha: float, sequential_
              "z": zk, "confidence": sequential.nominal_confidence(zk)} for k, (t, zk) in enumerate(zip(fractions, z))]
 
 
+def observed_levels(benchmark: str, entry: dict, alpha: float, ref: np.ndarray, cand: np.ndarray,
+                    strata: np.ndarray | None = None) -> list[dict]:
+    """The one-sided level of each look so far, from the information the run observed (not the plan's
+    assumed fractions): ``ref`` and ``cand`` are items x repeats of the looks' scores (the current
+    look's repeats; look j saw the first ``looks[j]['repeats']`` of them). Look j's information is
+    1 / the paired delta's variance over those repeats; the final information it predicts scales
+    that by the variance components of its own deltas (``stats.variance_components``), or, at a
+    look of one repeat where repeats show no noise yet, by the most repeats could add (all of the
+    variance within items: R times). The plan's final information is that of its stated item model
+    (``se_of``). Returns, per look so far, ``repeats``, ``information_fraction``, ``z``, ``confidence``."""
+    from evals.stats import paired_se  # the gate's standard error, as the gate computes it
+
+    looks = [lk for lk in entry["looks"] if lk["repeats"] <= ref.shape[1]]
+    final_repeats = entry["looks"][-1]["repeats"]
+    # The plan's stated variances can only lower the fractions (a larger planned information spends less
+    # early), never raise them: numbers a bundle carries cannot make a look more lenient than its data allow.
+    stated = entry.get("assumptions") if isinstance(entry.get("assumptions"), dict) else {}
+    between, within = stated.get("between"), stated.get("within")
+    sane = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in (between, within)) and between + within > 0
+    planned = 1 / se_of(benchmark, Assumptions(float(between), float(within), ""), entry["items"],
+                        final_repeats) ** 2 if sane else 0.0  # none stated: the data's own estimate alone
+    information, final = [], []
+    for lk in looks:
+        r = lk["repeats"]
+        se = paired_se(ref[:, :r].mean(axis=1), cand[:, :r].mean(axis=1), strata)
+        info = 1 / se ** 2 if se > 0 else math.inf
+        if r == 1:
+            ahead = final_repeats * info
+        else:
+            between, within = variance_components(cand[:, :r] - ref[:, :r])
+            now, then = between + within / r, between + within / final_repeats
+            ahead = info * now / then if then > 0 else math.inf
+        information.append(info)
+        final.append(ahead)
+    if any(math.isinf(i) for i in information):  # no item differs yet: nothing to spend on; judge at the plan's level
+        return [{"repeats": lk["repeats"], "information_fraction": lk.get("information_fraction"), "z": lk.get("z"),
+                 "confidence": lk["confidence"]} for lk in looks]
+    fractions = sequential.observed_fractions(information, final, planned, looks[-1]["repeats"] == final_repeats)
+    z = sequential.look_boundaries(fractions, alpha)
+    return [{"repeats": lk["repeats"], "information_fraction": t, "z": zk, "confidence": sequential.nominal_confidence(zk)}
+            for lk, t, zk in zip(looks, fractions, z)]
+
+
 def operating(looks: list[dict], drift: float) -> dict:
     return sequential.operating([lk["information_fraction"] for lk in looks], [lk["z"] for lk in looks], drift)
 
@@ -138,7 +188,8 @@ def certifiable_margin(benchmark: str, assumptions: Assumptions, items: int, rep
     while hi - lo > 5e-4:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if _power(benchmark, assumptions, items, repeats, mid, drop, looks) >= power else (mid, hi)
-    return hi
+    printed = math.floor(round(hi * 1000, 6)) / 1000  # the plan prints it rounded up: the 0.001 below, if it holds
+    return printed if printed > lo and _power(benchmark, assumptions, items, repeats, printed, drop, looks) >= power else hi
 
 
 @dataclass

@@ -282,6 +282,18 @@ def _check_same_data(bench: str, ref_entry: dict, cand_entry: dict) -> str:
     return primary
 
 
+def _observed_look(look: dict, bench: str, plan: dict, pairs: list[tuple[dict, dict]], alpha: float) -> dict:
+    """``look`` judged at the level its observed information gives (``design.observed_levels``), with
+    the looks so far recorded (their repeats, information fractions and levels)."""
+    kept = [(a, b) for a, b in pairs if not (a.get("infra_error") or b.get("infra_error"))] or pairs
+    items, _, ref = design.arm_matrix([a for a, _ in kept])
+    _, _, cand = design.arm_matrix([b for _, b in kept])
+    domains = {a["item_id"]: a["domain"] for a, _ in kept if "domain" in a}
+    strata = np.array([domains[i] for i in items]) if domains else None
+    levels = design.observed_levels(bench, plan["benchmarks"][bench], alpha, ref, cand, strata)
+    return {**look, "confidence": levels[-1]["confidence"], "observed": levels}
+
+
 def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, reference_rerun: Path | None = None, *,
                   allow_setting_differences: bool = False, benchmarks: list[str] | None = None) -> dict:
     """Per-benchmark results and the overall verdict.
@@ -343,6 +355,8 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
         if bench in plan["benchmarks"]:
             look = design.planned_look(plan, bench, len({a["item_id"] for a, _ in all_pairs[bench]}),
                                        len({a["repeat"] for a, _ in all_pairs[bench]}), policy.confidence)
+            if look["follows"]:  # the level spends alpha on the information observed, not the plan's guess of it
+                look = _observed_look(look, bench, plan, all_pairs[bench], 1 - policy.confidence)
         level = replace(policy, confidence=look["confidence"]) if look and look["follows"] else policy
         result = compare_benchmark(bench, all_pairs[bench], level, rerun_pairs)
         if look:

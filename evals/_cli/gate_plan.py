@@ -13,10 +13,13 @@ HELP = """\
 Design the runs before making them. Per benchmark of the policy: the fewest answers (items x
 repeats; tau2: tasks x trials) whose gate passes a candidate that is truly --drop worse than the
 reference with --power, never more items than the benchmark has; the looks (one after each
-repeat) with their Lan-DeMets O'Brien-Fleming levels, so a run can stop early (`evals run
+repeat) with their Lan-DeMets O'Brien-Fleming levels at the planned information (the gate spends
+alpha on the information each look observed), so a run can stop early (`evals run
 --until-decided`) without raising the false pass rate; the margin the design certifies at that
-power; GPU hours where --throughput is given. When no design within the limits certifies the
-policy's margin, it says so and gives the margin the largest design certifies.
+power; GPU hours where --throughput is given. tau2 designs run every task (only trials vary).
+A one-outcome design's power (GSM8K, 1 repeat) is exact: the gate's rule summed over every
+outcome. When no design within the limits certifies the policy's margin, it says so and gives the
+margin the largest design certifies.
 
 Variance per item comes from a pilot (--pilot-reference [--pilot-candidate]: bundles of a small
 run) or from stated assumptions (--between/--within; defaults in evals/design.py, printed).
@@ -145,11 +148,16 @@ def text(plan: dict, out: Path | None) -> str:
     for bench, d in plan["benchmarks"].items():
         lines.append(f"\n{bench}: {d['items']} items x {d['repeats']} repeats (of {d['benchmark_items']} x "
                      f"{d['max_repeats']} allowed), margin {d['margin']}, plausible drop {d['drop']}")
-        lines.append(f"  power {d['power']:.1%} at the drop; certifies a margin of {_rounded_up(d['certifiable_margin']):.3f} "
-                     f"with {plan['power']:.0%} power; expected repeats at the drop {d['expected_repeats']:.2f}")
+        how = ("exact: the gate's rule summed over every outcome" if d["repeats"] == 1 and bench != "tau2"
+               else "normal approximation of the sequential rule")
+        lines.append(f"  power {d['power']:.1%} at the drop ({how}); certifies a margin of "
+                     f"{_rounded_up(d['certifiable_margin']):.3f} with {plan['power']:.0%} power; expected repeats at the "
+                     f"drop {d['expected_repeats']:.2f}")
         a = d["assumptions"]
         lines.append(f"  variance per item: between {a['between']:.4g}, within {a['within']:.4g} ({a['source']})")
-        lines.append("  looks: " + "; ".join(f"{lk['repeats']} rep at {lk['confidence']:.5f}" for lk in d["looks"]))
+        lines.append("  looks: " + "; ".join(f"{lk['repeats']} rep at {lk['confidence']:.5f}" for lk in d["looks"])
+                     + (" (at the planned information; the gate spends on each look's observed information)"
+                        if len(d["looks"]) > 1 else ""))
         if d["gpu_hours"]:
             g = d["gpu_hours"]
             lines.append(f"  GPU hours per arm: at most {g['max']:.1f}, expected {g['expected_at_drop']:.1f} at the "

@@ -17,6 +17,7 @@ from evals.design import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     design,
+    observed_levels,
     operating,
     outcome_rates,
     plan_looks,
@@ -24,7 +25,7 @@ from evals.design import (
     se_of,
 )
 from evals.errors import BadInput
-from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark
+from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark, judge
 from evals.plan_file import read_plan
 from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
 from evals.stats import exact_power
@@ -102,22 +103,60 @@ def test_power_approximation_matches_the_real_decision_function():
     assert passes / sims == pytest.approx(predicted, abs=0.12)
 
 
-def test_looks_at_the_planned_levels_hold_false_pass_where_naive_looks_inflate_it():
-    """A candidate exactly at the margin, judged after each of 4 repeats: at 0.95 every time it
-    passes at some look far more than 5%; at the plan's levels it does not."""
+def test_looks_at_their_observed_levels_hold_false_pass_where_naive_looks_inflate_it():
+    """A candidate exactly at the margin, judged after each of 4 repeats by the gate's decision
+    function: at 0.95 every time it passes at some look far more than 5%; at the levels the gate
+    spends on each look's observed information it does not, even under a plan whose stated item
+    model has a quarter of the true noise between repeats (the plan's early fractions too large)."""
     rng = np.random.default_rng(3)
-    n, margin, sims = 200, 0.05, 120
-    assumed = _simulate(rng, n, 1, margin)[2]
-    plan_levels = [lk["confidence"] for lk in plan_looks(assumed, 4, 0.05)]
-    assert len(plan_levels) == 4 and plan_levels[0] > 0.999
-    naive = planned = 0
+    n, margin, sims = 200, 0.05, 150
+    true = _simulate(rng, n, 1, margin)[2]
+    stated = Assumptions(true.between, true.within / 4, "stated, wrong")
+    entry = {"items": n, "assumptions": stated.__dict__, "looks": plan_looks(stated, 4, 0.05)}
+    policy, rules = _policy(margin), _policy(margin).of("gsm8k")
+    naive = observed = 0
     for _ in range(sims):
         ref, cand, _ = _simulate(rng, n, 4, margin)
-        looks = [list(zip(_rows(ref[:, :k]), _rows(cand[:, :k]))) for k in range(1, 5)]
-        naive += any(compare_benchmark("gsm8k", pairs, _policy(margin)).verdict == PASS for pairs in looks)
-        planned += any(compare_benchmark("gsm8k", pairs, _policy(margin, level)).verdict == PASS
-                       for pairs, level in zip(looks, plan_levels))
-    assert planned / sims <= 0.08 and naive > planned
+        verdicts = []
+        for k in range(1, 5):
+            level = observed_levels("gsm8k", entry, 0.05, ref[:, :k], cand[:, :k])[-1]["confidence"]
+            args = (ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), None, rules)
+            verdicts.append((judge(*args, policy)[1], judge(*args, replace(policy, confidence=level))[1]))
+        naive += any(v == PASS for v, _ in verdicts)
+        stopped = next((w for _, w in verdicts if w != "INCONCLUSIVE"), "INCONCLUSIVE")
+        observed += stopped == PASS
+    assert observed / sims <= 0.08 and naive > observed
+
+
+def test_observed_fractions_spend_on_the_information_seen():
+    """Look j's fraction is its information over the larger of the plan's final information and the
+    final information its own data predict; the plan's last look is 1."""
+    assert sequential.observed_fractions([100, 150, 180], [400, 300, 200], 300, True) == pytest.approx([0.25, 0.5, 1])
+    assert sequential.observed_fractions([100, 150], [200, 200], 300, False) == pytest.approx([1 / 3, 0.5])
+    # a look that saw no more than the one before spends (almost) nothing
+    t = sequential.observed_fractions([100, 90], [300, 300], 300, False)
+    assert t[1] > t[0] and sequential.spent(t[1], 0.05) - sequential.spent(t[0], 0.05) < 1e-6
+    # boundaries of looks so far: the first look's is the one a plan with that first fraction has
+    assert sequential.look_boundaries([0.25], 0.05)[0] == pytest.approx(sequential.boundaries([0.25, 1], 0.05)[0],
+                                                                        abs=1e-6)
+    # noisier repeats than planned: the levels are stricter than the plan's at the same look
+    rng = np.random.default_rng(4)
+    stated = Assumptions(0.04, 0.02, "stated")
+    entry = {"items": 198, "assumptions": stated.__dict__, "looks": plan_looks(stated, 4, 0.05)}
+    p = rng.beta(1, 1, 198)
+    ref, cand = (rng.random((198, 4)) < p[:, None]).astype(float), (rng.random((198, 4)) < p[:, None]).astype(float)
+    levels = observed_levels("gpqa_diamond", entry, 0.05, ref[:, :2], cand[:, :2])
+    assert [lk["repeats"] for lk in levels] == [1, 2]
+    assert levels[1]["information_fraction"] < entry["looks"][1]["information_fraction"]
+    assert levels[1]["confidence"] > entry["looks"][1]["confidence"]
+    assert observed_levels("gpqa_diamond", entry, 0.05, ref, cand)[-1]["information_fraction"] == 1.0
+
+
+def test_tau2_designs_have_every_task():
+    """A plan for 277 tau2 tasks could never be followed: `evals run --plan` runs all 278."""
+    for margin in (0.05, 0.08, 0.2):
+        d = design("tau2", DEFAULT_ASSUMPTIONS["tau2"], margin, 0.01, 0.05, 0.8, 278, 8, 20)
+        assert d.items == 278
 
 
 def test_planned_look_says_whether_a_run_follows_its_plan():
