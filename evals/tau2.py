@@ -39,6 +39,7 @@ from pathlib import Path
 from evals.bundle import BundleWriter
 from evals.errors import BadInput
 from quant.hashing import sha256_of
+from quant.safe_files import read_regular
 
 MODEL_OUTPUT_ERRORS = {"JSONDecodeError", "ContextWindowExceededError"}
 INFRA_TERMINATIONS = {"user_error"}
@@ -50,13 +51,20 @@ class Tau2Error(BadInput):
     pass
 
 
+RESULTS_BYTES = 1 << 30  # a results file holds every simulation's messages: far larger than any other JSON read
+
+
 def load_results(path: Path) -> dict:
     """A results file validated by tau2's own pydantic models (``Results``), as plain JSON."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network lookups from litellm
     from tau2.data_model.simulation import Results
 
     try:
-        return json.loads(Results.model_validate_json(Path(path).read_text()).model_dump_json())
+        data = read_regular(Path(path), RESULTS_BYTES, Tau2Error)  # a FIFO or /dev/zero: refused, never read
+    except OSError as exc:
+        raise Tau2Error(f"{path}: cannot be read ({exc.strerror or exc}); give tau2's results JSON file") from None
+    try:
+        return json.loads(Results.model_validate_json(data).model_dump_json())
     except Exception as exc:  # pydantic's ValidationError, JSON errors
         raise Tau2Error(f"{path}: not a tau2 results file ({type(exc).__name__}: {str(exc)[:300]})") from None
 

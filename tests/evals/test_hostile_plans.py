@@ -334,3 +334,15 @@ def test_gate_plan_with_a_partly_repeated_pilot_is_one_line(tmp_path):
     out = as_process("main", "plan", "--benchmarks", "gpqa_diamond", "--pilot-reference", ref)
     assert out.returncode == 2
     one_line(out.stderr, f"--pilot-reference {ref}: gpqa_diamond: 1 of 30 items have every repeat (2)")
+
+
+# ---- tau2 results files: JSON inputs through the same regular-file read ------------------------------
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_evals_import_tau2_refuses_a_results_file_that_is_no_regular_file(special, tmp_path):
+    results = tmp_path / "airline.json"
+    os.mkfifo(results) if special == "fifo" else results.symlink_to("/dev/zero")
+    out = as_process("evals_main", "import-tau2", results, "--out", tmp_path / "bundle", timeout=120)  # hung on a FIFO
+    assert out.returncode == 2
+    one_line(out.stderr, str(results), "not a regular file")
+    assert not (tmp_path / "bundle").exists()
