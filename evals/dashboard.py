@@ -74,7 +74,7 @@ def release_report_beside(candidate, reference) -> Path | None:
         return None
     saved = read_json(path, BadInput, "a report.json beside a run is written by `gate release`")
     accuracy = saved.get("accuracy") if isinstance(saved, dict) else None
-    if "verdict" not in saved or not isinstance(accuracy, dict):
+    if not isinstance(accuracy, dict) or "verdict" not in saved:  # not a release report: nothing to show
         return None
     same = all(Path(str(accuracy.get(arm))).resolve() == Path(given).resolve()
                for arm, given in (("candidate", candidate), ("reference", reference)))
