@@ -126,9 +126,9 @@ def _notebook(tmp_path, **parameters) -> str:
     out = tmp_path / "executed.ipynb"
     papermill.execute_notebook(str(NOTEBOOK), str(out), parameters={k: str(v) for k, v in parameters.items()},
                                kernel_name="python3", cwd=str(NOTEBOOK.parents[1]), progress_bar=False)
-    cells = json.loads(out.read_text())["cells"]
-    return "".join(o.get("text", "") if isinstance(o.get("text"), str) else "".join(o.get("text", []))
-                   for c in cells if c["cell_type"] == "code" for o in c.get("outputs", []))
+    outputs = [o for c in json.loads(out.read_text())["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    text = [o.get("text") or o.get("data", {}).get("text/plain", "") for o in outputs]  # printed, and tables shown
+    return "".join(t if isinstance(t, str) else "".join(t) for t in text)
 
 
 def test_the_notebook_shows_the_release_reports_verdict_and_refuses_another_policy(example, capsys, tmp_path):
@@ -164,3 +164,4 @@ def test_a_bound_a_hair_from_the_margin_prints_the_digits_that_tell_them_apart(e
             assert says in text, (says, text[:3000])
         if says == "at the margin":
             assert json.loads((cand / "report.json").read_text())["accuracy"]["verdict"] != "PASS"  # a tie is no pass
+            assert "at the margin" in _notebook(tmp_path, candidate=cand, reference=ref)  # its table, from the report
