@@ -86,10 +86,11 @@ def _typed(cls, raw, where: str):
     """``cls(**raw)`` with every key known and every value of its field's kind, else BadInput."""
     if not isinstance(raw, dict):
         raise BadInput(f"{where}: expected a mapping, got {raw!r}")
-    known = {f.name: f for f in fields(cls)}
+    known = {f.name: f for f in fields(cls) if f.name != "source"}  # the file it was read from is not a key of it
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+        raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(known)} (a misspelt key would otherwise "
+                       "leave its default in force): fix the policy")
     for key, value in raw.items():
         kind = known[key].type
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -238,6 +238,8 @@ POLICIES = {
     "resamples 0": ("bootstrap: {resamples: 0}\n" + MARGIN_POLICY, "bootstrap.resamples 0 must be at least 1"),
     "alias bomb": (BILLION_LAUGHS, "an alias (*name)"),
     "a list": ("- gsm8k\n", "a YAML list, not a mapping"),
+    "source set by the file": ("source: elsewhere.yaml\n" + MARGIN_POLICY, "unknown key(s) ['source']"),
+    "a misspelt key": ("benchmarks:\n  gsm8k: {margn: 0.5}\n", "benchmarks.gsm8k: unknown key(s) ['margn']"),
 }
 
 
