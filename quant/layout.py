@@ -121,7 +121,8 @@ def family_for(config: dict, manifest: Path | None = None) -> Family:
     listed = "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in known)
     raise UnknownFamilyError(
         f"config.json model_type {model_type!r}: no model-family manifest (known families: {listed}). To add one: "
-        f"write manifests/models/<family>.yaml like {models_dir / 'glm4_moe.yaml'} (model_types, tensor roles by "
-        "regex, engine_classes: the sglang and vLLM model class of the architecture), and the engine rules read for "
-        "those classes in the wheels (manifests/engines/<engine>.<family>.yaml: packed_modules_mapping, fused "
-        "modules, which modules get the quant config, draft naming, shared-expert fusion)")
+        f"write manifests/models/<family>.yaml like {models_dir / 'glm_moe_dsa.yaml'} (model_types, tensor roles by "
+        "regex, engine_classes: the sglang and vLLM model class of the architecture; or pass it with "
+        "--family-manifest FILE), and the engine rules read for those classes in the wheels "
+        "(manifests/engines/<engine>.<family>.yaml: packed_modules_mapping, fused modules, which modules get the "
+        "quant config, draft naming, shared-expert fusion)")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from quant.checkpoint import Checkpoint
 from quant.engines import Module, draft_name, replay, select
+from quant.engines.config import layer_findings
 from quant.engines.replay import release_spans
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.layout import Family, family_for
@@ -232,15 +233,17 @@ def _check_engines_load(plan: Plan) -> list[str]:
                                                               plan.config)]
     fusion = [f for f in findings if f.check == "fusion"]
     findings = [f for f in findings if f.check != "fusion"]
+    layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, plan.config)]
     if findings:
         listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
         raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "
                           "Change the recipe (quantize whole fused modules and whole expert layers).")
+    warnings = [f"{f.engine}: {f.why}; {f.fix}" for f in layers]
     if not fusion:
-        return []
+        return warnings
     releases = release_spans([r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)],
                              plan.family)
-    return [(f"shared-expert fusion: on MI355X (ROCm gfx942+, CUDA sm80+; TP, fusion on) {releases} fold the shared "
+    return warnings + [(f"shared-expert fusion: on MI355X (ROCm gfx942+, CUDA sm80+; TP, fusion on) {releases} fold the shared "
              f"expert into the routed experts' FusedMoE, and this recipe stores them in different dtypes, so these "
              f"releases fail to load it ({fusion[0].module}). Ways out: {fusion[0].fix}. gate checkpoint lists each "
              "release and GPU")]

@@ -53,9 +53,12 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
                     "(AttributeError at load unless the config class supplies it)", f"add {key!r} (the source "
                     "checkpoint's value; DeepSeek-V3 and GLM-5 use topk_method 'noaux_tc')")
     biases, routers = routers
-    # bias_when: the topk_method for which the class creates e_score_correction_bias, or "always"
+    # bias_when: the topk_method for which the class creates e_score_correction_bias, "always" or "never"
     noaux = router["bias_when"] == "always" or config.get("topk_method") == router["bias_when"]
-    if biases and not noaux:
+    if biases and router["bias_when"] == "never":
+        finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but {rules.engine}'s model class creates "
+                "no router bias (unexpected tensors at load)", "drop them: this family's router has no bias")
+    elif biases and not noaux:
         finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but topk_method is "
                 f"{config.get('topk_method')!r}: {rules.engine} creates the bias only for {router['bias_when']!r} "
                 "(KeyError for the unexpected tensor at load)", f"set \"topk_method\": \"{router['bias_when']}\"")
@@ -65,6 +68,7 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
         finding("e_score_correction_bias", f"{when} but only {len(biases)} of "
                 f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
                 "copy the source checkpoint's e_score_correction_bias tensors")
+    findings += layer_findings(rules, config)
     declared = int(config.get("num_nextn_predict_layers") or 0)
     if declared != len(mtp_layers):
         finding("config.json num_nextn_predict_layers", f"declares {declared} MTP layer(s); the checkpoint holds "
@@ -76,3 +80,18 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
         finding("config.json num_nextn_predict_layers", f"{rules.engine} asserts at most {limit} MTP layer "
                 "('Only 1 nextn layer is supported') when it loads the draft", "serve without the MTP draft")
     return findings
+
+
+def layer_findings(rules: RuleSet, config: dict) -> list[Finding]:
+    """Dense layers the config declares that the release builds as MoE layers (``moe_layers: all``)."""
+    if rules.values.get("moe_layers") != "all":
+        return []
+    dense = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    if not dense and step in (1, None):
+        return []
+    return [Finding("config", rules.id, "config.json mlp_only_layers",
+                    f"declares dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}) but {rules.engine} "
+                    f"builds every layer MoE ({rules.cites['moe_layers'].split(' (')[0]}): the dense layers' MLP weights "
+                    "are skipped and their experts never loaded (loads silently wrong)",
+                    "serve with vLLM, which honours mlp_only_layers and decoder_sparse_step")]

@@ -51,8 +51,8 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
                      draft: bool) -> str | None:
     """None when the release fuses the shared expert of this model (main or draft); else why not,
     in the engine's terms. ``entries``: the exclude list this runner's quant config holds."""
-    if "shared_experts_fusion" not in rules.values:
-        return "no shared-expert fusion modelled for this engine"
+    if not rules.values.get("shared_experts_fusion"):
+        return "no shared-expert fusion in this engine or model class"
     rule = rules["shared_experts_fusion"]
     if serving.disable_shared_experts_fusion:
         return "--disable-shared-experts-fusion"

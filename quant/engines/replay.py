@@ -270,7 +270,7 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
                     serving: Serving) -> list[Finding]:
     """A fused shared expert whose dtype on disk differs from its FusedMoE's expert slots: one
     finding per runner (main model, MTP draft), naming the ways out."""
-    if rules.engine != "sglang" or "shared_experts_fusion" not in rules.values:
+    if rules.engine != "sglang" or not rules.values.get("shared_experts_fusion"):
         return []
     clashes: dict[bool, list[tuple[str, str]]] = {}
     by_layer = lambda item: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0])]

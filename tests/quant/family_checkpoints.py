@@ -17,13 +17,23 @@ TINY = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "moe_int
         "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
 
 
-def _glm4_moe(num_hidden_layers: int):
+def _glm4_moe(num_hidden_layers: int, **overrides):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    config = Glm4MoeConfig(**TINY, num_hidden_layers=num_hidden_layers, n_routed_experts=4, n_shared_experts=1,
-                           num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=1,
-                           attention_bias=True, n_group=1, topk_group=1, partial_rotary_factor=0.5)
+    config = Glm4MoeConfig(**{**TINY, "num_hidden_layers": num_hidden_layers, "n_routed_experts": 4,
+                              "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                              "num_nextn_predict_layers": 1, "attention_bias": True, "n_group": 1, "topk_group": 1,
+                              "partial_rotary_factor": 0.5, **overrides})
     return config, Glm4MoeForCausalLM
+
+
+def _qwen3_moe(num_hidden_layers: int, **overrides):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{**TINY, "num_hidden_layers": num_hidden_layers, "num_experts": 4,
+                               "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                               "norm_topk_prob": True, **overrides})
+    return config, Qwen3MoeForCausalLM
 
 
 def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
@@ -34,16 +44,18 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
             p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h), p + "embed_tokens.weight": (v, h)}
 
 
-BUILDERS = {"glm4_moe": (_glm4_moe, True)}  # family -> (config + model class, whether the release has an MTP layer)
+BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False)}  # family -> (config + model class, whether the release has an MTP layer)
 
 
-def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0) -> Path:
-    """A bf16 checkpoint of ``family`` in two shards with index, config.json and tokenizer."""
+def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
+                            **config_overrides) -> Path:
+    """A bf16 checkpoint of ``family`` in two shards with index, config.json and tokenizer
+    (``config_overrides``: config keys other than the release's, e.g. ``mlp_only_layers``)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     build, has_mtp = BUILDERS[family]
-    config, model_class = build(num_hidden_layers + has_mtp)  # the MTP layer's decoder: one layer more
+    config, model_class = build(num_hidden_layers + has_mtp, **config_overrides)  # the MTP layer's decoder: one layer more
     torch.manual_seed(seed)
     dst = Path(dst)
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:

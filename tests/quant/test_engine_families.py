@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 import types
 
 import pytest
@@ -43,6 +44,12 @@ SOURCES = {
         "sglang": {"main": "sglang/srt/models/glm4_moe.py", "draft": "sglang/srt/models/glm4_moe_nextn.py"},
         "vllm": {"main": "vllm/model_executor/models/glm4_moe.py", "draft": "vllm/model_executor/models/glm4_moe_mtp.py"},
     },
+    "qwen3_moe": {
+        # the MLP class is qwen2_moe.py's Qwen2MoeMLP (imported as Qwen3MoeMLP)
+        "sglang": {"main": "sglang/srt/models/qwen3_moe.py", "draft": "sglang/srt/models/qwen3_moe_mtp.py",
+                   "mlp": "sglang/srt/models/qwen2_moe.py"},
+        "vllm": {"main": "vllm/model_executor/models/qwen3_moe.py", "draft": None},
+    },
 }
 FAMILIES = sorted(SOURCES)
 
@@ -59,19 +66,20 @@ def _cases() -> list[tuple]:
 
 CASES_ALL = _cases()
 SGLANG = [c for c in CASES_ALL if c[1].engine == "sglang"]
+FUSING = [c for c in SGLANG if c[1].values.get("shared_experts_fusion")]
 
 
 def _ids(cases) -> list[str]:
     return [f"{family}-{rules.engine} {release}" for family, rules, release in cases]
 
 
-def _classes(family: str, engine: str, rules) -> tuple[str, str]:
-    """(the main class, the draft class) the rule file was read for."""
+def _classes(family: str, engine: str, rules) -> tuple[str, str | None]:
+    """(the main class, the draft class or None) the rule file was read for."""
     from quant.engines.rules import _manifest, rules_file
 
     classes = _manifest(rules_file(engine, family))["model_classes"]
     assert classes[0] == family_named(family).engine_class[engine] == rules.model_class
-    return classes[0], classes[1]
+    return classes[0], (classes[1] if len(classes) > 1 else None)
 
 
 def class_mapping(whl, engine: str, path: str, cls: str, kind: str) -> dict[str, list[str]]:
@@ -190,8 +198,18 @@ def _fusion_engine(whl, family: str, path: str, cls: str):
     return decide
 
 
-@pytest.mark.parametrize("draft", [False, True], ids=["main", "draft"])
 @pytest.mark.parametrize(("family", "rules", "release"), SGLANG, ids=_ids(SGLANG))
+def test_a_class_without_fusion_rules_has_no_fusion_hook(family, rules, release):
+    """No shared_experts_fusion rule: the class defines no shared_experts_fusion_disable_reason, so
+    the loader fuses nothing (layers/moe/utils.py: a class without the hook follows no fusion)."""
+    main, _ = _classes(family, "sglang", rules)
+    node = class_def(engine_wheel(rules, release), SOURCES[family]["sglang"]["main"], main)
+    assert (method_def(node, "shared_experts_fusion_disable_reason") is not None) == \
+        bool(rules.values.get("shared_experts_fusion"))
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["main", "draft"])
+@pytest.mark.parametrize(("family", "rules", "release"), FUSING, ids=_ids(FUSING))
 def test_shared_expert_fusion_decisions_are_the_engines(family, rules, release, draft):
     whl = engine_wheel(rules, release)
     main, draft_cls = _classes(family, "sglang", rules)
@@ -227,34 +245,64 @@ def _unconditional(fn: ast.FunctionDef, attr_target: str) -> bool:
     return any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == attr_target for s in fn.body)
 
 
+def _glm4_moe_construction(whl, rules, where) -> dict:
+    if rules.engine == "sglang":
+        gate = method_def(class_def(whl, where["main"], "Glm4MoeGate"), "__init__")
+        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeModelNextN"), "__init__"), "eh_proj")
+        draft_text = source(whl, where["draft"])
+        return {"router_plain": all(b.call == "nn.Parameter" for b in attribute_builds(gate, "weight")),
+                "bias_always": _unconditional(gate, "self.e_score_correction_bias"), "eh": eh,
+                "remaps": "hf_to_sglang_mapper" in draft_text or "_resolve_nextn_quant_config" in draft_text}
+    moe = method_def(class_def(whl, where["main"], "Glm4MoE"), "__init__")
+    gates = attribute_builds(moe, "gate")
+    eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeMultiTokenPredictorLayer"), "__init__"),
+                          "eh_proj")
+    return {"router_plain": bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords
+                                                for b in gates),
+            "bias_always": _unconditional(moe, "self.gate.e_score_correction_bias"), "eh": eh,
+            "remaps": "hf_to_vllm_mapper" in source(whl, where["draft"])}
+
+
+def _qwen3_moe_construction(whl, rules, where) -> dict:
+    block = method_def(class_def(whl, where["main"], "Qwen3MoeSparseMoeBlock"), "__init__")
+    gates = attribute_builds(block, "gate")
+    text = ast.unparse(block)
+    if rules.engine == "sglang":
+        # gate_quant_config = quant_config only for modelslim, else None
+        plain = bool(gates) and all(b.keywords.get("quant_config") == "gate_quant_config" for b in gates) and \
+            "get_name() == 'modelslim' else None" in text.replace('"', "'")
+        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Qwen3MoeForCausalLMMTP"), "__init__"), "fc")
+        remaps = "hf_to_sglang_mapper" in source(whl, where["draft"])
+    else:
+        plain = not (gates and all(b.keywords.get("quant_config") == "quant_config" for b in gates))
+        eh, remaps = [], "get_rename_mapper" in source(whl, where["main"])
+    layer = ast.unparse(method_def(class_def(whl, where["main"], "Qwen3MoeDecoderLayer"), "__init__"))
+    stage = class_def(whl, where["main"], "Qwen3MoeDecoderLayer")
+    all_sparse = "is_layer_sparse = True" in ast.unparse(stage) and "mlp_only_layers" not in ast.unparse(stage)
+    return {"router_plain": plain, "bias_always": False, "bias_never": "e_score_correction_bias" not in text,
+            "eh": eh, "remaps": remaps, "moe_layers": "all" if all_sparse else
+            "config" if "mlp_only_layers" in layer and "decoder_sparse_step" in layer else "unknown"}
+
+
+CONSTRUCTION = {"glm4_moe": _glm4_moe_construction, "qwen3_moe": _qwen3_moe_construction}
+
+
 @pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
 def test_module_construction_is_the_engine_classes(family, rules, release):
     whl = engine_wheel(rules, release)
     where = SOURCES[family][rules.engine]
-    main, draft = _classes(family, rules.engine, rules)
-    text = source(whl, where["main"])
     # fused modules: built as one Linear from these shards
-    assert {"qkv_proj", "gate_up_proj"} == set(rules["built_fused"])
-    assert "self.qkv_proj = QKVParallelLinear(" in text and "self.gate_up_proj = MergedColumnParallelLinear(" in text
-    if rules.engine == "sglang":
-        gate = method_def(class_def(whl, where["main"], "Glm4MoeGate"), "__init__")
-        assert all(b.call == "nn.Parameter" for b in attribute_builds(gate, "weight"))  # no quant config
-        bias_always = _unconditional(gate, "self.e_score_correction_bias")
-        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeModelNextN"), "__init__"), "eh_proj")
-        draft_text = source(whl, where["draft"])
-        remaps = "hf_to_sglang_mapper" in draft_text or "_resolve_nextn_quant_config" in draft_text
-    else:
-        moe = method_def(class_def(whl, where["main"], "Glm4MoE"), "__init__")
-        gates = attribute_builds(moe, "gate")
-        assert gates and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
-        bias_always = _unconditional(moe, "self.gate.e_score_correction_bias")
-        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Glm4MoeMultiTokenPredictorLayer"),
-                                         "__init__"), "eh_proj")
-        remaps = "hf_to_vllm_mapper" in source(whl, where["draft"])
-    assert "router" in rules["unquantized_roles"]
-    assert (rules["router"]["bias_when"] == "always") == bias_always
-    assert rules["eh_proj"] == ("plain" if eh and all(b.call == "nn.Linear" for b in eh) else "quant_config")
-    assert rules["draft_exclude"][family] == ("none" if not remaps else "remapped")
+    built_as = {name: re.search(rf"self\.{name} = \(?\s*{call}\(", source(whl, where.get(part, where["main"])))
+                for name, call, part in (("qkv_proj", "QKVParallelLinear", "main"),
+                                         ("gate_up_proj", "MergedColumnParallelLinear", "mlp"))}
+    assert {name for name, found in built_as.items() if found} == set(rules["built_fused"])
+    built = CONSTRUCTION[family](whl, rules, where)
+    assert built["router_plain"] == ("router" in rules["unquantized_roles"])
+    assert (rules["router"]["bias_when"] == "always") == built["bias_always"]
+    assert (rules["router"]["bias_when"] == "never") == built.get("bias_never", False)
+    assert rules["eh_proj"] == ("plain" if all(b.call == "nn.Linear" for b in built["eh"]) else "quant_config")
+    assert rules["draft_exclude"][family] == ("none" if not built["remaps"] else "remapped")
+    assert rules.values.get("moe_layers", "config") == built.get("moe_layers", "config")
 
 
 @pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
@@ -262,6 +310,15 @@ def test_draft_class_and_names_are_the_engines(family, rules, release):
     whl = engine_wheel(rules, release)
     main, draft = _classes(family, rules.engine, rules)
     naming = rules["mtp_naming"]
+    if family == "qwen3_moe":  # no draft layer in the releases: names stay; sglang's draft class reads mtp.*
+        assert naming["style"] == "original" and naming["max_layers"] is None
+        if rules.engine == "sglang":
+            assert _draft_config_arch(whl, main) == draft
+            load = ast.unparse(method_def(class_def(whl, SOURCES[family]["sglang"]["main"], main), "load_weights"))
+            assert re.search(r"elif 'mtp' in name:\s+continue", load)  # the main model drops mtp.* names
+        else:
+            assert f"{main}MTP" not in source(whl, "vllm/model_executor/models/registry.py") and draft is None
+        return
     if rules.engine == "sglang":
         assert _draft_config_arch(whl, main) == draft  # configs/model_config.py rewrites the draft's class
         text = source(whl, SOURCES[family]["sglang"]["draft"])
