@@ -142,7 +142,7 @@ def _human_plan(plan: Plan) -> str:
         lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
     lines += [
         f"bytes       in {size(s['bytes_in'])} -> out {size(s['bytes_out'])}",
-        f"exclude     {s['exclude_count']} exact module names, {len(s['draft_aliases'])} of them MTP draft names (sglang's model.decoder.*)",
+        f"exclude     {s['exclude_count']} exact module names, {len(s['draft_aliases'])} of them the engines' own names (an MTP draft's model.decoder.*, a class's own layer prefix)",
     ]
     lines += [f"  alias {a}" for a in s["draft_aliases"][:8]]
     if len(s["draft_aliases"]) > 8:

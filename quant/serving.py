@@ -18,7 +18,7 @@ from quant.engines import draft_name, rule_sets
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_ROUTED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.\d+\.[^.]+$")
+_ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")  # mlp.experts.E.*, block_sparse_moe.experts.E.*
 
 
 class NamingError(ValueError):

@@ -262,7 +262,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
     kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
-    routers = router_tensors(tensors)
+    routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
         report.findings += model_findings(rules, config, routers, num_hidden_layers, mtp_layers)
         if kind == "quark":

@@ -31,10 +31,12 @@ def quark_findings(rules: RuleSet, qconfig: dict) -> list[Finding]:
     return findings
 
 
-def router_tensors(tensors) -> tuple[list[str], list[str]]:
-    """The checkpoint's router bias and router weight tensors (computed once, checked per release)."""
-    return (sorted(t for t in tensors if t.endswith(".mlp.gate.e_score_correction_bias")),
-            sorted(t for t in tensors if t.endswith(".mlp.gate.weight")))
+def router_tensors(tensors, family, num_hidden_layers: int) -> tuple[list[str], list[str]]:
+    """The checkpoint's router bias and router weight tensors, by the family's roles (computed once,
+    checked per release)."""
+    roles = {t: family.classify(t, num_hidden_layers).role for t in tensors}
+    return (sorted(t for t, r in roles.items() if r == "router_bias"),
+            sorted(t for t, r in roles.items() if r == "router" and t.endswith(".weight")))
 
 
 def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,

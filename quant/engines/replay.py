@@ -52,12 +52,24 @@ class EngineModule:
     role: str = ""
 
 
+def class_name(module: str, rules: RuleSet) -> str:
+    """A checkpoint module under the prefix the model class builds it with (``module_names``: a key
+    starting with ``^`` renames that prefix, any other key the first occurrence of that text)."""
+    for old, new in (rules.values.get("module_names") or {}).items():
+        if old.startswith("^"):
+            if module.startswith(old[1:]):
+                module = new + module[len(old) - 1:]
+        elif old in module:
+            module = module.replace(old, new, 1)
+    return module
+
+
 def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:
     """The engine's name for a checkpoint module (None: the engine does not load it)."""
     naming = rules["mtp_naming"]
     match = _LAYER.match(module)
     if not match or int(match.group(1)) < num_hidden_layers or naming["style"] != "decoder":
-        return module
+        return class_name(module, rules)
     if any(part in module for part in naming["skipped"]):
         return None
     rest = match.group(2)

@@ -117,6 +117,13 @@ MUTATIONS = [
     data("sglang.qwen3_moe", "0.5.21", "shared_experts_fusion", [], {"decided_by": "shared_experts_fusion_disable_reason",
          "exclude_veto": "none", "arch": None, "draft_arch": {}, "routed_experts": "any", "shared_experts": "any",
          "min_capability": {"cuda": [8, 0], "rocm": [9, 4]}, "ep_min_capability": {}}, "qwen3 fusion modelled"),
+    # Mixtral (MixtralForCausalLM) rules: manifests/engines/{sglang,vllm}.mixtral.yaml
+    data("sglang.mixtral", "0.5.21", "module_names", [], {}, "mixtral sglang layers under model.layers"),
+    data("vllm.mixtral", "0.33.0", "module_names", [], {"^model.layers.": "layers."}, "mixtral vLLM layers.N"),
+    data("sglang.mixtral", "0.5.21", "built_fused", [], {}, "mixtral sglang q/k/v separate"),
+    data("vllm.mixtral", "0.33.0", "quark_fused", [], {}, "mixtral vLLM no Quark mapping"),
+    data("vllm.mixtral", "0.33.0", "unquantized_roles", [], ["lm_head"], "mixtral vLLM router quantized"),
+    data("sglang.mixtral", "0.5.21", "router", ["bias_when"], "always", "mixtral router has a bias"),
     top("sglang", ("rule_sets", "0.5.19", "versions"), ["0.5.19", "0.5.19"], "0.5.20 moved into the 0.5.21 set"),
     top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
     top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",
@@ -151,7 +158,7 @@ def _apply_data(manifest: dict, m: dict) -> None:
     raw = next(r for r in manifest["rule_sets"] if str(r["versions"][0]) == m["first"])
     if m["rule"] not in raw["rules"]:  # the set inherits it: restate the inherited value, then change it
         inherited = next(r for r in rules_module._rule_sets(m["engine"]) if r.first == m["first"])
-        raw["rules"][m["rule"]] = {"value": copy.deepcopy(inherited[m["rule"]]), "cite": "mutation"}
+        raw["rules"][m["rule"]] = {"value": copy.deepcopy(inherited.values.get(m["rule"])), "cite": "mutation"}
     target = raw["rules"][m["rule"]]
     if not m["path"]:
         target["value"] = m["value"]

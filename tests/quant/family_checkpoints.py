@@ -36,6 +36,14 @@ def _qwen3_moe(num_hidden_layers: int, **overrides):
     return config, Qwen3MoeForCausalLM
 
 
+def _mixtral(num_hidden_layers: int, **overrides):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{**TINY, "intermediate_size": 32, "num_hidden_layers": num_hidden_layers,
+                              "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
+    return config, MixtralForCausalLM
+
+
 def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
     """The next-n layer's own tensors as GLM-4.5 / DeepSeek-V3 store them (beside a full decoder layer)."""
     h, v = config.hidden_size, config.vocab_size
@@ -44,7 +52,7 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
             p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h), p + "embed_tokens.weight": (v, h)}
 
 
-BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False)}  # family -> (config + model class, whether the release has an MTP layer)
+BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False)}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,

@@ -47,10 +47,16 @@ SOURCES = {
     "qwen3_moe": {
         # the MLP class is qwen2_moe.py's Qwen2MoeMLP (imported as Qwen3MoeMLP)
         "sglang": {"main": "sglang/srt/models/qwen3_moe.py", "draft": "sglang/srt/models/qwen3_moe_mtp.py",
-                   "mlp": "sglang/srt/models/qwen2_moe.py"},
+                   "mlp": "sglang/srt/models/qwen2_moe.py", "layers": "sglang/srt/models/qwen2_moe.py"},
         "vllm": {"main": "vllm/model_executor/models/qwen3_moe.py", "draft": None},
     },
+    "mixtral": {
+        "sglang": {"main": "sglang/srt/models/mixtral.py", "draft": None},
+        "vllm": {"main": "vllm/model_executor/models/mixtral.py", "draft": None},
+    },
 }
+# Module names each family's pool uses for the routed experts and the router (Mixtral: block_sparse_moe)
+MOE = {"mixtral": "block_sparse_moe"}
 FAMILIES = sorted(SOURCES)
 
 
@@ -99,20 +105,24 @@ def class_mapping(whl, engine: str, path: str, cls: str, kind: str) -> dict[str,
 
 def _pool(family: str, rules, num_layers: int = 3):
     """Engine module names and exclude entries the generator draws from (GQA attention, dense and MoE
-    MLPs, shared experts, the draft's names in both engines' styles, regexes and prefixes)."""
-    layers = ["model.layers.0.", "model.layers.1.", f"model.layers.{num_layers}."] + \
+    MLPs, shared experts, the draft's names in both engines' styles, the class's own prefix, regexes
+    and prefixes)."""
+    layers = ["model.layers.0.", "model.layers.1.", f"model.layers.{num_layers}.", "layers.1."] + \
         (["model.decoder."] if rules.engine == "sglang" else [])
+    moe = MOE.get(family, "mlp")
     modules, entries = [], ["lm_head", "model.decoder", "mlp.gate", "re:.*shared_experts.*", "re:.*experts.*",
                             "re:model\\.layers\\.1\\..*", "re:.*gate_up_proj", "re:.*(q_proj|k_proj)", "self_attn",
                             "experts", "model.layers.1", "re:.*qkv_proj"]
     for p in layers:
         modules += [p + m for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
-                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts")]
+                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", f"{moe}.experts",
+                                    f"{moe}.gate")]
         entries += [p + m for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj",
                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj",
                                     "mlp.down_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts",
-                                    "mlp.experts.0.gate_proj", "mlp.experts.1.down_proj", "mlp.gate")]
+                                    "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", f"{moe}.experts",
+                                    f"{moe}.experts.0.gate_proj", f"{moe}.experts.1.down_proj", f"{moe}.experts.0.w1",
+                                    f"{moe}.gate")]
     return modules, entries
 
 
@@ -284,7 +294,21 @@ def _qwen3_moe_construction(whl, rules, where) -> dict:
             "config" if "mlp_only_layers" in layer and "decoder_sparse_step" in layer else "unknown"}
 
 
-CONSTRUCTION = {"glm4_moe": _glm4_moe_construction, "qwen3_moe": _qwen3_moe_construction}
+def _mixtral_construction(whl, rules, where) -> dict:
+    block = method_def(class_def(whl, where["main"], "MixtralMoE"), "__init__")
+    gates = attribute_builds(block, "gate")
+    head = ast.unparse(method_def(class_def(whl, where["main"], "MixtralForCausalLM"), "__init__"))
+    if rules.engine == "sglang":
+        plain = bool(gates) and all(b.keywords.get("quant_config") == "None" for b in gates)
+        assert "quant_config" not in head[head.index("self.lm_head = "):][:160]  # lm_head built without it
+    else:
+        plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
+    return {"router_plain": plain, "bias_always": False,
+            "bias_never": "e_score_correction_bias" not in ast.unparse(block), "eh": [], "remaps": False}
+
+
+CONSTRUCTION = {"glm4_moe": _glm4_moe_construction, "qwen3_moe": _qwen3_moe_construction,
+                "mixtral": _mixtral_construction}
 
 
 @pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
@@ -296,6 +320,13 @@ def test_module_construction_is_the_engine_classes(family, rules, release):
                 for name, call, part in (("qkv_proj", "QKVParallelLinear", "main"),
                                          ("gate_up_proj", "MergedColumnParallelLinear", "mlp"))}
     assert {name for name, found in built_as.items() if found} == set(rules["built_fused"])
+    # the prefix the decoder layers are built under: make_layers(..., prefix="layers") drops "model."
+    tree = parsed(whl, where.get("layers", where["main"]))
+    prefixes = {k.value for call in ast.walk(tree) if isinstance(call, ast.Call)
+                and ast.unparse(call.func) in ("make_layers", "make_pp_layers") for k in call.keywords if k.arg == "prefix"}
+    literal = {p.value for p in prefixes if isinstance(p, ast.Constant)}
+    assert prefixes and literal <= {"layers"}
+    assert (rules.values.get("module_names") or {}) == ({"^model.layers.": "layers."} if literal else {})
     built = CONSTRUCTION[family](whl, rules, where)
     assert built["router_plain"] == ("router" in rules["unquantized_roles"])
     assert (rules["router"]["bias_when"] == "always") == built["bias_always"]
@@ -310,6 +341,13 @@ def test_draft_class_and_names_are_the_engines(family, rules, release):
     whl = engine_wheel(rules, release)
     main, draft = _classes(family, rules.engine, rules)
     naming = rules["mtp_naming"]
+    if draft is None and rules.engine == "sglang" and family == "mixtral":  # no draft class: nothing renames a draft
+        assert _draft_config_arch(whl, main) == main and naming["style"] == "original"
+        assert "nextn" not in source(whl, SOURCES[family]["sglang"]["main"]).lower()
+        return
+    if draft is None and family == "mixtral":
+        assert f'"{main}MTP"' not in source(whl, "vllm/model_executor/models/registry.py") and naming["style"] == "original"
+        return
     if family == "qwen3_moe":  # no draft layer in the releases: names stay; sglang's draft class reads mtp.*
         assert naming["style"] == "original" and naming["max_layers"] is None
         if rules.engine == "sglang":

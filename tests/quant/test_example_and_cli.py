@@ -75,7 +75,7 @@ def test_dry_run_json_and_human(glm_ckpt, tmp_path, capsys):
     assert plan["by_role"]["routed_expert"] == {"quantize": 36, "keep": 0}
     assert main(["--to", "mxfp4", "--dry-run", str(glm_ckpt), str(tmp_path / "o")]) == 0
     human = capsys.readouterr().out
-    assert "36 to MXFP4" in human and "MTP draft names" in human
+    assert "36 to MXFP4" in human and "MTP draft's model.decoder" in human
     assert not (tmp_path / "o").exists()
 
 

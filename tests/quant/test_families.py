@@ -26,6 +26,9 @@ EXPECT = {
     # vLLM builds the router with the quant config: it must be listed
     "qwen3_moe": {"aliases": ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate"],
                   "sglang_default_loads": True},
+    # sglang builds Mixtral's layers under layers.N (no model.), and has no qkv_proj shards mapping
+    "mixtral": {"aliases": ["layers.0.self_attn.qkv_proj", "layers.2.self_attn.o_proj", "model.layers.0.self_attn.q_proj"],
+                "sglang_default_loads": True},
 }
 
 
@@ -154,3 +157,18 @@ def test_an_unknown_model_type_names_the_families_and_how_to_add_one(tmp_path, c
     for known in ("glm4_moe", "glm_moe_dsa", "deepseek_v3"):
         assert known in err
     assert "engine_classes" in err and "manifests/engines/<engine>.<family>.yaml" in err
+
+
+def test_mixtral_needs_the_layers_names_in_sglang(tmp_path, capsys):
+    """Without the layers.N.* entries (the names sglang's MixtralModel builds its layers under), sglang
+    builds the attention MXFP4 over bf16 weights; vLLM, which looks up model.layers.N.*, still loads."""
+    src = write_family_checkpoint(tmp_path / "bf16", "mixtral")
+    assert quantize(["--to", "mxfp4", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if not e.startswith("layers.")]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "sglang==0.5.21")
+    assert code == 1 and "layers.0.self_attn.qkv_proj" in text and "meets an MXFP4 slot" in text, text
+    code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
+    assert code == 0, text
