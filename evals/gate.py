@@ -165,16 +165,16 @@ def _infra_verdict(verdict: str, rule: str, kept: list, dropped: list, breaches:
     if breaches:
         if verdict == FAIL and best.upper < -margin:
             return FAIL, ("; ".join(breaches) + f", yet even with the {len(dropped)} dropped pairs scored in the "
-                          f"candidate's favour the one-sided upper bound {best.upper:+.4f} stays below -{margin}"), True
+                          f"candidate's favour the one-sided upper bound {render.versus(best.upper, -margin)} stays below -{margin}"), True
         return INCONCLUSIVE, "; ".join(breaches) + ": the measurement failed, not the model; fix the serving and " + rerun, False
     if verdict == PASS:
         worst = _bounds(kept + tau2_gate.scored_as(dropped, 1.0, 0.0), confidence, policy)
         if worst.lower <= -margin:
             return INCONCLUSIVE, (f"{rule}, but the {len(dropped)} (task, trial) pairs dropped for infrastructure errors "
-                                  f"could overturn it (scored as losses the lower bound is {worst.lower:+.4f}); {rerun}"), False
+                                  f"could overturn it (scored as losses the lower bound is {render.versus(worst.lower, -margin)}); {rerun}"), False
     if verdict == FAIL and best.upper >= -margin:
         return INCONCLUSIVE, (f"{rule}, but the {len(dropped)} (task, trial) pairs dropped for infrastructure errors "
-                              f"could overturn it (scored as gains the upper bound is {best.upper:+.4f}); {rerun}"), False
+                              f"could overturn it (scored as gains the upper bound is {render.versus(best.upper, -margin)}); {rerun}"), False
     return verdict, rule, True
 
 

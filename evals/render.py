@@ -111,7 +111,7 @@ def guidance(g: dict) -> str:
     power = ("" if g["power_at_observed"] is None else
              f"{_power(g['power_at_observed'])} power {at}, {_power(g['power_at_zero'])} were the true delta 0")
     if g["action"] == "loss":
-        out = (f"the observed delta {g['observed_delta']:+.4f} is beyond the margin -{m}: more data would more likely "
+        out = (f"the observed delta {versus(g['observed_delta'], -m)} is beyond the margin -{m}: more data would more likely "
                f"FAIL it than pass it" + (f" ({design}: {power})" if power else ""))
     elif g["action"] == "items":
         out = (f"{g['items_needed'] - n} more items ({g['items_needed']} of the benchmark's {size}) at {r} "
