@@ -85,7 +85,9 @@ def _same_policy(judged: dict, given, report) -> None:
     """A saved report shown under ``policy`` must have been judged by that policy (margins and all)."""
     ours = given.to_dict()
     if {k: v for k, v in judged.items() if k != "source"} != {k: v for k, v in ours.items() if k != "source"}:
-        raise BadInput(f"{report}: judged under the policy {judged.get('source')}, not {ours['source']}: rerun "
+        how = "with other rules (e.g. a --margin override)" if judged.get("source") == ours["source"] else \
+            f"not {ours['source']}"
+        raise BadInput(f"{report}: judged under the policy {judged.get('source')}, {how}: rerun "
                        f"`gate release ... --policy {ours['source']}`, or leave policy unset to show the report")
 
 
