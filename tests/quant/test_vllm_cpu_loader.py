@@ -1,0 +1,116 @@
+"""A real loader: vLLM's own CPU build decides, module by module, what the converted checkpoint's
+``quantization_config`` makes of each module vLLM builds, and that must agree with what is on disk
+exactly where ``gate checkpoint --engine vllm`` says it does (tests/quant/vllm_cpu.py, vllm_cpu_probe.py).
+
+What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
+- load an MXFP4 checkpoint: no MXFP4 MoE backend supports the CPU
+  (``fused_moe/oracle``: the emulation experts ``OCP_MXQuantizationEmulationTritonExperts`` are Triton
+  experts, and Triton has no CPU backend), so the model is built from the bf16 source (same names) and
+  vLLM's ``QuarkConfig.get_quant_method`` is asked per module, as ``LinearBase`` / ``FusedMoE`` ask it;
+- build GLM-5 (``glm_moe_dsa``): its DSA indexer needs sparse attention, and
+  ``platforms/cpu.py`` ``CpuPlatform.get_attn_backend_cls`` raises "Sparse Attention is not supported
+  on CPU." (so the DeepSeek-V3 naming of the same example is the one built here);
+- build the MTP draft: only the target model is built (the draft's names are covered by the
+  differential tests of tests/quant/test_engine_sources.py);
+- vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
+  on every module of these checkpoints, which is what is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.quant import vllm_cpu
+
+EXAMPLE = ["--example-weights", "random", "--example-mla", "real"]  # MLA sizes vLLM's kernels accept
+
+
+def on_disk(module: str, mapping: dict[str, list[str]], tensors: set[str]) -> bool | None:
+    """Whether the checkpoint stores ``module`` (a vLLM module name) quantized: every weight behind it
+    has a ``weight_scale``; None when no weight of that name is stored (an alias-only module)."""
+    parent, _, leaf = module.rpartition(".")
+    if re.search(r"\.experts(\.routed_experts)?$", module):  # a FusedMoE: all routed experts of the layer
+        base = re.sub(r"\.routed_experts$", "", module)
+        weights = {t[: -len(".weight")] for t in tensors if re.fullmatch(re.escape(base) + r"\.\d+\.\w+\.weight", t)}
+    elif f"{module}.weight" in tensors:
+        weights = {module}
+    else:
+        weights = {f"{parent}.{shard}" for shard in mapping.get(leaf, [])} & {t[:-7] for t in tensors}
+    if not weights:
+        return None
+    scaled = {w for w in weights if f"{w}.weight_scale" in tensors}
+    assert scaled in (set(), weights), f"{module}: some shards quantized, some not: {sorted(scaled)}"
+    return bool(scaled)
+
+
+def tensor_names(folder: Path) -> set[str]:
+    return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def disagreements(methods: dict[str, str | None], mapping: dict, folder: Path) -> set[str]:
+    """Modules vLLM would quantize while the disk holds bf16, or the other way round."""
+    tensors = tensor_names(folder)
+    out = set()
+    for module, method in methods.items():
+        stored = on_disk(module, mapping, tensors)
+        if method is None or stored is None:  # embeddings, lm_head (vLLM asks no Linear method of them)
+            continue
+        if method.startswith("Quark") != stored:
+            out.add(module)
+    return out
+
+
+def gate_problems(folder: Path) -> tuple[int, set[str]]:
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), "--engine", "vllm", "--json"],
+                          capture_output=True, text=True, check=False)
+    report = json.loads(done.stdout)
+    return done.returncode, {f["module"] for e in report["engines"].values() for f in e["findings"]}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The example in DeepSeek-V3 naming, converted, plus a copy whose exclude lost layer 1's shared
+    experts (the class of the outage in the Wafer write-up)."""
+    try:
+        vllm_cpu.python()
+    except vllm_cpu.VllmCpuUnavailable as exc:
+        pytest.fail(f"the vllm-cpu environment could not be made: {exc}")
+    root = tmp_path_factory.mktemp("vllm_cpu")
+    subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--example", str(root / "ex"),
+                    "--example-family", "deepseek_v3", *EXAMPLE], check=True, capture_output=True)
+    broken = root / "broken"
+    shutil.copytree(root / "ex" / "mxfp4", broken)
+    config = json.loads((broken / "config.json").read_text())
+    exclude = config["quantization_config"]["exclude"]
+    config["quantization_config"]["exclude"] = [e for e in exclude if ".layers.1.mlp.shared_experts." not in e]
+    assert len(config["quantization_config"]["exclude"]) < len(exclude)
+    (broken / "config.json").write_text(json.dumps(config, indent=2))
+    found = vllm_cpu.quant_methods(root / "ex" / "bf16", [root / "ex" / "mxfp4", broken])
+    return root, found
+
+
+def test_vllm_cpu_quantizes_exactly_what_the_converter_stored_quantized(converted):
+    root, found = converted
+    folder = root / "ex" / "mxfp4"
+    methods = found["methods"][str(folder)]
+    assert disagreements(methods, found["packed_modules_mapping"], folder) == set()
+    # not vacuous: vLLM built routed experts it quantizes and excluded modules it keeps bf16
+    assert any(m.startswith("Quark") for m in methods.values() if m) and "Unquantized" in " ".join(
+        m for m in methods.values() if m)
+    assert any(".shared_experts." in name and m.startswith("Unquantized") for name, m in methods.items() if m)
+    assert gate_problems(folder) == (0, set())
+
+
+def test_where_vllm_cpu_would_load_wrongly_gate_checkpoint_names_the_same_modules(converted):
+    root, found = converted
+    folder = root / "broken"
+    wrong = disagreements(found["methods"][str(folder)], found["packed_modules_mapping"], folder)
+    assert wrong == {"model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"}
+    assert gate_problems(folder) == (1, wrong)
