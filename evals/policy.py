@@ -14,7 +14,7 @@ names (``--margin BENCH=VALUE``), else refused.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from evals.errors import BadInput
@@ -25,7 +25,7 @@ INCONCLUSIVE_MODES = ("block", "warn")  # block: the release waits for more data
 
 @dataclass(frozen=True)
 class BenchmarkPolicy:
-    margin: float = 0.02  # the non-inferiority margin on the paired delta (score units, 0..1)
+    margin: float  # the non-inferiority margin on the paired delta (score units, 0..1); no default: named or refused
     required: bool = True  # a verdict needs this benchmark compared
     floor: float | None = None  # candidate scores below this FAIL whatever the delta says
     inconclusive: str = "block"  # see INCONCLUSIVE_MODES
@@ -74,8 +74,8 @@ class GatePolicy:
         for bench, margin in margins.items():
             if not 0 <= margin < 1:
                 raise BadInput(f"--margin {bench}={margin}: a margin is a score difference between 0 and 1")
-            named = benchmarks.get(bench, BenchmarkPolicy(required=False))
-            benchmarks[bench] = replace(named, margin=margin)
+            named = benchmarks.get(bench)
+            benchmarks[bench] = replace(named, margin=margin) if named else BenchmarkPolicy(margin, required=False)
         return replace(self, benchmarks=benchmarks)
 
     def to_dict(self) -> dict:
@@ -91,6 +91,10 @@ def _typed(cls, raw, where: str):
     if unknown:
         raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(known)} (a misspelt key would otherwise "
                        "leave its default in force): fix the policy")
+    for name, f in known.items():
+        if name not in raw and f.default is MISSING and f.default_factory is MISSING:
+            raise BadInput(f"{where}.{name}: missing; it has no default (a benchmark's margin is named, never "
+                           "assumed), e.g. {margin: 0.025}")
     for key, value in raw.items():
         kind = known[key].type
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -239,7 +239,8 @@ POLICIES = {
     "alias bomb": (BILLION_LAUGHS, "an alias (*name)"),
     "a list": ("- gsm8k\n", "a YAML list, not a mapping"),
     "source set by the file": ("source: elsewhere.yaml\n" + MARGIN_POLICY, "unknown key(s) ['source']"),
-    "a misspelt key": ("benchmarks:\n  gsm8k: {margn: 0.5}\n", "benchmarks.gsm8k: unknown key(s) ['margn']"),
+    "no margin": ("benchmarks:\n  gsm8k: {required: true}\n", "benchmarks.gsm8k.margin: missing; it has no default"),
+    "a misspelt key": ("benchmarks:\n  gsm8k: {margn: 0.5, margin: 0.02}\n", "benchmarks.gsm8k: unknown key(s) ['margn']"),
 }
 
 
