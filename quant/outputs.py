@@ -93,8 +93,9 @@ class DestinationLock:
     kill -9), so a stale file never blocks anyone; a finished run removes it.
     """
 
-    def __init__(self, dst: Path):
+    def __init__(self, dst: Path, writer: str = "quantize run", error: type[Exception] = ConvertError):
         self.path = Path(dst) / LOCK_NAME
+        self.writer, self.error = writer, error  # who writes (named to the one refused), what refusing raises
         self.fd = -1
 
     def __enter__(self) -> "DestinationLock":
@@ -105,9 +106,9 @@ class DestinationLock:
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise ConvertError(f"{self.path.parent} is being written by another quantize run (pid {holder}); "
-                                   "wait for it to finish or stop it (then --resume), or choose another folder") \
-                    from None
+                raise self.error(f"{self.path.parent} is being written by another {self.writer} (pid {holder}) "
+                                 f"holding {self.path}: wait for it to finish or stop it (then --resume), or choose "
+                                 "another folder") from None
             try:  # the holder before us may have removed the file between our open and our lock
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -118,7 +119,7 @@ class DestinationLock:
                 self.fd = fd
                 return self
             os.close(fd)
-        raise ConvertError(f"{self.path}: could not take the lock (the file keeps being replaced); retry")
+        raise self.error(f"{self.path}: could not take the lock (the file keeps being replaced); retry")
 
     def _open(self) -> int:
         """The lock file, never through a link (the pid written into it would truncate the target)."""
