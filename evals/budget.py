@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from evals.errors import BadInput
 from evals.probe import get_json
@@ -70,11 +69,9 @@ def server_context(base_url: str, model: str, timeout: float = 10.0) -> int | No
     return next((n for c in mine if isinstance(n := c.get("max_model_len"), int) and n > 0), None)
 
 
-def prompts(tasks_dir: Path, task_name: str, limit: int | None) -> list[str]:
-    """Every prompt lm-eval will send for a task, built by lm-eval with the run's few-shot seed."""
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-    task = get_task_dict([task_name], TaskManager(include_path=str(tasks_dir), include_defaults=False))[task_name]
+def prompts(task, limit: int | None) -> list[str]:
+    """Every prompt lm-eval will send for ``task`` (an lm-eval Task: ``evals.tasks.load``), built by
+    lm-eval with the run's few-shot seed."""
     task.set_fewshot_seed(seed=FEWSHOT_SEED)
     task.build_all_requests(limit=limit, rank=0, world_size=1)
     return [instance.args[0] for instance in task.instances]

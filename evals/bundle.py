@@ -140,6 +140,12 @@ def pair(reference: list[dict], candidate: list[dict]) -> list[tuple[dict, dict]
     return [(ref[k], cand[k]) for k in sorted(ref)]
 
 
+def _changed(recorded, identity: dict) -> list[str]:
+    """The keys of a unit's identity that differ from those it was recorded under."""
+    recorded = recorded if isinstance(recorded, dict) else {}
+    return sorted(k for k in identity.keys() | recorded.keys() if recorded.get(k) != identity.get(k))
+
+
 class BundleWriter:
     """The one place a bundle is written: units as they finish, then samples, then run.json.
 
@@ -160,9 +166,45 @@ class BundleWriter:
         if not resume and self.units.is_dir() and any(self.units.iterdir()):
             raise BadInput(f"{self.out} holds an unfinished run ({self.units}); pass --resume to complete it, or "
                            "choose a new --out")
+        self.redone: dict[str, list[str]] = {}
+
+    def begin(self, units: dict[str, dict], model: str, benchmarks: list[str], tau2: dict | None = None) -> None:
+        """Before the run writes anything: ``units`` (name: identity) are the units it will keep or
+        produce. A finished bundle is resumed only to add units (the next look of ``--until-decided``):
+        another model, a benchmark left out, a recorded unit measured otherwise or other tau2
+        settings would replace what it holds, so that is refused and the bundle kept as it is."""
+        if self.resume and (self.out / RUN_JSON).exists():
+            self._check_only_adds(units, model, benchmarks, tau2)
         # A bundle being resumed is in progress again until finish() writes its new run.json.
         (self.out / RUN_JSON).unlink(missing_ok=True)
-        self.redone: dict[str, list[str]] = {}
+
+    def _check_only_adds(self, units: dict[str, dict], model: str, benchmarks: list[str], tau2: dict | None) -> None:
+        run = _read_json(self.out / RUN_JSON, "a finished bundle's run.json is written by `evals run`")
+        recorded = run if isinstance(run, dict) else {}
+        keep = "--resume completes an interrupted run with the same model and settings; the bundle is kept as it " \
+               "is: choose a new --out"
+        if recorded.get("model") != model:
+            raise BadInput(f"{self.out} is a finished run of --model {recorded.get('model')!r}, not {model!r}; {keep}")
+        held = recorded.get("benchmarks") if isinstance(recorded.get("benchmarks"), dict) else {}
+        left_out = sorted(set(held) - set(benchmarks))
+        if left_out:
+            raise BadInput(f"{self.out} is a finished run that also holds {left_out}; {keep}")
+        tau2_before = held.get("tau2")
+        if tau2 is not None and isinstance(tau2_before, dict) and json.loads(json.dumps(tau2)) != tau2_before.get("settings"):
+            raise BadInput(f"{self.out} is a finished tau2 run with other tau2 settings; {keep}")
+        for name, identity in units.items():
+            meta = self.units / f"{name}.json"
+            if meta.exists():
+                before = _read_json(meta, "rerun without --resume into a new --out")
+                before = before if isinstance(before, dict) else {}
+                identity = json.loads(json.dumps(identity))
+                changed = _changed(before, identity)
+                if "settings" in changed and isinstance(before.get("settings"), dict):  # name the setting
+                    changed = [k for k in changed if k != "settings"] + \
+                        [f"settings {k}" for k in _changed(before["settings"], identity["settings"])]
+                if changed:
+                    raise BadInput(f"{self.out} is a finished run whose unit {name} was measured with another "
+                                   f"{', '.join(changed)}; {keep}")
 
     def unit(self, name: str, identity: dict, produce: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
         """``(rows, reused)``: the unit's rows, from disk when its identity matches, else produced now."""
@@ -174,8 +216,7 @@ class BundleWriter:
                 else None
             if recorded == identity and rows_path.exists():
                 return read_rows(rows_path), True
-            changed = sorted(k for k in identity.keys() | (recorded or {}).keys()
-                             if (recorded or {}).get(k) != identity.get(k)) if recorded else ["unfinished"]
+            changed = _changed(recorded, identity) if recorded else ["unfinished"]
             self.redone[name] = changed
             log.warning("unit %s no longer matches this run (%s): redoing it", name, ", ".join(changed))
             meta_path.unlink(missing_ok=True)

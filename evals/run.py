@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 
-import yaml
-
 from evals import budget
+from evals import tasks as run_tasks
 from evals.bundle import BundleWriter
-from evals.data import Dataset, dataset_for
+from evals.data import dataset_for
 from evals.errors import BadInput, RunFailed
 from evals.tau2_run import Tau2Settings
 from quant.hashing import sha256_of
-from quant.outputs import write_atomic
-from quant.safe_files import make_folder, read_json
+from quant.outputs import MANIFEST_NAME, DestinationLock
+from quant.safe_files import read_json, read_regular
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -77,6 +78,7 @@ class RunSpec:
     threads: int | None = None  # local model on cpu: torch threads (None: LOCAL_CPU_THREADS)
     plan: dict | None = None  # `gate plan`'s: each planned benchmark's items and seeds (recorded in run.json)
     repeats_now: dict[str, int] | None = None  # a sequential look: only a benchmark's first N repeats run yet
+    checkpoint: Path | None = None  # with base_url: the quantgate checkpoint folder the server serves (hashed)
 
     def _planned(self, benchmark: str) -> dict | None:
         return (self.plan or {}).get("benchmarks", {}).get(benchmark)
@@ -104,16 +106,7 @@ class RunSpec:
                 "emulation": emulation}
 
 
-def _task_dir(spec: RunSpec, datasets: dict[str, Dataset]) -> Path:
-    """The benchmark YAMLs with each benchmark's data folder filled in (lm-eval's include_path)."""
-    tasks = make_folder(spec.out / "tasks")
-    for benchmark, dataset in datasets.items():
-        template = resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text()
-        write_atomic(tasks / f"{benchmark}.yaml", template.replace("{benchmark_dir}", str(dataset.folder.resolve())))
-    return tasks
-
-
-def fit_budget(spec: RunSpec, tasks: Path, benchmarks: list[str]) -> budget.Budget:
+def fit_budget(spec: RunSpec, tasks: dict[str, run_tasks.RunTask]) -> budget.Budget:
     """The generation budget for this run: ``--max-gen-toks`` if it fits, else the largest that does."""
     if spec.base_url:
         context = budget.server_context(spec.base_url, spec.model)
@@ -121,8 +114,8 @@ def fit_budget(spec: RunSpec, tasks: Path, benchmarks: list[str]) -> budget.Budg
     else:
         context = budget.local_context(spec.model)
         count, unit = budget.prompt_counter(spec.model, chat=False)
-    longest = max(count(prompt) for b in benchmarks
-                  for prompt in budget.prompts(tasks, PROTOCOLS[b]["task"], spec.limit_for(b)))
+    longest = max(count(prompt) for b, task in tasks.items()
+                  for prompt in budget.prompts(run_tasks.load(task), spec.limit_for(b)))
     return budget.fit(spec.max_gen_toks, context, longest, unit)
 
 
@@ -160,9 +153,7 @@ def _local_model(spec: RunSpec):
     return _LOADED[key]
 
 
-def task_config(benchmark: str) -> dict:
-    """The benchmark's lm-eval task YAML as shipped (``evals/benchmarks/<benchmark>.yaml``)."""
-    return yaml.safe_load(resources.files("evals.benchmarks").joinpath(f"{benchmark}.yaml").read_text())
+task_config = run_tasks.template  # the benchmark's lm-eval task YAML as shipped
 
 
 def _eos(spec: RunSpec) -> str | None:
@@ -187,17 +178,16 @@ def stop_sequences(spec: RunSpec, benchmark: str, eos: str | None) -> list[str]:
     return until[:4] if spec.base_url and spec.api == "chat" else until
 
 
-def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, tasks: Path, stop: list[str]) -> list[dict]:
+def run_unit(spec: RunSpec, benchmark: str, repeat: int, seed: int, task: run_tasks.RunTask,
+             stop: list[str]) -> list[dict]:
     import lm_eval
 
     import evals.endpoint  # noqa: F401  (registers the quantgate-local-* models with lm-eval)
-    from lm_eval.tasks import TaskManager
 
     model, model_args = _model(spec, seed)
     started = time.time()
-    results = lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=[PROTOCOLS[benchmark]["task"]],
-        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+    results = lm_eval.simple_evaluate(  # the task as data: no folder is indexed, no file read back (evals.tasks)
+        model=model, model_args=model_args, tasks=[task.fresh_config()], task_manager=run_tasks.task_manager(),
         limit=spec.limit_for(benchmark), log_samples=True, apply_chat_template=spec.api == "chat" and bool(spec.base_url),
         gen_kwargs={"max_gen_toks": spec.max_gen_toks, "until": stop}, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=budget.FEWSHOT_SEED,
@@ -228,19 +218,31 @@ def _versions() -> dict:
 
 def checkpoint_manifest_sha256(folder: Path) -> str | None:
     """A quantgate checkpoint's identity: the sha256 of its ``conversion_manifest.json`` (it holds every
-    output shard's sha256), or None for a folder without one. ``evals run`` records it in run.json and
-    ``gate release`` checks the released checkpoint against it."""
-    manifest = Path(folder) / "conversion_manifest.json"
-    return sha256_of(manifest) if manifest.is_file() else None
+    output shard's sha256), or None for a folder without one. ``evals run`` records it in run.json (a
+    local ``--model``'s, or a server's ``--checkpoint``: this one function for both) and ``gate
+    release`` checks the released checkpoint against it."""
+    manifest = Path(folder) / MANIFEST_NAME
+    if not os.path.lexists(manifest):
+        return None
+    return sha256_of(read_regular(manifest, error=BadInput))  # a regular file (a FIFO is refused, not waited on)
+
+
+def checkpoint_of(spec: RunSpec) -> Path | None:
+    """The checkpoint folder the run measured: the local ``--model``, or a server's ``--checkpoint``."""
+    return spec.checkpoint if spec.base_url else Path(spec.model)
 
 
 def _checkpoint_provenance(spec: RunSpec) -> dict:
-    """Manifest hash when the model is a local quantgate checkpoint; chat template hash if any."""
+    """Manifest hash of the quantgate checkpoint measured (local, or served with --checkpoint); chat template hash if any."""
     out: dict = {}
     path = Path(spec.tokenizer or spec.model)
-    manifest_sha = checkpoint_manifest_sha256(Path(spec.model))
-    if manifest_sha:
-        out["checkpoint_manifest_sha256"] = manifest_sha
+    if spec.base_url and spec.checkpoint:
+        out["checkpoint"] = str(spec.checkpoint)
+    if checkpoint_of(spec) and (digest := checkpoint_manifest_sha256(checkpoint_of(spec))):
+        out["checkpoint_manifest_sha256"] = digest
+    elif spec.base_url and spec.checkpoint:
+        raise BadInput(f"--checkpoint {spec.checkpoint}: no {MANIFEST_NAME}, so not a checkpoint `quantize` wrote; "
+                       "give the folder it wrote (the one served), or leave --checkpoint out")
     config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
     # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
     # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)
@@ -251,9 +253,10 @@ def _checkpoint_provenance(spec: RunSpec) -> dict:
     return out
 
 
-def settings_of(spec: RunSpec, benchmark: str, eos: str | None) -> dict:
+def settings_of(spec: RunSpec, benchmark: str, eos: str | None, task_sha256: str) -> dict:
     """Everything that defines the measurement of ``benchmark`` (not the model measured): the gate
-    refuses to pair two runs whose settings differ, and ``--resume`` redoes units recorded under others."""
+    refuses to pair two runs whose settings differ, and ``--resume`` redoes units recorded under others.
+    ``task_sha256``: the task lm-eval ran, its data files named by file name (``evals.tasks``)."""
     task = task_config(benchmark)
     gen = task["generation_kwargs"]
     shots = task.get("num_fewshot", 0)
@@ -270,6 +273,7 @@ def settings_of(spec: RunSpec, benchmark: str, eos: str | None) -> dict:
                                f"rnd.sample(train, {shots}) drawn for each item in document order"} if shots else None,
         "request_timeout_s": spec.request_timeout if served else None,
         "local_dtype": None if served else spec.local_device()[1],
+        "task_sha256": task_sha256,
     }
 
 
@@ -356,48 +360,88 @@ def refuse_remote_code(folder: Path) -> None:
                            "--base-url")
 
 
+@contextmanager
+def _one_writer(out: Path):
+    """``out`` held by this run alone (the converter's lock, ``quant.outputs.DestinationLock``): a
+    second ``evals run`` into it is refused naming the lock. A folder created here and left empty
+    by a refusal is removed again, so a mistake leaves nothing behind."""
+    out = Path(out)
+    created = not os.path.lexists(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (NotADirectoryError, FileExistsError, PermissionError) as exc:
+        raise BadInput(f"--out {out}: cannot be created ({exc.strerror}); choose a folder you can write") from None
+    try:
+        with DestinationLock(out, writer="evals run", error=BadInput):
+            yield
+    except BadInput:
+        if created:
+            try:
+                out.rmdir()  # only if empty: nothing of this run (or anyone's) is ever removed
+            except OSError:
+                pass
+        raise
+
+
 def run(spec: RunSpec, resume: bool = False) -> dict:
     """Run every unit not already finished under the same identity, then write the bundle."""
     quiet_libraries()
     for local in ([] if spec.base_url else [spec.model]) + ([spec.tokenizer] if spec.tokenizer else []):
         refuse_remote_code(Path(local))
-    writer = BundleWriter(spec.out, resume)
+    BundleWriter(spec.out, resume)  # a folder it would refuse is refused before anything loads
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
     datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}
-    tasks = _task_dir(spec, datasets)
-    generation = fit_budget(spec, tasks, lm_eval_benchmarks) if lm_eval_benchmarks else None
-    if generation:
-        spec = replace(spec, max_gen_toks=generation.max_gen_toks)
-        log.info("max_gen_toks %d (%s)", generation.max_gen_toks, generation.how)
-    eos = _eos(spec) if lm_eval_benchmarks else None
-    local = None
-    if not spec.base_url and lm_eval_benchmarks:  # load (or refuse) a local checkpoint before any unit runs
-        local = spec.local_record(_local_model(spec)[1])
+    with ExitStack() as open_data:
+        tasks = {b: run_tasks.open_task(b, datasets[b], open_data) for b in lm_eval_benchmarks}
+        generation = fit_budget(spec, tasks) if lm_eval_benchmarks else None
+        if generation:
+            spec = replace(spec, max_gen_toks=generation.max_gen_toks)
+            log.info("max_gen_toks %d (%s)", generation.max_gen_toks, generation.how)
+        eos = _eos(spec) if lm_eval_benchmarks else None
+        local = None
+        if not spec.base_url and lm_eval_benchmarks:  # load (or refuse) a local checkpoint before any unit runs
+            local = spec.local_record(_local_model(spec)[1])
+        with _one_writer(spec.out):
+            return _run_units(spec, resume, datasets, tasks, generation, eos, local)
+
+
+def _run_units(spec: RunSpec, resume: bool, datasets: dict, tasks: dict, generation, eos, local) -> dict:
     started, timings = time.time(), {}
-    rows: list[dict] = []
+    provenance = _checkpoint_provenance(spec)
     benchmarks: dict[str, dict] = {}
-    for benchmark in lm_eval_benchmarks:
-        settings = settings_of(spec, benchmark, eos)
+    units: dict[str, tuple] = {}  # name: (benchmark, repeat, seed, identity)
+    for benchmark, task in tasks.items():
+        settings = settings_of(spec, benchmark, eos, task.measurement_sha256)
         benchmarks[benchmark] = {"settings": settings, "primary_filter": settings["primary_filter"],
                                  "dataset": datasets[benchmark].entry}
         seeds = spec.seeds_for(benchmark)  # all of them are the settings; a look runs the first few
         for repeat, seed in enumerate(seeds[:(spec.repeats_now or {}).get(benchmark, len(seeds))]):
-            name, t0 = f"{benchmark}-r{repeat}", time.time()
             # A unit is reused only if measured the same way, of the same model, on the same data.
             identity = {"settings": settings, "seed": seed, "model": spec.model,
                         "dataset_sha256": datasets[benchmark].entry["files"]}
+            if "checkpoint_manifest_sha256" in provenance:  # the checkpoint measured, not only its name
+                identity["checkpoint_manifest_sha256"] = provenance["checkpoint_manifest_sha256"]
+            units[f"{benchmark}-r{repeat}"] = (benchmark, repeat, seed, identity)
+    writer = BundleWriter(spec.out, resume)  # checked again, now that this run holds the folder
+    writer.begin({name: unit[3] for name, unit in units.items()}, spec.model, list(spec.benchmarks),
+                 tau2_measurement(spec.tau2) if spec.tau2 and "tau2" in spec.benchmarks else None)
+    for benchmark, recorded in run_tasks.write_folder(spec.out, list(tasks.values()), resume, PROTOCOLS).items():
+        benchmarks[benchmark]["task_yaml"] = recorded  # the file lm-eval got, as written, and its sha256
+    rows: list[dict] = []
+    for name, (benchmark, repeat, seed, identity) in units.items():
+        t0 = time.time()
 
-            def produce(benchmark=benchmark, repeat=repeat, seed=seed, settings=settings):
-                try:
-                    return run_unit(spec, benchmark, repeat, seed, tasks, settings["stop"])
-                except Exception as exc:  # dead server, bad model: the finished units stay for --resume
-                    raise RunError(f"{benchmark} repeat {repeat} failed ({type(exc).__name__}: {exc}); finished "
-                                   f"units are kept in {writer.units}: fix the cause and rerun with --resume") from exc
+        def produce(benchmark=benchmark, repeat=repeat, seed=seed, settings=benchmarks[benchmark]["settings"]):
+            try:
+                return run_unit(spec, benchmark, repeat, seed, tasks[benchmark], settings["stop"])
+            except Exception as exc:  # dead server, bad model: the finished units stay for --resume
+                raise RunError(f"{benchmark} repeat {repeat} failed ({type(exc).__name__}: {exc}); finished "
+                               f"units are kept in {writer.units}: fix the cause and rerun with --resume") from exc
 
-            unit_rows, reused = writer.unit(name, identity, produce)
-            if not reused:
-                timings[name] = round(time.time() - t0, 2)
-            rows += unit_rows
+        unit_rows, reused = writer.unit(name, identity, produce)
+        if not reused:
+            timings[name] = round(time.time() - t0, 2)
+        rows += unit_rows
     if "tau2" in spec.benchmarks:
         t0 = time.time()
         tau2_rows, benchmarks["tau2"] = _run_tau2(spec, writer.units, resume)
@@ -408,7 +452,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         "tokenizer": spec.tokenizer, "benchmarks": benchmarks, "eos": eos,
         "max_gen_toks": spec.max_gen_toks, "generation_budget": generation.to_dict() if generation else None,
         "concurrency": spec.concurrency, "versions": _versions(),
-        "timings_s": {"total": round(time.time() - started, 2), **timings}, **_checkpoint_provenance(spec),
+        "timings_s": {"total": round(time.time() - started, 2), **timings}, **provenance,
         "created_unix": int(started), "keep_text": spec.keep_text,
         "local": local,  # device, dtype, batching and, for a quantized checkpoint, what was emulated (evals.emulation)
         **({"plan": spec.plan} if spec.plan else {}),  # the gate judges the run at the plan's looks
