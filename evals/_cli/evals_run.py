@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
-from evals.errors import EXIT_PASS
+from evals.errors import EXIT_PASS, BadInput
 
 HELP = """\
 Run benchmarks with lm-eval (GSM8K, GPQA-Diamond; tau2 through tau2-bench) against an
@@ -24,10 +25,14 @@ it), so a typo costs nothing and leaves nothing behind.
 examples:
   evals run --benchmarks gsm8k --limit 20 --model ex/bf16 --out runs/bf16
   evals run --benchmarks gsm8k,gpqa_diamond --data-dir DATA --base-url http://127.0.0.1:30000 \\
-      --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --out runs/mxfp4
+      --model glm-5-mxfp4 --tokenizer /ckpt/GLM-5-mxfp4 --checkpoint /ckpt/GLM-5-mxfp4 --out runs/mxfp4
+
+OUT is this run's alone: one evals run at a time (OUT/.quantgate.lock), task YAMLs written into
+OUT/tasks/, a folder it creates itself, and never read back (sha256s in run.json).
 
 exit codes: 0 done (the scores are printed); 2 bad input (a missing folder, an unknown benchmark,
-a model the server does not serve, ...); 3 the run could not finish (no server, a dead server:
+a model the server does not serve, a number below 1, a --base-url without http://, OUT written by
+another run, ...); 3 the run could not finish (no server, a dead server:
 finished units are kept, rerun with --resume)"""
 
 
@@ -41,7 +46,9 @@ def register(sub) -> None:
                    help="comma list of gsm8k, gpqa_diamond, arith (the built-in example's), tau2 (tau2 drives "
                         "`tau2 run` per domain; or run it yourself and use `evals import-tau2`)")
     tau2_flags(p)
-    p.add_argument("--out", type=Path, required=True, help="run bundle folder (run.json, samples.jsonl)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="run bundle folder (run.json, samples.jsonl; tasks/ holds the task YAMLs lm-eval ran, written "
+                        "for the run, sha256s in run.json); one evals run at a time writes it (OUT/.quantgate.lock)")
     p.add_argument("--data-dir", type=Path,
                    help="benchmark data: a folder prepared by `evals data`, or GSM8K's own files "
                         "(DIR/gsm8k/{train,test}.jsonl, hashed at run time); default: the GSM8K copy shipped "
@@ -52,25 +59,37 @@ def register(sub) -> None:
                         "module's input activations quantize-dequantized as the engines do; run.json records it)")
     p.add_argument("--base-url", help="the OpenAI-compatible server (sglang, vLLM), as for `evals load`: its root "
                                       "http://127.0.0.1:30000, or .../v1, or the full endpoint .../v1/completions "
-                                      "(.../v1/chat/completions with --api chat); checked on /v1/models first")
+                                      "(.../v1/chat/completions with --api chat), with its scheme (a bare "
+                                      "127.0.0.1:30000 is refused: say http:// or https://); checked on /v1/models "
+                                      "first")
+    p.add_argument("--checkpoint", type=Path, metavar="DIR",
+                   help="with --base-url: the quantgate checkpoint folder the server serves; its "
+                        "conversion_manifest.json's sha256 is recorded in run.json (checkpoint_manifest_sha256, as a "
+                        "local --model's is), so `gate release` can check it is the checkpoint being released")
     p.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
     p.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
     p.add_argument("--limit", type=int,
-                   help="items per benchmark (default: the protocol's, GSM8K 200, GPQA all; tau2: tasks per domain)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight against the server")
+                   help="items per benchmark, at least 1 (default: the protocol's, GSM8K 200, GPQA all; tau2: tasks "
+                        "per domain)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight against the server (at least 1)")
     p.add_argument("--max-gen-toks", type=int,
-                   help=f"generation budget per answer (default: {DEFAULT_MAX_GEN_TOKS}, reasoning models need it, "
+                   help=f"generation budget per answer, at least 1 (default: {DEFAULT_MAX_GEN_TOKS}, reasoning models "
+                        "need it, "
                         "capped to the model's context minus the longest prompt: a local model's config, a "
                         "server's max_model_len on /v1/models; the value used is printed and kept in run.json; given, also "
                         "the tau2 agent's budget per turn)")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="SECONDS",
-                   help=f"per-request timeout against the server (default {DEFAULT_REQUEST_TIMEOUT_S}; recorded). "
-                        "Long budgets on a slow server need more: a timed-out answer is generated again")
-    p.add_argument("--seeds", help="comma list of request seeds, one repeat each (default: GSM8K 0; GPQA 0,1)")
+                   help=f"per-request timeout against the server, a positive number (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT_S}; recorded; 0, a negative, inf or nan is refused: there is no "
+                        "'no limit'). Long budgets on a slow server need more: a timed-out answer is generated again")
+    p.add_argument("--seeds", help="comma list of distinct request seeds (whole numbers 0..2^32-1), one repeat each "
+                                   "(default: GSM8K 0; GPQA 0,1)")
     p.add_argument("--keep-text", action="store_true", help="also keep GPQA responses in the bundle (never commit it)")
     p.add_argument("--resume", action="store_true",
                    help="complete an interrupted run: finished units recorded with the same settings, model and "
-                        "data sha256s are kept; units that no longer match are redone (run.json lists them)")
+                        "data sha256s are kept; units that no longer match are redone (run.json lists them). A "
+                        "finished bundle is only ever added to: another model or settings there is refused and the "
+                        "bundle kept")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="local checkpoint only: where it runs (default cuda when present, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
@@ -155,6 +174,58 @@ def endpoint_url(base_url: str, api: str) -> str:
     return server_root(given) + want
 
 
+SEED_MAX = 2**32 - 1  # numpy's seed range (simple_evaluate's numpy_random_seed)
+
+
+def _at_least(flag: str, value, low: int) -> None:
+    if value is not None and value < low:
+        raise BadInput(f"{flag} {value}: give a whole number of at least {low}")
+
+
+def seeds_of(text: str | None) -> list[int] | None:
+    """``--seeds``: distinct whole numbers in numpy's seed range (a repeated seed repeats a repeat)."""
+    if not text:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise BadInput(f"--seeds {text!r}: expected a comma list of integers, e.g. 0,1") from None
+    if any(not 0 <= s <= SEED_MAX for s in seeds):
+        raise BadInput(f"--seeds {text!r}: each seed is a whole number from 0 to {SEED_MAX}")
+    if len(set(seeds)) != len(seeds):
+        raise BadInput(f"--seeds {text!r}: a seed is repeated; each repeat needs its own seed, e.g. 0,1")
+    return seeds
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Degenerate numbers and a URL without its scheme are bad input, refused before anything runs."""
+    from urllib.parse import urlsplit
+
+    for flag, value, low in (("--limit", args.limit, 1), ("--max-gen-toks", args.max_gen_toks, 1),
+                             ("--concurrency", args.concurrency, 1), ("--tau2-trials", args.tau2_trials, 1),
+                             ("--tau2-max-steps", args.tau2_max_steps, 1), ("--tau2-max-errors", args.tau2_max_errors, 1),
+                             ("--tau2-concurrency", args.tau2_concurrency, 1),
+                             ("--tau2-max-retries", args.tau2_max_retries, 0)):
+        _at_least(flag, value, low)
+    if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
+        raise BadInput(f"--request-timeout {args.request_timeout}: must be a positive finite number of seconds "
+                       "(0 does not mean no limit), e.g. 600")
+    if args.base_url is not None:
+        url = urlsplit(args.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise BadInput(f"--base-url {args.base_url!r}: give the server's URL with its scheme, e.g. "
+                           f"http://{args.base_url.split('://')[-1].lstrip('/')}")
+    if args.checkpoint is not None:
+        if not args.base_url:
+            raise BadInput("--checkpoint is for a served model (--base-url); a local --model folder is hashed itself")
+        if not args.checkpoint.is_dir():
+            raise BadInput(f"--checkpoint {args.checkpoint}: no such folder; give the checkpoint folder the server "
+                           "serves")
+        if not (args.checkpoint / "conversion_manifest.json").exists():
+            raise BadInput(f"--checkpoint {args.checkpoint}: no conversion_manifest.json, so not a checkpoint "
+                           "`quantize` wrote; give the folder it wrote (the one served), or leave --checkpoint out")
+
+
 def check_model(args: argparse.Namespace) -> None:
     """Before anything is built or written: the local folder exists, or the server answers and serves it."""
     from evals.data import DataError
@@ -199,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
     from evals.run import LOCAL_BATCH_SIZE, PROTOCOLS, RunSpec
     from evals.run import run as run_benchmarks
 
+    check_flags(args)  # before anything is read, loaded or asked of a server
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     unknown = [b for b in benchmarks if b not in PROTOCOLS and b != "tau2"]
     if "tau2" in benchmarks and not (args.base_url and args.tau2_user_llm):
@@ -206,10 +278,7 @@ def run(args: argparse.Namespace) -> int:
                         "same for both arms); or run `tau2 run` yourself and use `evals import-tau2`")
     if unknown:
         raise DataError(f"unknown benchmarks {unknown}; known: {sorted(PROTOCOLS)}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-    except ValueError:
-        raise DataError(f"--seeds {args.seeds!r}: expected a comma list of integers, e.g. 0,1") from None
+    seeds = seeds_of(args.seeds)
     if args.base_url and (args.device or args.dtype or args.threads or args.batch_size != LOCAL_BATCH_SIZE):
         raise DataError("--device/--dtype/--batch-size/--threads apply to a local checkpoint; with --base-url the "
                         "server decides (--concurrency sets the requests in flight)")
@@ -229,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                    request_timeout=args.request_timeout, seeds=seeds,
                    tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype,
-                   batch_size=args.batch_size, threads=args.threads, plan=plan)
+                   batch_size=args.batch_size, threads=args.threads, plan=plan, checkpoint=args.checkpoint)
     if args.until_decided:
         return _until_decided(args, spec)
     result = run_benchmarks(spec, resume=args.resume)
