@@ -42,6 +42,7 @@ class Family:
     num_layers_key: str
     roles: tuple[Role, ...]
     engine_classes: tuple[tuple[str, str], ...] = ()  # (engine, the engine's model class for the architecture)
+    mtp_layers_key: str = "num_nextn_predict_layers"  # the config key counting the MTP layers after the decoder
 
     @property
     def engine_class(self) -> dict[str, str]:
@@ -89,6 +90,7 @@ def load_family(path: Path) -> Family:
             num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
             roles=roles,
             engine_classes=tuple(sorted((str(e), str(c)) for e, c in (data.get("engine_classes") or {}).items())),
+            mtp_layers_key=data.get("mtp_layers_key", "num_nextn_predict_layers"),
         )
     except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

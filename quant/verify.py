@@ -264,7 +264,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
-        report.findings += model_findings(rules, config, routers, num_hidden_layers, mtp_layers)
+        report.findings += model_findings(rules, config, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
         if kind == "fp8" or (kind == "quark" and exclude is not None):

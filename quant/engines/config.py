@@ -40,7 +40,7 @@ def router_tensors(tensors, family, num_hidden_layers: int) -> tuple[list[str], 
 
 
 def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,
-                   mtp_layers: set[int]) -> list[Finding]:
+                   mtp_layers: set[int], mtp_key: str = "num_nextn_predict_layers") -> list[Finding]:
     """Router keys and the tensors they imply (``routers`` from ``router_tensors``); the MTP layers
     the config promises."""
     findings = []
@@ -55,25 +55,32 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
                     "(AttributeError at load unless the config class supplies it)", f"add {key!r} (the source "
                     "checkpoint's value; DeepSeek-V3 and GLM-5 use topk_method 'noaux_tc')")
     biases, routers = routers
-    # bias_when: the topk_method for which the class creates e_score_correction_bias, "always" or "never"
-    noaux = router["bias_when"] == "always" or config.get("topk_method") == router["bias_when"]
+    # bias_when: the topk_method for which the class creates e_score_correction_bias, "always", "never",
+    # or "config:<key>" (created when that config key is true)
+    when_key = router["bias_when"].removeprefix("config:") if router["bias_when"].startswith("config:") else None
+    noaux = router["bias_when"] == "always" or (bool(config.get(when_key)) if when_key else
+                                                config.get("topk_method") == router["bias_when"])
+    if biases and when_key and not noaux:
+        finding(biases[0], f"{len(biases)} router bias tensors but config.{when_key} is {config.get(when_key)!r}: "
+                f"{rules.engine} creates the bias only when it is true (unexpected tensors at load)",
+                f"set \"{when_key}\": true (the source checkpoint's value)")
     if biases and router["bias_when"] == "never":
         finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but {rules.engine}'s model class creates "
                 "no router bias (unexpected tensors at load)", "drop them: this family's router has no bias")
-    elif biases and not noaux:
+    elif biases and not noaux and not when_key:
         finding(biases[0], f"{len(biases)} e_score_correction_bias tensors but topk_method is "
                 f"{config.get('topk_method')!r}: {rules.engine} creates the bias only for {router['bias_when']!r} "
                 "(KeyError for the unexpected tensor at load)", f"set \"topk_method\": \"{router['bias_when']}\"")
     if noaux and len(biases) < len(routers):
         when = "the model class always creates one" if router["bias_when"] == "always" else \
-            f"topk_method {router['bias_when']!r}"
+            f"config.{when_key} is true" if when_key else f"topk_method {router['bias_when']!r}"
         finding("e_score_correction_bias", f"{when} but only {len(biases)} of "
                 f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
                 "copy the source checkpoint's e_score_correction_bias tensors")
     findings += layer_findings(rules, config)
-    declared = int(config.get("num_nextn_predict_layers") or 0)
+    declared = int(config.get(mtp_key) or 0)
     if declared != len(mtp_layers):
-        finding("config.json num_nextn_predict_layers", f"declares {declared} MTP layer(s); the checkpoint holds "
+        finding(f"config.json {mtp_key}", f"declares {declared} MTP layer(s); the checkpoint holds "
                 f"{len(mtp_layers)} (layers {sorted(mtp_layers)} at or after num_hidden_layers {num_hidden_layers}): "
                 "speculative decoding loads a draft that is not there or ignores one that is",
                 "make the count match the model.layers.N.* tensors")

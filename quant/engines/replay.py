@@ -68,6 +68,8 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     """The engine's name for a checkpoint module (None: the engine does not load it)."""
     naming = rules["mtp_naming"]
     match = _LAYER.match(module)
+    if match and int(match.group(1)) >= num_hidden_layers and naming["style"] == "dropped":
+        return None  # the class skips the MTP layers' weights and builds no draft from them
     if not match or int(match.group(1)) < num_hidden_layers or naming["style"] != "decoder":
         return class_name(module, rules)
     if any(part in module for part in naming["skipped"]):

@@ -124,6 +124,13 @@ MUTATIONS = [
     data("vllm.mixtral", "0.33.0", "quark_fused", [], {}, "mixtral vLLM no Quark mapping"),
     data("vllm.mixtral", "0.33.0", "unquantized_roles", [], ["lm_head"], "mixtral vLLM router quantized"),
     data("sglang.mixtral", "0.5.21", "router", ["bias_when"], "always", "mixtral router has a bias"),
+    # MiniMax-M2 (MiniMaxM2ForCausalLM) rules: manifests/engines/{sglang,vllm}.minimax_m2.yaml
+    data("vllm.minimax_m2", "0.33.0", "module_names", [], {}, "minimax vLLM MoE under block_sparse_moe"),
+    data("sglang.minimax_m2", "0.5.21", "module_names", [], {".block_sparse_moe.": ".mlp."}, "minimax sglang mlp.*"),
+    data("sglang.minimax_m2", "0.5.21", "mtp_naming", ["style"], "original", "minimax sglang loads MTP modules"),
+    data("vllm.minimax_m2", "0.33.0", "router", ["reads"], [], "minimax vLLM scoring_func not read"),
+    data("sglang.minimax_m2", "0.5.21", "router", ["bias_when"], "always", "minimax bias regardless of config"),
+    data("vllm.minimax_m2", "0.33.0", "unquantized_roles", [], ["lm_head"], "minimax vLLM router quantized"),
     top("sglang", ("rule_sets", "0.5.19", "versions"), ["0.5.19", "0.5.19"], "0.5.20 moved into the 0.5.21 set"),
     top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
     top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",

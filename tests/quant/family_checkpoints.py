@@ -44,6 +44,18 @@ def _mixtral(num_hidden_layers: int, **overrides):
     return config, MixtralForCausalLM
 
 
+def _minimax_m2(num_hidden_layers: int, **overrides):
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    # the keys MiniMaxAI/MiniMax-M2's config.json carries beyond transformers' MiniMaxM2Config (the
+    # engines read scoring_func as an attribute, use_routing_bias and num_mtp_modules via getattr)
+    release = {"scoring_func": "sigmoid", "use_routing_bias": True, "num_mtp_modules": 1, "use_qk_norm": True,
+               "qk_norm_type": "per_layer"}
+    config = MiniMaxM2Config(**{**TINY, "intermediate_size": 32, "num_hidden_layers": num_hidden_layers,
+                                "num_local_experts": 4, "num_experts_per_tok": 2, **release, **overrides})
+    return config, MiniMaxM2ForCausalLM
+
+
 def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
     """The next-n layer's own tensors as GLM-4.5 / DeepSeek-V3 store them (beside a full decoder layer)."""
     h, v = config.hidden_size, config.vocab_size
@@ -52,7 +64,9 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
             p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h), p + "embed_tokens.weight": (v, h)}
 
 
-BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False)}  # family -> (config + model class, whether the release has an MTP layer)
+BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False),
+            # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
+            "minimax_m2": (_minimax_m2, "decoder_only")}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
@@ -63,7 +77,7 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
     from safetensors.torch import load_file, save_file
 
     build, has_mtp = BUILDERS[family]
-    config, model_class = build(num_hidden_layers + has_mtp, **config_overrides)  # the MTP layer's decoder: one layer more
+    config, model_class = build(num_hidden_layers + bool(has_mtp), **config_overrides)  # the MTP layer's decoder: one layer more
     torch.manual_seed(seed)
     dst = Path(dst)
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +87,7 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
         tensors = {}
         for file in sorted(Path(tmp).glob("*.safetensors")):
             tensors.update(load_file(str(file)))
-        if has_mtp:
+        if has_mtp is True:
             gen = torch.Generator().manual_seed(seed + 1)
             for name, shape in _mtp_extras(config, num_hidden_layers).items():
                 tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)

@@ -54,9 +54,15 @@ SOURCES = {
         "sglang": {"main": "sglang/srt/models/mixtral.py", "draft": None},
         "vllm": {"main": "vllm/model_executor/models/mixtral.py", "draft": None},
     },
+    "minimax_m2": {
+        "sglang": {"main": "sglang/srt/models/minimax_m2.py", "draft": None},
+        "vllm": {"main": "vllm/model_executor/models/minimax_m2.py", "draft": None},
+    },
 }
-# Module names each family's pool uses for the routed experts and the router (Mixtral: block_sparse_moe)
-MOE = {"mixtral": "block_sparse_moe"}
+# Module names each family's pool uses for the routed experts and the router (block_sparse_moe), and
+# the classes holding them: (MoE block, decoder layer)
+MOE = {"mixtral": "block_sparse_moe", "minimax_m2": "block_sparse_moe"}
+BLOCKS = {"mixtral": ("MixtralMoE", "MixtralDecoderLayer"), "minimax_m2": ("MiniMaxM2MoE", "MiniMaxM2DecoderLayer")}
 FAMILIES = sorted(SOURCES)
 
 
@@ -294,21 +300,35 @@ def _qwen3_moe_construction(whl, rules, where) -> dict:
             "config" if "mlp_only_layers" in layer and "decoder_sparse_step" in layer else "unknown"}
 
 
-def _mixtral_construction(whl, rules, where) -> dict:
-    block = method_def(class_def(whl, where["main"], "MixtralMoE"), "__init__")
+def _block_sparse_moe_construction(whl, rules, where, family) -> dict:
+    """Mixtral and MiniMax-M2: the router built without quant config, the bias (MiniMax: only with
+    use_routing_bias), the prefix the MoE block is built under, and the MTP modules skipped."""
+    moe_cls, layer_cls = BLOCKS[family]
+    main = family_named(family).engine_class[rules.engine]
+    block = method_def(class_def(whl, where["main"], moe_cls), "__init__")
     gates = attribute_builds(block, "gate")
-    head = ast.unparse(method_def(class_def(whl, where["main"], "MixtralForCausalLM"), "__init__"))
+    head = ast.unparse(method_def(class_def(whl, where["main"], main), "__init__"))
     if rules.engine == "sglang":
         plain = bool(gates) and all(b.keywords.get("quant_config") == "None" for b in gates)
-        assert "quant_config" not in head[head.index("self.lm_head = "):][:160]  # lm_head built without it
+        lm_head = head[head.index("self.lm_head = "):][:200]
+        assert "quant_config" not in lm_head or "quant_config=None" in lm_head  # lm_head built without it
     else:
         plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
-    return {"router_plain": plain, "bias_always": False,
-            "bias_never": "e_score_correction_bias" not in ast.unparse(block), "eh": [], "remaps": False}
+    biases = attribute_builds(block, "e_score_correction_bias")
+    layer = method_def(class_def(whl, where["main"], layer_cls), "__init__")
+    moe_prefix = attribute_builds(layer, "block_sparse_moe")[0].keywords["prefix"]
+    text = source(whl, where["main"])
+    return {"router_plain": plain, "bias_always": False, "bias_never": not biases,
+            "bias_under": sorted({u for b in biases for u in b.under}), "eh": [], "remaps": False,
+            "moe_prefix": moe_prefix, "reads_scoring_func": "scoring_func=config.scoring_func" in ast.unparse(block),
+            "skips_mtp": "def get_spec_layer_idx_from_weight_name" in text and "num_mtp_modules" in text
+            if rules.engine == "sglang" else 'orig_to_new_prefix={f"layers.{base + i}.": None for i in range(num_mtp)}'
+            in text}
 
 
 CONSTRUCTION = {"glm4_moe": _glm4_moe_construction, "qwen3_moe": _qwen3_moe_construction,
-                "mixtral": _mixtral_construction}
+                "mixtral": lambda *a: _block_sparse_moe_construction(*a, "mixtral"),
+                "minimax_m2": lambda *a: _block_sparse_moe_construction(*a, "minimax_m2")}
 
 
 @pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
@@ -326,7 +346,8 @@ def test_module_construction_is_the_engine_classes(family, rules, release):
                 and ast.unparse(call.func) in ("make_layers", "make_pp_layers") for k in call.keywords if k.arg == "prefix"}
     literal = {p.value for p in prefixes if isinstance(p, ast.Constant)}
     assert prefixes and literal <= {"layers"}
-    assert (rules.values.get("module_names") or {}) == ({"^model.layers.": "layers."} if literal else {})
+    prefix_renames = {k: v for k, v in (rules.values.get("module_names") or {}).items() if k.startswith("^")}
+    assert prefix_renames == ({"^model.layers.": "layers."} if literal else {})
     built = CONSTRUCTION[family](whl, rules, where)
     assert built["router_plain"] == ("router" in rules["unquantized_roles"])
     assert (rules["router"]["bias_when"] == "always") == built["bias_always"]
@@ -334,6 +355,15 @@ def test_module_construction_is_the_engine_classes(family, rules, release):
     assert rules["eh_proj"] == ("plain" if all(b.call == "nn.Linear" for b in built["eh"]) else "quant_config")
     assert rules["draft_exclude"][family] == ("none" if not built["remaps"] else "remapped")
     assert rules.values.get("moe_layers", "config") == built.get("moe_layers", "config")
+    if "moe_prefix" in built:  # block_sparse_moe built under f"{prefix}.mlp" (vLLM MiniMax-M2) or its own name
+        renamed = built["moe_prefix"] == "f'{prefix}.mlp'"
+        assert renamed or built["moe_prefix"] in ("add_prefix('block_sparse_moe', prefix)", "f'{prefix}.block_sparse_moe'")
+        assert (".block_sparse_moe." in (rules.values.get("module_names") or {})) == renamed
+        # the bias: none, or only under getattr(config, 'use_routing_bias', False)
+        assert rules["router"]["bias_when"] == ("config:use_routing_bias" if built["bias_under"] == ["self.use_routing_bias"]
+                                                else "never")
+        assert ("scoring_func" in rules["router"]["reads"]) == built["reads_scoring_func"]
+        assert (rules["mtp_naming"]["style"] == "dropped") == built["skips_mtp"]
 
 
 @pytest.mark.parametrize(("family", "rules", "release"), CASES_ALL, ids=_ids(CASES_ALL))
@@ -341,12 +371,14 @@ def test_draft_class_and_names_are_the_engines(family, rules, release):
     whl = engine_wheel(rules, release)
     main, draft = _classes(family, rules.engine, rules)
     naming = rules["mtp_naming"]
-    if draft is None and rules.engine == "sglang" and family == "mixtral":  # no draft class: nothing renames a draft
-        assert _draft_config_arch(whl, main) == main and naming["style"] == "original"
-        assert "nextn" not in source(whl, SOURCES[family]["sglang"]["main"]).lower()
+    if draft is None and rules.engine == "sglang" and family in ("mixtral", "minimax_m2"):  # no draft class
+        # no draft class: configs/model_config.py rewrites no draft of it, and no layer is renamed as a draft
+        assert _draft_config_arch(whl, main) == main and naming["style"] in ("original", "dropped")
+        assert "is_nextn" not in source(whl, SOURCES[family]["sglang"]["main"])
         return
-    if draft is None and family == "mixtral":
-        assert f'"{main}MTP"' not in source(whl, "vllm/model_executor/models/registry.py") and naming["style"] == "original"
+    if draft is None and family in ("mixtral", "minimax_m2"):
+        registry = source(whl, "vllm/model_executor/models/registry.py")
+        assert f'"{main}MTP"' not in registry and naming["style"] in ("original", "dropped")
         return
     if family == "qwen3_moe":  # no draft layer in the releases: names stay; sglang's draft class reads mtp.*
         assert naming["style"] == "original" and naming["max_layers"] is None
@@ -393,3 +425,20 @@ def test_every_required_release_is_read_and_has_one_rule_set(family):
         assert set(releases) <= set(releases_read(engine, family)), (engine, family)
         for release in releases:
             assert len(select(f"{engine}=={release}", family)) == 1
+
+
+def test_minimax_mtp_modules_are_skipped_as_the_wheel_skips_them():
+    """sglang's own get_spec_layer_idx_from_weight_name names the MTP modules load_weights skips: the
+    replay builds nothing from exactly those (and builds every decoder layer)."""
+    from quant.engines.replay import draft_name
+    from tests.quant.engine_sources import load
+
+    for rules in rule_sets("sglang", "minimax_m2"):
+        for release in ("0.5.21", "0.5.23"):
+            whl = engine_wheel(rules, release)
+            spec = load(whl, SOURCES["minimax_m2"]["sglang"]["main"], ["get_spec_layer_idx_from_weight_name"],
+                        {"PretrainedConfig": object})["get_spec_layer_idx_from_weight_name"]
+            config = types.SimpleNamespace(num_hidden_layers=62, num_mtp_modules=3)
+            for layer in (0, 61, 62, 64):
+                name = f"model.layers.{layer}.block_sparse_moe.experts.3.w1"
+                assert (spec(config, name + ".weight") is not None) == (draft_name(name, rules, 62) is None)

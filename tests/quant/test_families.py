@@ -29,6 +29,9 @@ EXPECT = {
     # sglang builds Mixtral's layers under layers.N (no model.), and has no qkv_proj shards mapping
     "mixtral": {"aliases": ["layers.0.self_attn.qkv_proj", "layers.2.self_attn.o_proj", "model.layers.0.self_attn.q_proj"],
                 "sglang_default_loads": True},
+    # vLLM builds MiniMax-M2's MoE block under mlp.* (its router: model.layers.N.mlp.gate)
+    "minimax_m2": {"aliases": ["model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate",
+                               "model.layers.0.self_attn.qkv_proj"], "sglang_default_loads": True},
 }
 
 
@@ -172,3 +175,24 @@ def test_mixtral_needs_the_layers_names_in_sglang(tmp_path, capsys):
     assert code == 1 and "layers.0.self_attn.qkv_proj" in text and "meets an MXFP4 slot" in text, text
     code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
     assert code == 0, text
+
+
+@pytest.mark.parametrize(("edit", "expect"), [
+    ({"scoring_func": None}, "config.scoring_func as an attribute"),
+    ({"use_routing_bias": False}, "config.use_routing_bias is False"),
+    ({"num_mtp_modules": 0}, "num_mtp_modules"),
+], ids=["no-scoring_func", "bias-off", "mtp-count"])
+def test_minimax_config_keys_the_engines_read(tmp_path, capsys, edit, expect):
+    """MiniMax-M2's config.json keys beyond transformers' class: scoring_func (read as an attribute by
+    both engines), use_routing_bias (whether the router bias exists), num_mtp_modules (the MTP modules
+    the engines skip); a config that drops or contradicts one is refused by both engines."""
+    src = write_family_checkpoint(tmp_path / "bf16", "minimax_m2")
+    assert quantize(["--to", "mxfp4", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    config.update({k: v for k, v in edit.items() if v is not None})
+    for key in [k for k, v in edit.items() if v is None]:
+        del config[key]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    for engine in ("sglang==0.5.22", "vllm"):
+        code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", engine)
+        assert code == 1 and expect in text, text
