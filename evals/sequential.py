@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy import optimize, signal
+from scipy.special import ndtr
 from scipy import stats as sps
 
 GRID_STEP = 0.01  # on the Brownian scale S(t) = Z(t) * sqrt(t); the boundaries are good to ~1e-4 in z
@@ -57,7 +58,7 @@ def _check(fractions: Sequence[float], to_one: bool = True) -> np.ndarray:
 
 def _beyond(level: float, start: np.ndarray, weight: np.ndarray, shift: float, sd: float) -> float:
     """P(S_k >= level) for paths at ``start`` with probability ``weight`` moving by N(shift, sd^2)."""
-    return float(weight @ sps.norm.sf((level - start - shift) / sd))
+    return float(weight @ ndtr((start + shift - level) / sd))  # ndtr(-x) is sf(x), without the distribution's checks
 
 
 def _excess(level: float, start: np.ndarray, weight: np.ndarray, shift: float, sd: float, target: float) -> float:
@@ -124,7 +125,7 @@ def observed_fractions(information: Sequence[float], final_estimates: Sequence[f
         if last_is_final and k == len(information) - 1:
             out.append(1.0)
             break
-        t = min(now / max(planned_final, final, now), 1 - 1e-3 * (len(information) - k))
+        t = min(now / max(planned_final, final, now), 0.999)  # below 1: the plan's last look spends the rest
         out.append(max(t, out[-1] + 1e-6) if out else max(t, 1e-6))
     return out
 

@@ -275,6 +275,7 @@ def exact_passes(b: int, c: int, n: int, margin: float, confidence: float) -> bo
     return exact_p(b, c, n, -margin) <= 1 - confidence
 
 
+@lru_cache(maxsize=65536)  # a function of four integers and a level: simulations and looks meet the same counts
 def exact_bounds(b: int, c: int, n: int, confidence: float) -> tuple[float, float]:
     """One-sided exact lower and upper bounds of the paired delta of 0/1 items (b reference-only,
     c candidate-only of n): the largest delta0 the exact test rejects, found by bisection to 1e-7;
