@@ -5,9 +5,10 @@ from __future__ import annotations
 
 CONVENTION = ("Scores in percent, deltas, bounds and margins in percentage points (pts). Scores: mean over items (repeats averaged per item) with a two-sided 95% Wilson interval; tau2: the "
               "macro (mean of per-domain pass^1) with a 95% interval from resampling tasks within domains. Delta: "
-              "paired (candidate - reference, same items); bounds: one-sided BCa paired bootstrap "
-              "(resampling items; tau2 within domains) at the policy's confidence, or the exact Clopper-Pearson "
-              "bound on the loss rate where few items lost and it is more conservative (each benchmark names its "
+              "paired (candidate - reference, same items); bounds: one-sided at the policy's confidence, exact for "
+              "one 0/1 outcome per item (the exact unconditional test on Tango's statistic, both discordant counts), "
+              "else a BCa paired bootstrap (resampling items; tau2 within domains), with the loss rate's exact "
+              "Clopper-Pearson bound where few items lost and it is more conservative (each benchmark names its "
               "method).")
 COLUMNS = ("eval", "filter", "items x repeats", "reference", "candidate", "delta", "one-sided bounds", "margin",
            "verdict")
