@@ -1,7 +1,8 @@
 """Operating characteristics of the accuracy gate: how often it passes, blocks or fails a candidate
 whose true delta is 0, exactly the margin, or a point beyond it, at the sizes people run.
 
-    nice -n 10 python -m tests.benchmarks.sim_gate [--sims 2000] [--workers 2] [--cells gsm8k,tau2]
+    nice -n 15 python -m tests.benchmarks.sim_gate [--sims 2000] [--workers 2] [--cells gsm8k,tau2]
+        [--models heterogeneous,concentrated] [--at=-margin]
 
 Not a test: a statistics experiment. Each simulation draws a fresh set of items and both arms'
 outcomes and judges them with the real
@@ -14,16 +15,19 @@ with a per-item probability and gains a reference failure with another (both Bet
 around their means: the quantization hurts some items more than others), chosen so the expected
 delta over items is exactly the cell's and the discordance the benchmark's. The arms are coupled
 per item (the candidate redraws independently with a per-item probability), so their correlation
-differs between items. tau2 has three domains at their own levels (the macro's delta is each
+differs between items (``arms``). The second item model (``concentrated_arms``, issue 37's audit)
+puts all the damage on 10-20% of the items and couples the arms by a per-item uniform odds; every
+cell runs under both (``--models``). tau2 has three domains at their own levels (the macro's delta is each
 domain's), trials as repeats and, in one cell, infrastructure errors in the reference arm. The
 few-discordance cells have losses only (the percentile bootstrap passed them too often).
 
 False pass is PASS at the margin: the policy promises at most 5% (one-sided 95% bounds).
 
-Sequential cells judge one run after each repeat and stop at the first PASS or FAIL: at the levels
-`gate plan` fixes (Lan-DeMets O'Brien-Fleming spending, ``evals.design.plan_looks`` from its stated
-item model), and, to show why, naively at the policy's 95% at every look; "mean repeats" is how
-many repeats the looks used on average.
+Sequential cells judge one run after each repeat and stop at the first PASS or FAIL: at the level
+``gate accuracy`` gives each look of a plan (Lan-DeMets O'Brien-Fleming spending on the information
+the look observed, ``evals.design.observed_levels``, against the plan `gate plan` writes from its
+stated item model), and, to show why, naively at the policy's 95% at every look; "mean repeats" is
+how many repeats the looks used on average.
 """
 
 from __future__ import annotations
@@ -33,14 +37,16 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from multiprocessing import Pool
 
 import numpy as np
 
-from evals.design import DEFAULT_ASSUMPTIONS, plan_looks
+from evals.design import DEFAULT_ASSUMPTIONS, _power, observed_levels, one_outcome, plan_looks
 from evals.gate import compare_benchmark, judge
 from evals.policy import load_policy
+from evals.stats import exact_power
 
 
 @dataclass(frozen=True)
@@ -96,15 +102,45 @@ CELLS = [
 ]
 
 
-def look_levels(cell: Cell, policy) -> list[float]:
-    """The one-sided level of each look after repeat 1..R: the plan's (spent) or, naively, the policy's."""
-    if cell.looks == "naive":
-        return [policy.confidence] * cell.repeats
-    return [lk["confidence"] for lk in plan_looks(DEFAULT_ASSUMPTIONS[cell.benchmark], cell.repeats, 1 - policy.confidence)]
+@lru_cache(maxsize=None)
+def plan_entry(cell: Cell, alpha: float) -> dict:
+    """The plan `gate plan` writes for this cell's design from its stated item model (looks after each repeat)."""
+    assumed = DEFAULT_ASSUMPTIONS[cell.benchmark]
+    return {"items": cell.items, "assumptions": asdict(assumed), "looks": plan_looks(assumed, cell.repeats, alpha)}
 
 
-def sequential_verdict(ref: np.ndarray, cand: np.ndarray, strata, rules, policy, levels: list[float]) -> tuple[str, int]:
-    """``(verdict, repeats used)`` of a run judged after each repeat, stopping at the first PASS or FAIL."""
+@lru_cache(maxsize=None)
+def outcome_rates(cell: Cell, delta: float, model: str) -> tuple[float, float]:
+    """``(P(reference-only), P(candidate-only))`` of one item under the model, from 400,000 drawn items
+    (+-0.0004): the rates the exact power needs (the uncoupled redraws add discordance to the cell's)."""
+    ref, cand = MODELS[model](np.random.default_rng(99), cell.mix, 400_000, 1, cell.discordance, delta)
+    return float(np.mean(ref > cand)), float(np.mean(cand > ref))
+
+
+def plan_power(cell: Cell, policy, delta: float, model: str) -> float | None:
+    """The power ``gate plan`` computes for this cell's design at a true delta (``design._power``): for one
+    0/1 outcome per item exact (``stats.exact_power``) at the model's outcome rates, which is all it
+    depends on; else the normal approximation from the stated item model (``DEFAULT_ASSUMPTIONS``,
+    the heterogeneous items' variance components). None where ``gate plan`` makes no such design
+    (infrastructure errors, naive looks)."""
+    if cell.infra or cell.looks == "naive" or delta >= 0:
+        return None
+    margin, alpha = policy.of(cell.benchmark).margin, 1 - policy.confidence
+    if one_outcome(cell.benchmark, cell.repeats):
+        return exact_power(cell.items, *outcome_rates(cell, delta, model), margin, policy.confidence)
+    assumed = DEFAULT_ASSUMPTIONS[cell.benchmark]
+    looks = plan_looks(assumed, cell.repeats, alpha, sequential_looks=bool(cell.looks))
+    return _power(cell.benchmark, assumed, cell.items, cell.repeats, margin, -delta, looks)
+
+
+def sequential_verdict(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata, rules, policy) -> tuple[str, int]:
+    """``(verdict, repeats used)`` of a run judged after each repeat, stopping at the first PASS or FAIL:
+    at the level the gate gives each look from its observed information (``design.observed_levels``,
+    what ``gate accuracy`` judges a planned look at) or, naively, at the policy's at every look."""
+    # look k's level depends on the first k repeats alone (its fraction and the earlier looks'), so one call
+    # on all of them gives every look the level the gate gives it when it has only those
+    levels = [policy.confidence] * cell.repeats if cell.looks == "naive" else [lk["confidence"] for lk in observed_levels(
+        cell.benchmark, plan_entry(cell, 1 - policy.confidence), 1 - policy.confidence, ref, cand, strata)]
     for k, level in enumerate(levels, 1):
         verdict = judge(ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), strata, rules,
                         replace(policy, confidence=level))[1]
@@ -130,12 +166,36 @@ def arms(rng: np.random.Generator, mix: Mix, n: int, repeats: int, discordance: 
     return ref.astype(float), cand.astype(float)
 
 
-def simulate(rng: np.random.Generator, cell: Cell, delta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
-                                                                         np.ndarray]:
+def concentrated_arms(rng: np.random.Generator, mix: Mix, n: int, repeats: int, discordance: float | None,
+                      delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The second item model (issue 37's audit): the damage falls on 10-20% of the items only (the
+    quantization breaks some questions and leaves the rest), gains are spread over every item, and
+    the arms' coupling varies by item. E[candidate - reference] = ``delta`` over items, as in ``arms``."""
+    d = -delta if discordance is None else discordance
+    lost_mass, won_mass = (d - delta) / 2, (d + delta) / 2  # expected shares of outcomes lost and won
+    share = max(rng.uniform(0.10, 0.20), lost_mass / (0.95 * mix.mean))  # damaged items (never a loss odds above 0.95)
+    damaged = rng.random(n) < share
+    p = mix.draw(rng, n)
+    lose = np.where(damaged, lost_mass / (share * mix.mean), 0.0)
+    win = np.full(n, won_mass / (1 - mix.mean))
+    q = p * (1 - lose) + (1 - p) * win
+    ref = rng.random((n, repeats)) < p[:, None]
+    u = rng.random((n, repeats))
+    coupled = np.where(ref, u >= lose[:, None], u < win[:, None])
+    independent = rng.random((n, repeats)) < q[:, None]
+    cand = np.where(rng.random((n, repeats)) < rng.uniform(0, 1, n)[:, None], coupled, independent)
+    return ref.astype(float), cand.astype(float)
+
+
+MODELS = {"heterogeneous": arms, "concentrated": concentrated_arms}
+
+
+def simulate(rng: np.random.Generator, cell: Cell, delta: float, model: str = "heterogeneous"
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
     """One simulated pair of runs: items x repeats of reference and candidate outcomes, the items'
     domains (tau2) and which reference simulations were lost to infrastructure errors."""
     domains = TAU2 if cell.mix is None else {None: (cell.items, cell.mix)}
-    drawn = [arms(rng, mix, n, cell.repeats, cell.discordance, delta) for n, mix in domains.values()]
+    drawn = [MODELS[model](rng, mix, n, cell.repeats, cell.discordance, delta) for n, mix in domains.values()]
     ref, cand = (np.concatenate([d[k] for d in drawn]) for k in (0, 1))
     strata = np.repeat(list(domains), [n for n, _ in domains.values()]) if cell.mix is None else None
     infra = rng.random(ref.shape) < cell.infra
@@ -157,19 +217,18 @@ def rows(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | Non
     return pairs
 
 
-def run(task: tuple[Cell, float, int, int]) -> Counter:
+def run(task: tuple[Cell, float, int, int, str]) -> Counter:
     """Verdicts of ``sims`` simulations: from ``evals.gate.judge`` on the per-item scores (what
     ``compare_benchmark`` decides with), or, with infrastructure errors, from ``compare_benchmark``
     on the rows (dropping errored pairs happens there)."""
-    cell, delta, sims, seed = task
+    cell, delta, sims, seed, model = task
     policy, rng = load_policy(), np.random.default_rng(seed)
     rules = policy.of(cell.benchmark)
     out: Counter = Counter()
-    levels = look_levels(cell, policy) if cell.looks else None
     for _ in range(sims):
-        ref, cand, strata, infra = simulate(rng, cell, delta)
-        if levels:
-            verdict, used = sequential_verdict(ref, cand, strata, rules, policy, levels)
+        ref, cand, strata, infra = simulate(rng, cell, delta, model)
+        if cell.looks:
+            verdict, used = sequential_verdict(cell, ref, cand, strata, rules, policy)
             out[verdict] += 1
             out["repeats used"] += used
         elif cell.infra:
@@ -201,49 +260,61 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
     parser.add_argument("--at", default="0,-0.01,-margin,-margin-0.01",
                         help="true deltas to simulate, of 0,-0.01,-margin,-margin-0.01 (default: all four)")
+    parser.add_argument("--models", default="heterogeneous,concentrated",
+                        help=f"item models, of {','.join(MODELS)} (default: both)")
     args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models {args.models!r}: choose from {','.join(MODELS)}")
     policy = load_policy()
     wanted = [f.lower() for f in args.cells.split(",") if f]  # "=NAME": that cell only
     cells = [c for c in CELLS if not wanted or any(c.name.lower() == f[1:] if f.startswith("=") else f in c.name.lower()
                                                    for f in wanted)]
-    tasks, keys = [], []  # one task per (cell, delta): each line is printed as soon as its cell is done
-    for k, cell in enumerate(cells):
-        margin = policy.of(cell.benchmark).margin
-        sims = min(args.sims, args.infra_sims) if cell.infra else args.sims
-        for j, (label, delta) in enumerate((("0", 0.0), ("-0.01", -0.01), ("-margin", -margin),
-                                            ("-margin-0.01", -margin - 0.01))):
-            if label not in args.at.split(","):
-                continue
-            tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j)))
-            keys.append((cell.name, label, delta, margin))
+    tasks, keys = [], []  # one task per (model, cell, delta): each line is printed as soon as its cell is done
+    for m, model in enumerate(models):
+        for k, cell in enumerate(cells):
+            margin = policy.of(cell.benchmark).margin
+            sims = min(args.sims, args.infra_sims) if cell.infra else args.sims
+            for j, (label, delta) in enumerate((("0", 0.0), ("-0.01", -0.01), ("-margin", -margin),
+                                                ("-margin-0.01", -margin - 0.01))):
+                if label not in args.at.split(","):
+                    continue
+                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model))
+                keys.append((f"{model[:5]}: {cell.name}", label, delta, margin, cell, model))
     order = sorted(range(len(tasks)), key=lambda i: keys[i][1] != "-margin")  # false pass first: it is the promise
     tasks, keys = [tasks[i] for i in order], [keys[i] for i in order]
     start = time.time()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not args.json:
-        print(f"{'cell':<32} {'margin':>6} {'true delta':>10} {'PASS':>6} {'INCONCL':>7} {'FAIL':>6} {'sims':>5}",
+        print(f"{'model: cell':<39} {'margin':>6} {'true delta':>10} {'PASS':>13} {'INCONCL':>7} {'FAIL':>6} {'sims':>5}",
               flush=True)
     with Pool(args.workers) as pool:
         results = pool.imap(run, tasks, chunksize=1)
-        for (name, label, delta, margin), c in zip(keys, results):
-            report(name, label, delta, margin, c, args.json)
+        for (name, label, delta, margin, cell, model), c in zip(keys, results):
+            planned = plan_power(cell, policy, delta, model) if label == "-0.01" else None
+            report(name, label, delta, margin, c, args.json, planned)
     if not args.json:
         print("\n".join(fixed_cases()))
-        print(f"{len(cells) * 4} cells in {time.time() - start:.0f} s ({args.workers} workers)")
+        print(f"{len(tasks)} cells in {time.time() - start:.0f} s ({args.workers} workers)")
 
 
-def report(name: str, label: str, delta: float, margin: float, c: Counter, as_json: bool) -> None:
+def report(name: str, label: str, delta: float, margin: float, c: Counter, as_json: bool,
+           planned: float | None = None) -> None:
     """One cell's verdict rates, as a table row or a JSON object."""
     total = sum(c[v] for v in ("PASS", "INCONCLUSIVE", "FAIL"))
     rates = {v: c[v] / total for v in ("PASS", "INCONCLUSIVE", "FAIL")}
     used = c["repeats used"] / total if c["repeats used"] else None  # sequential cells only
     if as_json:
         print(json.dumps({"cell": name, "margin": margin, "delta": delta, "sims": total, **rates,
-                          "mean_repeats": used}), flush=True)
+                          "pass_se": (rates["PASS"] * (1 - rates["PASS"]) / total) ** 0.5, "mean_repeats": used,
+                          "plan_power": planned}),
+              flush=True)
         return
     flag = "  <- false pass above 5.5%" if label == "-margin" and rates["PASS"] > 0.055 else ""
-    print(f"{name:<32} {margin:>6} {delta:>+10.3f} {rates['PASS']:>6.3f} {rates['INCONCLUSIVE']:>7.3f} "
-          f"{rates['FAIL']:>6.3f} {total:>5}" + (f"  mean repeats {used:.2f}" if used else "") + flag, flush=True)
+    pm = (rates["PASS"] * (1 - rates["PASS"]) / total) ** 0.5  # the binomial standard error of the PASS rate
+    print(f"{name:<39} {margin:>6} {delta:>+10.3f} {rates['PASS']:>6.3f}+-{pm:.3f} {rates['INCONCLUSIVE']:>7.3f} "
+          f"{rates['FAIL']:>6.3f} {total:>5}" + (f"  mean repeats {used:.2f}" if used else "")
+          + (f"  plan power {planned:.3f}" if planned is not None else "") + flag, flush=True)
 
 
 if __name__ == "__main__":

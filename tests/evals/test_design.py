@@ -232,3 +232,19 @@ def test_a_pilot_gives_the_variance_components(tmp_path, capsys):
     one = bundle(tmp_path / "one", "gsm8k", ref[:, 0].tolist())
     assert gate(["plan", "--benchmarks", "gsm8k", "--pilot-reference", str(one)]) == 2
     assert "one repeat, which shows no sampling noise" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["heterogeneous", "concentrated"])
+def test_the_benchmarks_item_models_have_the_cells_delta_and_discordance(model):
+    """tests/benchmarks/sim_gate.py's operating characteristics mean something only if each item model
+    simulates the true delta its cell names (exactly, in expectation) at about its discordance."""
+    from tests.benchmarks.sim_gate import GPQA, MODELS
+
+    rng = np.random.default_rng(1)
+    ref, cand = MODELS[model](rng, GPQA, 200_000, 1, 0.10, -0.04)
+    d = (cand - ref)[:, 0]
+    assert d.mean() == pytest.approx(-0.04, abs=3 * d.std() / np.sqrt(len(d)))
+    assert 0.08 < np.mean(d != 0) < 0.14  # about the cell's (uncoupled redraws add some on items near 1/2)
+    if model == "concentrated":  # the losses fall on 10-20% of the items
+        lost = ref[:, 0] > cand[:, 0]
+        assert 0 < lost.mean() < 0.2
