@@ -19,6 +19,7 @@ from quant.layout import UnknownFamilyError, load_family
 from quant.outputs import check_destination
 from quant.plan import Plan, PlanError, make_decode_plan, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides
+from quant.safe_files import refuse_link
 from quant.safetensors_io import ShardError
 from quant.serving import NamingError
 
@@ -170,6 +171,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise PlanError("--example DIR takes no SRC/DST: it writes DIR/bf16 and converts it into DIR/mxfp4")
         if args.example.exists() and not args.example.is_dir():
             raise PlanError(f"--example {args.example}: a file, not a folder; choose a new folder")
+        for folder in (args.example / "bf16", args.example / args.to):  # written into: never through a link
+            refuse_link(folder)
         if (args.example / "bf16").exists() and any((args.example / "bf16").iterdir()):
             raise ConvertError(f"{args.example / 'bf16'} is not empty; choose a new --example folder")
         trained = args.example_weights == "trained"

@@ -220,8 +220,9 @@ def write_checkpoint(dst: Path, config: dict, *, shard_bytes: int = 256 << 10, s
     import torch
     from safetensors.torch import save_file
 
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    from quant.safe_files import make_folder
+
+    dst = make_folder(Path(dst))  # never into a folder that is a link
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
