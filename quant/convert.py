@@ -58,10 +58,13 @@ def default_workers(nbytes: int) -> int:
 
 
 def plan_fingerprint(plan: Plan) -> str:
-    """What must not change between a run and its --resume: sources, recipe, exclude, tool version."""
+    """What must not change between a run and its --resume: the shard files, recipe, exclude, tool
+    version. Not each source's size: a kept shard's source is proven unchanged on its own
+    (``_source_unchanged``), and one that changed (a shard restored or re-downloaded after a run
+    stopped on it) is converted again."""
     key = {"version": quant.__version__, "to": plan.to, "codec": plan.codec.name,
            "recipe": plan.recipe.to_dict() if plan.recipe else None, "exclude": list(plan.exclude),
-           "shards": [(s.file, s.source_size, s.output_size) for s in plan.shards]}
+           "shards": [s.file for s in plan.shards]}
     return sha256_of(key)
 
 

@@ -28,3 +28,9 @@ class CheckpointError(ValueError):
 class UnsafeFileError(QuantgateError, ConvertError):
     """A file quantgate will not write or read as it is: a link where it writes, a FIFO or device
     where it reads, a file far too large (exit code 2); the message names the path and the fix."""
+
+
+class SourceError(QuantgateError, ConvertError):
+    """A source shard whose bytes cannot be converted as planned: changed since it was planned,
+    changed or truncated while it was read, or holding values its format forbids (exit code 2);
+    the message names the file or tensor and the fix. Nothing under a final name is incomplete."""

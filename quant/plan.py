@@ -52,6 +52,10 @@ class ShardPlan:
     file: str
     source_size: int
     tensors: tuple[TensorPlan, ...]
+    # The source as planned: the converter refuses a shard whose file or header is no longer this
+    # one (``shard.SourceReader``), since every offset above was read from that header.
+    source_identity: dict | None = None
+    header_sha256: str | None = None
 
     @property
     def entries(self) -> list[Entry]:
@@ -184,7 +188,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     for file, header in checkpoint.headers.items():
         infos = sorted(header.tensors.values(), key=lambda t: t.begin)
         tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file) for info in infos)
-        shards.append(ShardPlan(file, header.file_size, tensors))
+        shards.append(ShardPlan(file, header.file_size, tensors, header.identity, header.header_sha256))
 
     _check_roles(shards, family)
     kept, quantized = set(), set()
@@ -282,8 +286,8 @@ def make_decode_plan(source: Path | Checkpoint) -> Plan:
     except ValueError as exc:
         raise PlanError(f"{checkpoint.config_path}: {exc}") from None
     warnings = _index_warnings(checkpoint)
-    shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec))
-                   for file, header in checkpoint.headers.items())
+    shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec), header.identity,
+                             header.header_sha256) for file, header in checkpoint.headers.items())
     if not any(t.action == DECODE for s in shards for t in s.tensors):
         warnings.append(f"no {codec.name} weight found: the output is a copy with the quantization_config removed")
     return Plan(checkpoint.folder, checkpoint.config, codec, "bf16", shards, aux_files(checkpoint.folder),

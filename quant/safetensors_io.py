@@ -65,6 +65,15 @@ class ShardHeader:
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
     file_size: int
+    identity: dict | None = None  # ``file_identity`` of the file the header was read from
+    header_sha256: str | None = None  # of the length prefix and the header, as on disk
+
+
+def file_identity(st: os.stat_result) -> dict:
+    """What says a file is the one read before without reading it: any write changes one of these
+    (ctime too, which no one can set back, unlike mtime)."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
+            "device": st.st_dev}
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -160,7 +169,8 @@ def read_header(path: Path) -> ShardHeader:
     """
     try:
         with open_regular(path) as f:
-            file_size = os.fstat(f.fileno()).st_size
+            opened = os.fstat(f.fileno())
+            file_size = opened.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise ShardError(f"{path}: only {file_size} bytes, not a safetensors file (truncated?); "
@@ -169,7 +179,8 @@ def read_header(path: Path) -> ShardHeader:
             if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
                 raise ShardError(f"{path}: header length {header_len} does not fit in {file_size} bytes "
                                  "(truncated or not safetensors); re-download this shard")
-            raw = parse_json(f.read(header_len), f"{path}: header", ShardError, "re-download this shard", _Object)
+            header_bytes = f.read(header_len)
+            raw = parse_json(header_bytes, f"{path}: header", ShardError, "re-download this shard", _Object)
     except FileNotFoundError:
         raise ShardError(f"{path}: missing; the index names it but it is not on disk") from None
     except OSError as exc:
@@ -200,7 +211,8 @@ def read_header(path: Path) -> ShardHeader:
     if cursor < file_size:
         raise ShardError(f"{path}: {file_size - cursor} bytes after the last tensor (safetensors refuses it); "
                          "re-download or re-export this shard")
-    return ShardHeader(path, tensors, metadata, file_size)
+    return ShardHeader(path, tensors, metadata, file_size, file_identity(opened),
+                       hashlib.sha256(prefix + header_bytes).hexdigest())
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...]]],

@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import signal
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from typing import Callable
 
 import numpy as np
 
-from quant.errors import NonFiniteError
+from quant.errors import NonFiniteError, SourceError
 from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
 from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
-from quant.safetensors_io import ShardError, ShardWriter, numel, open_regular
+from quant.safetensors_io import MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 # Mapped source left behind is dropped in steps this big (each drop also interrupts the other
@@ -49,13 +50,6 @@ class ShardJob:
     device: str = "cpu"
     strict: bool = False  # NaN/Inf in a tensor kept as it is: an error, not a warning
     kernel_threads: int | None = None  # cores the CPU kernel may use (None: all)
-
-
-def file_identity(st: os.stat_result) -> dict:
-    """What says a file is the one read before without reading it: any write changes one of these
-    (ctime too, which no one can set back, unlike mtime)."""
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
-            "device": st.st_dev}
 
 
 # Exponent-field masks: a float is NaN or Inf exactly when all its exponent bits are set.
@@ -83,7 +77,7 @@ def release_mapped(mapping: mmap.mmap, released: int, upto: int) -> int:
 
 
 class SourceGuard:
-    """Says whether a source file is being changed under its mappings, before they are touched.
+    """Says whether a source file is being changed under its reader, before each chunk is touched.
 
     Touching a mapped page past the end of a file someone truncated is SIGBUS: the process dies
     without a word. So the reader holds a read lease on the file (``fcntl(F_SETLEASE, F_RDLCK)``,
@@ -93,19 +87,25 @@ class SourceGuard:
     stops with the shard named, unmaps, and releases the lease (``close``); only then does the
     change go ahead. The break's signal is set to SIGURG, ignored by default (SIGIO would kill).
     Where no lease can be had (a file someone has open for writing, another owner, a filesystem
-    without leases) the file's size is checked instead, which narrows the window without closing it.
+    without leases) nothing stops a truncation, so the file is never mapped: it is read with
+    ``pread`` (``mapped`` is False), where a truncation is a short read, reported in one line.
     """
 
     F_SETLEASE, F_GETLEASE, F_SETSIG = fcntl.F_SETLEASE, fcntl.F_GETLEASE, fcntl.F_SETSIG
 
-    def __init__(self, fileno: int, size: int):
-        self.fileno, self.size = fileno, size
+    def __init__(self, fileno: int):
+        self.fileno, self.size = fileno, 0  # the reader sets ``size`` once it has checked it under the lease
         try:
             fcntl.fcntl(fileno, self.F_SETSIG, signal.SIGURG)
             fcntl.fcntl(fileno, self.F_SETLEASE, fcntl.F_RDLCK)
             self.leased = True
         except OSError:
             self.leased = False
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the file may be memory-mapped: only under the lease (see above)."""
+        return self.leased
 
     def changed(self) -> bool:
         if self.leased:
@@ -119,6 +119,18 @@ class SourceGuard:
             self.leased = False
 
 
+def pread_exactly(fileno: int, offset: int, nbytes: int, path: Path) -> memoryview:
+    """``nbytes`` at ``offset``, read (not mapped); a file that ends first was truncated meanwhile."""
+    view = memoryview(bytearray(nbytes))
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fileno, [view[done:]], offset + done)
+        if got == 0:
+            raise truncated_error(path, offset + done)
+        done += got
+    return view
+
+
 class SourceHasher:
     """sha256 of a whole source file on a helper thread with its own mapping, at its own pace.
 
@@ -127,10 +139,11 @@ class SourceHasher:
     hashlib releases the GIL. It stays at most ``LEAD_BYTES`` ahead of the reader (on a cold file
     it is the reader's readahead, and what it read must still be cached when the kernel gets
     there), and it drops what it has hashed from its mapping, so its resident memory is a chunk.
+    Without a lease it reads chunks with ``pread`` instead of mapping (``SourceGuard``).
     """
 
     def __init__(self, fileno: int, size: int, guard: SourceGuard, path: Path):
-        self.size, self.guard, self.path = size, guard, path
+        self.fileno, self.size, self.guard, self.path = fileno, size, guard, path
         self.pos = 0  # hashed up to here
         self.busy_s = 0.0
         self._allowed = LEAD_BYTES
@@ -138,7 +151,7 @@ class SourceHasher:
         self._digest = hashlib.sha256()
         self._error: BaseException | None = None
         self._cond = threading.Condition()
-        self._map = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) if size else None
+        self._map = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) if size and guard.mapped else None
         self._thread = threading.Thread(target=self._run, name="sha256-source", daemon=True)
         self._thread.start()
 
@@ -162,11 +175,15 @@ class SourceHasher:
                 if self.guard.changed():
                     raise changed_error(self.path)
                 started = time.perf_counter()
-                with memoryview(self._map)[self.pos:end] as view:
-                    self._digest.update(view)
+                if self._map:
+                    with memoryview(self._map)[self.pos:end] as view:
+                        self._digest.update(view)
+                else:
+                    self._digest.update(pread_exactly(self.fileno, self.pos, end - self.pos, self.path))
                 self.busy_s += time.perf_counter() - started
                 self.pos = end
-                released = release_mapped(self._map, released, end)
+                if self._map:
+                    released = release_mapped(self._map, released, end)
         except BaseException as exc:  # handed to the reader's finish()
             self._error = exc
 
@@ -186,37 +203,76 @@ class SourceHasher:
             self._map.close()
 
 
+def _what_changed(planned: dict, now: dict) -> str:
+    if (planned["inode"], planned["device"]) != (now["inode"], now["device"]):
+        return "replaced by another file"
+    if planned["size"] != now["size"]:
+        return f"{planned['size']} bytes when planned, {now['size']} now"
+    return "modified"
+
+
+def check_as_planned(path: Path, fileno: int, st: os.stat_result, planned: ShardPlan) -> None:
+    """Refuse a source that is not the file the plan was made from: every offset in the plan was
+    read from its header, so a shard replaced, resized or rewritten since would be read at the old
+    offsets (the wrong bytes, silently). Its identity (size, inode, mtime, ctime), its size and
+    its header bytes must all be the planned ones."""
+    def refuse(what: str) -> SourceError:
+        return SourceError(f"{path}: changed since it was planned ({what}); the plan's offsets no longer describe it: "
+                           "plan again and convert (rerunning quantize does both; --resume keeps the finished shards)")
+
+    now = file_identity(st)
+    if planned.source_identity is not None and now != planned.source_identity:
+        raise refuse(_what_changed(planned.source_identity, now))
+    if st.st_size != planned.source_size:
+        raise refuse(f"{planned.source_size} bytes when planned, {st.st_size} now")
+    if planned.header_sha256 is None:
+        return
+    prefix = bytes(pread_exactly(fileno, 0, min(8, st.st_size), path)) if st.st_size >= 8 else b""
+    length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+    if not 0 <= length <= min(MAX_HEADER_BYTES, st.st_size - 8):
+        raise refuse("its header is gone")
+    if hashlib.sha256(prefix + pread_exactly(fileno, 8, length, path)).hexdigest() != planned.header_sha256:
+        raise refuse("its header differs")
+
+
 class SourceReader:
     """Reads one source file at increasing offsets while a ``SourceHasher`` hashes all of it.
 
-    The file is memory-mapped, so a read costs no copy; ranges left behind are dropped from the
-    mapping (``MADV_DONTNEED``: the pages stay in the page cache, just not in this process), so
-    resident memory stays a few chunks whatever the shard size.
+    Under the read lease the file is memory-mapped, so a read costs no copy; ranges left behind
+    are dropped from the mapping (``MADV_DONTNEED``: the pages stay in the page cache, just not in
+    this process), so resident memory stays a few chunks whatever the shard size. The lease is
+    taken first, then the file is checked against the plan (``check_as_planned``), and only then
+    mapped; without a lease it is read with ``pread`` (``SourceGuard``).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, planned: ShardPlan | None = None):
         self.path = path
         self.pos = self.released = 0
         self.read_s = 0.0
+        self.map = self.hash = None
         self.file = open_regular(path)  # open until close(): it holds the guard's lease
-        f = self.file
-        self.opened = os.fstat(f.fileno())  # the identity --resume checks before trusting this shard
-        self.opened_ns = time.time_ns()
-        self.size = self.opened.st_size
-        self.guard = SourceGuard(f.fileno(), self.size)
-        self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
-        self.hash = SourceHasher(f.fileno(), self.size, self.guard, path)
-        if self.map:
-            self.map.madvise(mmap.MADV_SEQUENTIAL)
+        self.guard = SourceGuard(self.file.fileno())
+        try:
+            self.opened = os.fstat(self.file.fileno())  # the identity --resume checks before trusting this shard
+            self.opened_ns = time.time_ns()
+            self.size = self.guard.size = self.opened.st_size
+            if planned is not None:
+                check_as_planned(path, self.file.fileno(), self.opened, planned)
+            if self.size and self.guard.mapped:
+                self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
+                self.map.madvise(mmap.MADV_SEQUENTIAL)
+            self.hash = SourceHasher(self.file.fileno(), self.size, self.guard, path)
+        except BaseException:
+            self.close()
+            raise
 
     def read(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes at ``offset``, as a view into the mapping."""
+        """The bytes at ``offset``: a view into the mapping (or, without a lease, a copy read now)."""
         started = time.perf_counter()
         if offset < self.pos:
             raise AssertionError("tensors must be read in file order")
         if offset + nbytes > self.size:
-            raise ShardError(f"{self.path}: ends at byte {self.size}, before {offset + nbytes}: truncated or changed "
-                             "since it was planned; restore it and rerun (--resume keeps the finished shards)")
+            raise truncated_error(self.path, self.size)
         if self.guard.changed():
             raise changed_error(self.path)
         data = self._view(offset, offset + nbytes)
@@ -236,7 +292,9 @@ class SourceReader:
         return bytes(self._view(offset, offset + nbytes))
 
     def _view(self, start: int, end: int) -> memoryview:
-        return memoryview(self.map)[start:end] if self.map else memoryview(b"")
+        if self.map:
+            return memoryview(self.map)[start:end]
+        return pread_exactly(self.file.fileno(), start, end - start, self.path)
 
     def finish(self) -> str:
         digest = self.hash.hexdigest()
@@ -245,7 +303,8 @@ class SourceReader:
         return digest
 
     def close(self) -> None:
-        self.hash.close()
+        if self.hash:
+            self.hash.close()
         if self.map:
             try:
                 self.map.close()
@@ -255,9 +314,14 @@ class SourceReader:
         self.file.close()
 
 
-def changed_error(path: Path) -> ShardError:
-    return ShardError(f"{path}: changed while it was being converted; leave the source alone and rerun "
-                      "(--resume keeps the finished shards)")
+def changed_error(path: Path) -> SourceError:
+    return SourceError(f"{path}: changed while it was being converted; leave the source alone and rerun "
+                       "(--resume keeps the finished shards)")
+
+
+def truncated_error(path: Path, at: int) -> SourceError:
+    return SourceError(f"{path}: ends at byte {at}, before the data planned: truncated or changed since it was "
+                       "planned; restore it and rerun (--resume keeps the finished shards)")
 
 
 def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
@@ -340,8 +404,9 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     decoded: list[str] = []
     kept_non_finite: dict[str, str] = {}
     try:
+        # The source first: checked against the plan (and leased) before an output file exists.
+        reader = SourceReader(job.source_dir / shard.file, shard)
         writer = ShardWriter(job.dst / shard.file, shard.entries)
-        reader = SourceReader(job.source_dir / shard.file)
         for tensor in shard.tensors:  # the plan decided each tensor's action; this only carries it out
             if tensor.action == ENCODE:
                 errors[tensor.source.name] = _encode_tensor(reader, tensor, writer, job, advance, timing)

@@ -61,6 +61,109 @@ def grow_header(path: Path, by: int = 16) -> None:
     path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
 
 
+# ---- 1. a source shard is re-checked against the plan when it is opened ---------------------------
+
+def test_api_refuses_a_shard_whose_header_grew_after_planning(glm_ckpt, tmp_path):
+    src = Path(shutil.copytree(glm_ckpt, tmp_path / "src"))
+    planned = quantgate.plan(src)
+    last = src / planned.shards[-1].file
+    before = read_header(last)
+    grow_header(last)
+    after = read_header(last)  # same tensors, other offsets: what was read silently at the old ones
+    assert {n: (t.dtype, t.shape) for n, t in after.tensors.items()} == \
+        {n: (t.dtype, t.shape) for n, t in before.tensors.items()}
+    assert all(after.tensors[n].begin != t.begin for n, t in before.tensors.items())
+    with pytest.raises(QuantgateError) as caught:
+        quantgate.convert(planned, tmp_path / "out")
+    message = str(caught.value)
+    assert "\n" not in message and str(last) in message and "changed since it was planned" in message
+    assert caught.value.exit_code == 2
+    assert not (tmp_path / "out" / last.name).exists() and not list((tmp_path / "out").glob("*" + PARTIAL_SUFFIX))
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+    fresh = quantgate.convert(quantgate.plan(src), tmp_path / "out", resume=True)  # planned again: converts
+    assert fresh.manifest["shards"][-1]["source_sha256"]
+
+
+@pytest.mark.parametrize("change", ["header", "same bytes"])
+def test_cli_refuses_a_later_shard_replaced_by_mv_while_an_earlier_one_converts(change, multi_shard_ckpt, tmp_path):
+    """Frozen mid-run, the last shard (not opened yet) is replaced by ``mv``: with a longer header,
+    or with a byte-identical copy (another file all the same). Exit 2 naming it; --resume finishes."""
+    src = Path(shutil.copytree(multi_shard_ckpt, tmp_path / "src"))
+    dst = tmp_path / "out"
+    last = sorted(src.glob("*.safetensors"))[-1]
+    replaced = []
+
+    def replace_last():
+        copy = tmp_path / "replacement.safetensors"
+        shutil.copyfile(last, copy)
+        if change == "header":
+            grow_header(copy)
+        os.rename(copy, last)  # what mv does within one filesystem
+        replaced.append(last)
+
+    code, err = interrupt_midway(src, dst, signal.SIGSTOP, on_stop=replace_last)
+    assert replaced and code == 2, (code, err)
+    assert "Traceback" not in err
+    one_line_error(err, str(last), "changed since it was planned", "--resume")
+    assert not (dst / last.name).exists() and not list(dst.glob("*" + PARTIAL_SUFFIX))
+    out = subprocess.run(quantize_cmd(src, dst, "--resume"), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    fresh = tmp_path / "fresh"
+    subprocess.run(quantize_cmd(src, fresh), check=True, capture_output=True)
+    same_checkpoint(dst, fresh)
+
+
+def test_without_a_lease_the_source_is_read_not_mapped(glm_ckpt, tmp_path):
+    """A file someone holds open for writing cannot be leased (fcntl(2): F_SETLEASE F_RDLCK fails
+    with EAGAIN), so nothing would stop a truncation under a mapping: the reader maps nothing."""
+    path = Path(shutil.copy(next(glm_ckpt.glob("*.safetensors")), tmp_path / "shard.safetensors"))
+    leased = SourceReader(path)
+    try:
+        assert leased.guard.leased and leased.map is not None
+    finally:
+        leased.close()
+    with path.open("r+b"):
+        reader = SourceReader(path)
+        try:
+            assert not reader.guard.leased and reader.map is None
+            assert bytes(reader.read(0, 8)) == path.read_bytes()[:8]
+            assert reader.finish() == hashlib.sha256(path.read_bytes()).hexdigest()
+        finally:
+            reader.close()
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3])
+def test_truncation_without_a_lease_is_one_line_never_sigbus(attempt, multi_shard_ckpt, outside, tmp_path):  # noqa: F811
+    """Every shard held open for writing elsewhere (so no lease), the shard being read is cut to
+    nothing while the converter is frozen: one line naming it, exit 2, never SIGBUS; restored,
+    --resume finishes to the bytes of a clean run. Where the freeze lands is chance: a reader that
+    mapped the file died of SIGBUS in 1 of these 3 attempts here (frozen while touching a chunk)."""
+    src = Path(shutil.copytree(multi_shard_ckpt, tmp_path / "src"))
+    dst = tmp_path / "out"
+    writers = [path.open("r+b") for path in sorted(src.glob("*.safetensors"))]
+    cut = []
+
+    def truncate_in_flight():
+        partial = next(dst.glob("*" + PARTIAL_SUFFIX))
+        cut.append(src / partial.name.removesuffix(PARTIAL_SUFFIX))
+        os.truncate(cut[0], 0)  # no lease to wait on: it lands at once
+
+    try:
+        code, err = interrupt_midway(src, dst, signal.SIGSTOP, on_stop=truncate_in_flight)
+    finally:
+        for f in writers:
+            f.close()
+    assert code != -signal.SIGBUS and "Traceback" not in err, (code, err)
+    assert code == 2, err
+    one_line_error(err, str(cut[0]), "--resume")
+    assert not list(dst.glob("*" + PARTIAL_SUFFIX))
+    shutil.copy(multi_shard_ckpt / cut[0].name, cut[0])
+    subprocess.run(quantize_cmd(src, dst, "--resume"), check=True, capture_output=True)
+    fresh = tmp_path / "fresh"
+    subprocess.run(quantize_cmd(src, fresh), check=True, capture_output=True)
+    same_checkpoint(dst, fresh)
+
+
 # ---- 8. quantize --example never writes through a link -------------------------------------------
 
 @pytest.mark.parametrize("planted", ["bf16", "mxfp4"])
