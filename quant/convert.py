@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import quant
 from quant.outputs import (INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, DestinationLock, check_overlap, copy_atomic,
-                           create_destination, prepare_destination, write_atomic)
+                           create_destination, output_mode, prepare_destination, write_atomic)
 from quant.plan import Plan
 from quant.hashing import sha256_file, sha256_of
 from quant.safe_files import read_json, refuse_link
@@ -128,6 +128,14 @@ def _load_resumable(plan: Plan, dst: Path, show_progress: bool) -> tuple[dict[st
         if path.name.endswith(PARTIAL_SUFFIX) or (path.suffix == ".safetensors" and path.name not in kept):
             path.unlink()
     return kept, {name: sources[name] for name in kept}
+
+
+def _private_mode(plan: Plan) -> int:
+    """The permissions of what no single source file gives its own (index, manifest, progress):
+    no wider than any of config.json, the index and the shards (``outputs.output_mode``)."""
+    names = ["config.json", *([INDEX_NAME] if (plan.source_dir / INDEX_NAME).exists() else []),
+             *(s.file for s in plan.shards)]
+    return output_mode(*(os.stat(plan.source_dir / name).st_mode for name in names))
 
 
 def _check_space(dst: Path, needed: int) -> None:
@@ -253,10 +261,11 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
     _check_space(dst, sum(s.output_size for s in todo))
     started = time.time()
     fingerprint = plan_fingerprint(plan)
+    private = _private_mode(plan)
 
     def save_progress() -> None:
         state = {"fingerprint": fingerprint, "shards": done, "sources": sources}
-        write_atomic(dst / PROGRESS_NAME, json.dumps(state).encode())
+        write_atomic(dst / PROGRESS_NAME, json.dumps(state).encode(), private)
 
     stage_seconds: dict[str, float] = {}  # summed over the shards converted now; not part of a shard's record
 
@@ -290,8 +299,9 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
         elapsed = time.time() - started
         records = [done[s.file] for s in plan.shards]
         index = {"metadata": {"total_size": sum(r["size"] for r in records)}, "weight_map": plan.weight_map()}
-        write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode())
-        write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode())
+        write_atomic(dst / INDEX_NAME, json.dumps(index, indent=2).encode(), private)
+        write_atomic(dst / "config.json", json.dumps(plan.output_config(), indent=2).encode(),
+                     output_mode(os.stat(plan.source_dir / "config.json").st_mode))
         manifest = {
             "tool": "quantgate",
             "version": quant.__version__,
@@ -319,7 +329,7 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             "warnings": list(plan.warnings) + [f"{tensor}: NaN/Inf at {where}, kept as it is" for r in records
                                                for tensor, where in r["kept_non_finite"].items()],
         }
-        write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+        write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=2).encode(), private)
     except BaseException as exc:
         for partial in dst.glob("*" + PARTIAL_SUFFIX):  # every worker has stopped by now
             partial.unlink()

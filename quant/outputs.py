@@ -33,19 +33,30 @@ def aux_files(folder: Path) -> tuple[str, ...]:
     return tuple(name for name in names if check_source_file(folder, name).is_file())
 
 
+DEFAULT_MODE = 0o644
+
+
+def output_mode(*source_modes: int) -> int:
+    """The permissions of a file written from these sources: read for group and others only where
+    every source grants it (a 0600 shard gives a 0600 output, never 0644); the owner, who wrote it,
+    reads and writes it. The umask still applies on creation, so the stricter of the two wins."""
+    shared = DEFAULT_MODE & 0o044
+    for mode in source_modes:
+        shared &= mode
+    return 0o600 | shared
+
+
 @contextmanager
-def atomic_file(path: Path, mode: int | None = None):
+def atomic_file(path: Path, mode: int = DEFAULT_MODE):
     """A binary file to fill that appears at ``path`` only once complete and on disk: a crash
     leaves the old file or none, never half of it. Never through a link (``safe_files``: a link
     at ``path`` is refused, the ``.partial`` is created new, a stale one removed first).
-    ``mode``: exactly these permissions (a copy keeps its source's); None: 0644 less the umask."""
+    ``mode``: the permissions it is created with, less the umask (a copy passes its source's)."""
     refuse_link(path)
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    fd = create_new(tmp)
+    fd = create_new(tmp, mode & 0o7777)
     try:
         with os.fdopen(fd, "wb") as f:
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -55,14 +66,16 @@ def atomic_file(path: Path, mode: int | None = None):
         raise
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """``data`` (text as UTF-8) under ``path``, atomically: the one atomic write of quantgate and its evals."""
-    with atomic_file(path) as f:
+def write_atomic(path: Path, data: bytes | str, mode: int = DEFAULT_MODE) -> None:
+    """``data`` (text as UTF-8) under ``path``, atomically: the one atomic write of quantgate and its evals
+    (``mode`` as in ``atomic_file``)."""
+    with atomic_file(path, mode) as f:
         f.write(data.encode() if isinstance(data, str) else data)
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
-    """A copy of the regular file ``src``, permissions kept, appearing at ``dst`` only when complete."""
+    """A copy of the regular file ``src``, with its permissions less the umask (never wider than
+    the source), appearing at ``dst`` only when complete."""
     with os.fdopen(open_regular_fd(src), "rb") as source:
         with atomic_file(dst, stat.S_IMODE(os.fstat(source.fileno()).st_mode)) as f:
             shutil.copyfileobj(source, f, 1 << 20)

@@ -282,13 +282,13 @@ class ShardWriter:
     BACKLOG = 3
     STAGE_BYTES = 8 << 20  # a multiple of every block size O_DIRECT asks alignment to
 
-    def __init__(self, final_path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+    def __init__(self, final_path: Path, entries: list[tuple[str, str, tuple[int, ...]]], mode: int = 0o644):
         self.final_path = final_path
         self.tmp_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
         header, self.offsets = encode_header(entries)
         self.size = encoded_size(entries, header)
         self.write_s = self.hash_s = 0.0  # the helper threads' time in writes (and the final fsync), in sha256
-        self.fd = self._open(self.tmp_path)
+        self.fd = self._open(self.tmp_path, mode)
         self.pos = 0  # handed over up to here
         self._digest = hashlib.sha256()
         self._stage = mmap.mmap(-1, self.STAGE_BYTES)  # page-aligned, as O_DIRECT needs
@@ -303,10 +303,10 @@ class ShardWriter:
         self.write("", 0, header)
 
     @staticmethod
-    def _open(path: Path) -> int:
-        """The partial file, created new (never through a link: ``safe_files.create_new``), then
-        switched to ``O_DIRECT`` where the filesystem takes it."""
-        fd = create_new(path)
+    def _open(path: Path, mode: int) -> int:
+        """The partial file, created new with ``mode`` less the umask (never through a link:
+        ``safe_files.create_new``), then switched to ``O_DIRECT`` where the filesystem takes it."""
+        fd = create_new(path, mode)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | getattr(os, "O_DIRECT", 0))
         except OSError as exc:

@@ -30,6 +30,7 @@ import numpy as np
 from quant.errors import NonFiniteError, SourceError
 from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
+from quant.outputs import output_mode
 from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
 
@@ -406,7 +407,7 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     try:
         # The source first: checked against the plan (and leased) before an output file exists.
         reader = SourceReader(job.source_dir / shard.file, shard)
-        writer = ShardWriter(job.dst / shard.file, shard.entries)
+        writer = ShardWriter(job.dst / shard.file, shard.entries, output_mode(reader.opened.st_mode))
         for tensor in shard.tensors:  # the plan decided each tensor's action; this only carries it out
             if tensor.action == ENCODE:
                 errors[tensor.source.name] = _encode_tensor(reader, tensor, writer, job, advance, timing)

@@ -52,6 +52,17 @@ def refused(out: subprocess.CompletedProcess, *needles: str) -> None:
     one_line_error(out.stderr, *needles)
 
 
+@pytest.fixture(scope="module")
+def quantized(glm_ckpt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("third_quantized")
+    out = {}
+    for to in FORMATS:
+        out[to] = root / to
+        subprocess.run([sys.executable, "-m", "quant.cli", "-q", "--to", to, str(glm_ckpt), str(out[to])],
+                       check=True, capture_output=True)
+    return out
+
+
 def grow_header(path: Path, by: int = 16) -> None:
     """The same tensors, the header ``by`` bytes longer (JSON padding): every data offset moves."""
     rewrite_header(path, lambda header: header)  # re-encoded without the 8-byte alignment padding
@@ -162,6 +173,32 @@ def test_truncation_without_a_lease_is_one_line_never_sigbus(attempt, multi_shar
     fresh = tmp_path / "fresh"
     subprocess.run(quantize_cmd(src, fresh), check=True, capture_output=True)
     same_checkpoint(dst, fresh)
+
+
+# ---- 9. outputs are never more readable than their sources ---------------------------------------
+
+@pytest.mark.parametrize("to", ["mxfp4", "bf16"])
+def test_outputs_are_no_more_readable_than_their_sources(to, glm_ckpt, quantized, tmp_path):
+    src = Path(shutil.copytree(glm_ckpt if to == "mxfp4" else quantized["mxfp4"], tmp_path / "src"))
+    for shard in src.glob("*.safetensors"):
+        shard.chmod(0o600)
+    (src / "config.json").chmod(0o640)
+    out = cli("--to", to, src, tmp_path / "out")
+    assert out.returncode == 0, out.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    for name, mode in modes.items():
+        if name.endswith(".safetensors") or name in (INDEX_NAME, MANIFEST_NAME):
+            assert mode == 0o600, (name, oct(mode))
+    assert modes["config.json"] == 0o640
+    assert modes["tokenizer_config.json"] == stat.S_IMODE((src / "tokenizer_config.json").stat().st_mode) & ~0o022
+
+
+def test_a_strict_umask_wins_over_a_readable_source(glm_ckpt, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "quant.cli", "-q", "--to", "mxfp4", str(glm_ckpt),
+                          str(tmp_path / "out")], capture_output=True, text=True, preexec_fn=lambda: os.umask(0o077))
+    assert out.returncode == 0, out.stderr
+    for path in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 
 
 # ---- 8. quantize --example never writes through a link -------------------------------------------
