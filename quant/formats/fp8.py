@@ -1,6 +1,8 @@
 """Block FP8 (DeepSeek-V3 style), the reference format: e4m3 weights, one float32 scale per
 128x128 tile (docs/reference.md §1). ``w ~= q * scale_inv``; ``scale_inv = amax_tile / 448`` (1.0 for an
-all-zero tile); ``q = clamp(w / scale_inv, -448, 448)`` cast to e4m3 with round-to-nearest-even.
+all-zero tile, and for a tile whose ``amax / 448`` underflows float32 to 0, an fp32 tile of subnormals
+below 2^-140: its values are below e4m3's smallest step, so the codes are zeros, never ``x / 0``);
+``q = clamp(w / scale_inv, -448, 448)`` cast to e4m3 with round-to-nearest-even.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(tr * TILE, tc * TILE, dtype=torch.float32, device=x.device)
     padded[:rows, :cols] = x.abs()
     amax = padded.reshape(tr, TILE, tc, TILE).amax(dim=(1, 3))
-    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    scale_inv = amax / E4M3_MAX
+    scale_inv = torch.where(scale_inv == 0, torch.ones_like(scale_inv), scale_inv)  # a zero or underflowing tile
     q = (x / _expand(scale_inv, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale_inv
 

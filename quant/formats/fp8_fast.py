@@ -117,8 +117,8 @@ def _quantize_tiles(words, values, error_stride, row_offset, out, scale_inv, fla
         for c in range(tile_cols):
             if amax[c] >= 0x7F80:  # Inf or NaN in the tile: the caller refuses the weight
                 flags[t] = 1
-            a = _float(np.uint32(amax[c]) << np.uint32(16))
-            scale_inv[t, c] = np.float32(1.0) if amax[c] == 0 else a / _MAX
+            s = _float(np.uint32(amax[c]) << np.uint32(16)) / _MAX
+            scale_inv[t, c] = np.float32(1.0) if s == 0 else s  # a zero tile (bf16 never underflows here)
         if flags[t]:
             continue
         for r in range(r0, r1):
