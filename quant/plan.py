@@ -268,6 +268,10 @@ def _plan_decode(header, codec: Codec) -> tuple[TensorPlan, ...]:
             plans.append(TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),)))
             continue
         scale = tensors[info.name + codec.scale_suffix]
+        if problem := codec.stored_shape_problem(info.shape):
+            raise PlanError(f"{header.path}: {info.name} {info.dtype}{list(info.shape)}: {problem}; not a "
+                            f"{codec.name} weight quantgate can decode: re-export the checkpoint (gate checkpoint "
+                            "lists every problem)")
         shape = codec.logical_shape(info.shape)
         expected = codec.outputs(info.name, shape)[1]
         if (scale.dtype, scale.shape) != expected[1:]:

@@ -31,7 +31,7 @@ from quant.errors import NonFiniteError, SourceError
 from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
-from quant.plan import COPY, DECODE, ENCODE, ShardPlan, TensorPlan
+from quant.plan import CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
@@ -353,19 +353,34 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
 
 
 def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
-                   advance: Callable[[int], None], timing: dict) -> None:
+                   advance: Callable[[int], None], timing: dict, stored_scales: bytes | None) -> None:
+    """Decode one weight; ``stored_scales``: its scale's bytes when the file holds the scale before
+    the weight (read as the reader passed them), else None (read ahead now). Scales, codes and
+    the decoded values are checked before a byte is written: a scale or code the format forbids
+    (E8M0 0xFF, a NaN/Inf/negative FP8 scale, an e4m3 NaN code) or a value that overflows bf16
+    is refused naming the tensor, never written as NaN or Inf."""
     info, scale, codec = tensor.source, tensor.scale, job.codec
     (name, _, (rows, cols)), multiple = tensor.outputs[0], codec.row_multiple
-    scales = np.frombuffer(reader.peek(scale.begin, scale.nbytes), np.uint8).reshape(scale.shape[0], -1)
+    where = f"{job.source_dir / job.shard.file}: tensor"
+    fix = "the checkpoint is corrupt: re-export it (gate checkpoint --deep lists every such tensor)"
+    raw_scales = stored_scales if stored_scales is not None else reader.peek(scale.begin, scale.nbytes)
+    scales = np.frombuffer(raw_scales, np.uint8).reshape(scale.shape[0], -1)
+    if problem := codec.scale_problem(scales):
+        raise SourceError(f"{where} {scale.name}: {problem}; {fix}")
     row_bytes = info.nbytes // rows
     step = max(multiple, CHUNK_BYTES // (cols * 2) // multiple * multiple)  # bounded by the bf16 written
     for start in range(0, rows, step):
         count = min(step, rows - start)
         raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
         started = time.perf_counter()
+        codes = raw.reshape(count, row_bytes)
+        if problem := codec.code_problem(codes, start):
+            raise SourceError(f"{where} {info.name}: {problem}; {fix}")
         first = start // multiple
-        out = codec.decode_bytes(raw.reshape(count, row_bytes), scales[first:first + -(-count // multiple)],
-                                  job.kernel_threads)
+        out = codec.decode_bytes(codes, scales[first:first + -(-count // multiple)], job.kernel_threads)
+        if (bad := first_non_finite(out.data, "BF16")) is not None:
+            raise SourceError(f"{where} {info.name}: decodes to NaN/Inf at row {start + bad // cols}, column "
+                              f"{bad % cols} (its scale is too large for bf16); {fix}")
         timing["kernel"] += time.perf_counter() - started
         writer.write(name, start * cols * 2, out.data)
         advance(count * row_bytes)
@@ -404,6 +419,10 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
     errors: dict[str, dict] = {}
     decoded: list[str] = []
     kept_non_finite: dict[str, str] = {}
+    # Scales stored before their weight (safetensors' save_file puts F32 before F8, so every FP8
+    # scale_inv): kept as the reader passes them, until their weight is decoded.
+    early_scales: dict[str, bytes] = {}
+    used_scales: set[str] = set()
     try:
         # The source first: checked against the plan (and leased) before an output file exists.
         reader = SourceReader(job.source_dir / shard.file, shard)
@@ -412,13 +431,18 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
             if tensor.action == ENCODE:
                 errors[tensor.source.name] = _encode_tensor(reader, tensor, writer, job, advance, timing)
             elif tensor.action == DECODE:
-                _decode_tensor(reader, tensor, writer, job, advance, timing)
+                _decode_tensor(reader, tensor, writer, job, advance, timing, early_scales.pop(tensor.scale.name, None))
+                used_scales.add(tensor.scale.name)
                 decoded.append(tensor.source.name)
             elif tensor.action == COPY:
                 if where := _copy_tensor(reader, tensor, writer, job, advance):
                     kept_non_finite[tensor.source.name] = where
-            else:  # a scale consumed by its weight's decode: hashed as the reading passes it, not written
+            elif tensor.action == CONSUMED:  # a scale for its weight's decode: hashed as the reading passes it
+                if tensor.source.name not in used_scales:  # its weight comes later in the file
+                    early_scales[tensor.source.name] = bytes(reader.read(tensor.source.begin, tensor.source.nbytes))
                 advance(tensor.source.nbytes)
+            else:
+                raise AssertionError(f"{tensor.source.name}: unknown action {tensor.action!r}")
         source_sha256 = reader.finish()
         output_sha256 = writer.commit()
     except BaseException:

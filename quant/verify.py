@@ -66,6 +66,10 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
             continue
         scale = tensors.get(name + suffix)
         if fmt and info.dtype == fmt.weight_dtype:
+            if problem := fmt.stored_shape_problem(info.shape):
+                findings.append(Finding("layout", None, name, f"{info.dtype}{list(info.shape)}: {problem}",
+                                        "re-export the checkpoint; the engines cannot load this weight"))
+                continue
             expected = fmt.outputs(name, fmt.logical_shape(info.shape))[1]
             if scale is None:
                 findings.append(Finding("layout", None, name, f"{info.dtype} weight without weight{suffix}: the engines "
@@ -180,21 +184,65 @@ def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
     return findings
 
 
-def _deep_findings(checkpoint: Checkpoint) -> list[Finding]:
+def _tensor(handles: dict, checkpoint: Checkpoint, file: str, name: str) -> torch.Tensor:
+    if file not in handles:
+        handles[file] = safe_open(str(checkpoint.path(file)), "pt")
+    return handles[file].get_tensor(name)
+
+
+def _raw(handles: dict, checkpoint: Checkpoint, file: str, name: str):
+    """2-D tensor ``name`` of shard ``file`` as its raw bytes, uint8 ``[rows, bytes a row]``."""
+    return _tensor(handles, checkpoint, file, name).view(torch.uint8).numpy()
+
+
+DEEP_DECODE_ROWS = 1 << 12  # a weight is decoded this many rows at a time (a multiple of the FP8 tile)
+
+
+def _decode_findings(fmt: Codec, name: str, scale_name: str, weight, scales) -> list[Finding]:
+    """What the decoder would refuse in one quantized weight: a scale or code the format forbids,
+    or a value decoding to NaN/Inf (``shard._decode_tensor`` runs the same checks)."""
+    from quant.shard import first_non_finite
+
+    fix = "re-export the checkpoint (the engines would serve NaN, Inf or sign-flipped weights)"
+    if problem := fmt.scale_problem(scales):
+        return [Finding("values", None, scale_name, problem, fix)]
+    cols = fmt.logical_shape(weight.shape)[1]
+    for start in range(0, weight.shape[0], DEEP_DECODE_ROWS):
+        rows = weight[start:start + DEEP_DECODE_ROWS]
+        if problem := fmt.code_problem(rows, start):
+            return [Finding("values", None, name, problem, fix)]
+        first = start // fmt.row_multiple
+        out = fmt.decode_bytes(rows, scales[first:first + -(-rows.shape[0] // fmt.row_multiple)])
+        if (bad := first_non_finite(out.data, "BF16")) is not None:
+            return [Finding("values", None, name, f"decodes to NaN/Inf at row {start + bad // cols}, column "
+                            f"{bad % cols}: its scale is too large for bf16", fix)]
+    return []
+
+
+def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
     findings = []
+    tensors = checkpoint.tensors()
+    where = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
+    handles: dict = {}
     for file, header in checkpoint.headers.items():
-        with safe_open(str(checkpoint.path(file)), "pt") as f:
-            for name, info in header.tensors.items():
-                tensor = f.get_tensor(name)
-                if name.endswith(".weight_scale") and info.dtype == "U8":  # MX scales
-                    if (tensor == 255).any():
-                        findings.append(Finding("layout", None, name, "scale byte 255 (E8M0 NaN)", "re-export"))
-                    zero_rows = int((tensor == 0).all(dim=-1).sum()) if tensor.dim() == 2 else 0
-                    if zero_rows:
-                        findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
-                                                "written?)", "re-export this shard"))
-                elif info.dtype in FLOAT_DTYPES and not torch.isfinite(tensor).all():
-                    findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
+        for name, info in header.tensors.items():
+            if fmt and info.dtype == fmt.weight_dtype and name.endswith(".weight"):
+                scale = tensors.get(name + fmt.scale_suffix)
+                if scale is None or fmt.stored_shape_problem(info.shape) or \
+                        (scale.dtype, scale.shape) != fmt.outputs(name, fmt.logical_shape(info.shape))[1][1:]:
+                    continue  # the layout findings name it; there is nothing to decode it with
+                findings += _decode_findings(fmt, name, scale.name, _raw(handles, checkpoint, file, name),
+                                             _raw(handles, checkpoint, where[scale.name], scale.name))
+            elif name.endswith(".weight_scale") and info.dtype == "U8" and len(info.shape) == 2:  # MX scales
+                tensor = _raw(handles, checkpoint, file, name)
+                if (fmt is None or fmt.scale_dtype != "U8") and (tensor == 255).any():
+                    findings.append(Finding("values", None, name, "scale byte 255 (E8M0 NaN)", "re-export"))
+                zero_rows = int((tensor == 0).all(axis=-1).sum())
+                if zero_rows:
+                    findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
+                                            "written?)", "re-export this shard"))
+            elif info.dtype in FLOAT_DTYPES and not torch.isfinite(_tensor(handles, checkpoint, file, name)).all():
+                findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
     return findings
 
 
@@ -278,7 +326,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
     if deep:
-        report.findings += _deep_findings(checkpoint)
+        report.findings += _deep_findings(checkpoint, fmt)
     return report
 
 

@@ -54,7 +54,8 @@ def register(sub) -> None:
     serve.add_argument("--disable-shared-experts-fusion", action="store_true",
                        help="sglang is started with --disable-shared-experts-fusion")
     p.add_argument("--deep", action="store_true",
-                   help="also read tensor data: scale bytes in range, no all-zero scale rows, no NaN/Inf in bf16")
+                   help="also read tensor data: decode every quantized weight and flag NaN/Inf codes or results, "
+                        "E8M0 0xFF scales, NaN/Inf/negative FP8 scales, all-zero scale rows, NaN/Inf in bf16 tensors")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(func=run)
 

@@ -35,7 +35,7 @@ class Module:
 
 @dataclass(frozen=True)
 class Finding:
-    check: str  # layout | config | engine
+    check: str  # layout | config | engine | fusion | values (gate checkpoint --deep: decoded data)
     engine: str | None  # a rule set id ("sglang 0.5.21..0.5.23"), None for every engine
     module: str
     why: str

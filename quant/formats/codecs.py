@@ -20,6 +20,7 @@ need sizes and names; the math modules load on the first encode or decode.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from quant.errors import NonFiniteError
@@ -77,6 +78,24 @@ class Codec:
         return stored[0], stored[1] * 8 // self.bits
 
     def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        return None
+
+    def stored_shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a stored weight of this shape is not one of this format (None: it is), before a byte
+        of it is read: what the decoder refuses and ``gate checkpoint`` flags."""
+        if len(shape) != 2:
+            return f"shape {list(shape)} is not a 2-D weight"
+        if 0 in shape:
+            return f"shape {list(shape)} has no elements (an empty quantized weight has no scale layout)"
+        return None
+
+    def scale_problem(self, scales: "np.ndarray") -> str | None:
+        """Why these scales (their raw bytes, ``[scale rows, bytes]`` uint8) are not valid ones."""
+        return None
+
+    def code_problem(self, weight: "np.ndarray", row0: int = 0) -> str | None:
+        """Why these stored rows (uint8 ``[rows, stored bytes]``, the first one ``row0``) hold a code
+        the format forbids (NaN)."""
         return None
 
     def quantize(self, x: "torch.Tensor", rule: ScaleRule = ScaleRule.EVEN) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -144,6 +163,27 @@ class MXCodec(Codec):
     def shape_problem(self, shape):
         if shape[1] % BLOCK:
             return f"input dim {shape[1]} is not divisible by the {self.name} block ({BLOCK})"
+        return None
+
+    def stored_shape_problem(self, shape):
+        if problem := super().stored_shape_problem(shape):
+            return problem
+        if shape[1] * 8 % self.bits:
+            return (f"{shape[1]} bytes a row is not a whole number of {self.bits}-bit {self.name} codes "
+                    f"({self.bits} bits: a row's bytes divide by {self.bits // math.gcd(self.bits, 8)})")
+        if (values := self.logical_shape(shape)[1]) % BLOCK:
+            return (f"{values} values a row is not a whole number of {BLOCK}-value blocks: the last block is partial, "
+                    "which neither Quark nor the engines write")
+        return None
+
+    def scale_problem(self, scales):
+        import numpy as np
+
+        bad = np.flatnonzero(scales.reshape(-1) == 0xFF)
+        if bad.size:
+            row, block = divmod(int(bad[0]), scales.shape[1])
+            return (f"scale byte 0xFF (E8M0 NaN) at row {row}, block {block} ({bad.size} such), which would decode "
+                    "to NaN")
         return None
 
     def quantize(self, x, rule=ScaleRule.EVEN):
@@ -216,6 +256,26 @@ class BlockFP8Codec(Codec):
 
     def scale_shape(self, shape):
         return -(-shape[0] // FP8_TILE), -(-shape[1] // FP8_TILE)
+
+    def scale_problem(self, scales):
+        import numpy as np
+
+        values = np.ascontiguousarray(scales).view("<f4").reshape(scales.shape[0], -1)
+        bad = np.flatnonzero(~np.isfinite(values) | np.signbit(values))
+        if bad.size:
+            row, col = divmod(int(bad[0]), values.shape[1])
+            return (f"scale_inv {values[row, col]} at tile ({row}, {col}) ({bad.size} such): a NaN, Inf or negative "
+                    "scale would decode to NaN, Inf or sign-flipped weights")
+        return None
+
+    def code_problem(self, weight, row0=0):
+        import numpy as np
+
+        bad = np.flatnonzero((weight.reshape(-1) & 0x7F) == 0x7F)  # e4m3fn's NaN: exponent and mantissa all ones
+        if bad.size:
+            row, col = divmod(int(bad[0]), weight.shape[1])
+            return f"e4m3 NaN code 0x{int(weight[row, col]):02X} at row {row0 + row}, column {col} ({bad.size} such)"
+        return None
 
     def quantize(self, x, rule=ScaleRule.EVEN):
         import torch

@@ -208,6 +208,8 @@ def decode_bf16(codes: np.ndarray, scale_inv: np.ndarray, threads: int | None = 
     values as ``fp8.dequantize``."""
     rows, cols = codes.shape
     scale_inv = np.ascontiguousarray(scale_inv).view(np.float32).reshape(-(-rows // TILE), -1)
+    if scale_inv.shape[1] != -(-cols // TILE):  # the kernel would leave columns unwritten
+        raise ValueError(f"{scale_inv.shape[1]} scale columns for {cols} codes a row; expected {-(-cols // TILE)}")
     pad = -cols % 4  # the kernel reads four codes at a time; real widths are multiples of 128
     if pad:
         codes = np.pad(codes, ((0, 0), (0, pad)))

@@ -166,6 +166,9 @@ def decode_bf16(packed: np.ndarray, scales: np.ndarray, threads: int | None = No
     """bf16 bit patterns (uint16 ``[rows, in]``) of an MXFP4 weight stored as ``packed`` ``[rows, in/2]``
     and ``scales`` ``[rows, in/32]`` (uint8): a table lookup, the same values as ``mxfp4.dequantize``."""
     global _TABLE
+    if packed.shape[1] % (BLOCK // 2) or scales.shape != (packed.shape[0], packed.shape[1] // (BLOCK // 2)):
+        raise ValueError(f"MXFP4 {list(packed.shape)} bytes with {list(scales.shape)} scales: not whole 32-value "
+                         "blocks, one scale each (the kernel would leave columns unwritten)")
     if _TABLE is None:
         _TABLE = _decode_table()
     out = np.empty((packed.shape[0], packed.shape[1]), dtype=np.uint32)

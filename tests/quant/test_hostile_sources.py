@@ -209,6 +209,139 @@ def test_a_tile_of_one_fp32_subnormal_encodes_to_zeros_with_a_finite_scale(to, t
     assert not [f for f in findings if f["check"] in ("values", "layout")], findings
 
 
+# ---- 5 + 7. corrupt quantized checkpoints: the decoder refuses, gate --deep flags ----------------
+
+def shard_of(folder: Path, tensor: str) -> Path:
+    return folder / json.loads((folder / INDEX_NAME).read_text())["weight_map"][tensor]
+
+
+def rewrite_shard(path: Path, change=None, order=None) -> None:
+    """Rewrite a shard: ``change(tensors)`` edits ``{name: torch tensor}`` in place; ``order`` (a
+    function of the names) lays the data out in that order, the header listing them in it."""
+    with safe_open(str(path), "pt") as f:  # copies: the file is rewritten below
+        tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+    if change:
+        change(tensors)
+    names = order(list(tensors)) if order else sorted(tensors)
+    entries = [(n, {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8",
+                    torch.float8_e4m3fn: "F8_E4M3"}[tensors[n].dtype], tuple(tensors[n].shape)) for n in names]
+    header, _ = encode_header(entries)
+    with path.open("wb") as f:
+        f.write(header)
+        for n in names:
+            if tensors[n].numel():
+                f.write(tensors[n].contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def corrupt_copy(folder: Path, tmp_path: Path, change) -> Path:
+    bad = Path(shutil.copytree(folder, tmp_path / "bad"))
+    rewrite_shard(shard_of(bad, EXPERT), change)
+    return bad
+
+
+def _set_scale(value, suffix="_scale_inv"):
+    def change(tensors):
+        scale = tensors[EXPERT + suffix].clone()
+        scale.view(-1)[0] = value
+        tensors[EXPERT + suffix] = scale
+    return change
+
+
+def _set_code(byte):
+    def change(tensors):
+        codes = tensors[EXPERT].view(torch.uint8).clone()
+        codes[1, 2] = byte
+        tensors[EXPERT] = codes.view(torch.float8_e4m3fn)
+    return change
+
+
+VALUE_CASES = {  # (format, change, what the decoder and the gate say)
+    "mx-scale-0xff": ("mxfp4", _set_scale(255, "_scale"), "0xFF (E8M0 NaN)"),
+    "mxfp6-scale-0xff": ("mxfp6_e3m2", _set_scale(255, "_scale"), "0xFF (E8M0 NaN)"),
+    "fp8-scale-nan": ("fp8", _set_scale(float("nan")), "scale_inv nan"),
+    "fp8-scale-inf": ("fp8", _set_scale(float("inf")), "scale_inv inf"),
+    "fp8-scale-negative": ("fp8", _set_scale(-0.5), "scale_inv -0.5"),
+    "fp8-scale-overflows": ("fp8", _set_scale(1e37), "decodes to NaN/Inf"),
+    "mx-scale-overflows": ("mxfp4", _set_scale(254, "_scale"), "decodes to NaN/Inf"),
+    "e4m3-nan-7f": ("fp8", _set_code(0x7F), "e4m3 NaN code 0x7F at row 1, column 2"),
+    "e4m3-nan-ff": ("fp8", _set_code(0xFF), "e4m3 NaN code 0xFF at row 1, column 2"),
+}
+
+
+@pytest.mark.parametrize("case", VALUE_CASES)
+def test_forbidden_scales_and_codes_are_refused_by_decode_and_flagged_by_gate_deep(case, quantized, outside,  # noqa: F811
+                                                                                  tmp_path, capsys):
+    to, change, says = VALUE_CASES[case]
+    bad = corrupt_copy(quantized[to], tmp_path, change)
+    refused(cli("--to", "bf16", bad, tmp_path / "back"), EXPERT, says, "re-export")
+    assert not list((tmp_path / "back").glob("*.safetensors*")) if (tmp_path / "back").exists() else True
+    _, out, _ = gate(capsys, bad)
+    assert says not in out, out  # headers alone cannot see it
+    code, out, _ = gate(capsys, bad, "--deep")
+    assert code == 1 and says in out and EXPERT in out, out
+
+
+SHAPE_CASES = {  # (format, change, what both say)
+    "mxfp4-34-columns": ("mxfp4", lambda t: t.update({EXPERT: torch.cat([t[EXPERT], t[EXPERT][:, :1]], dim=1)}),
+                         "34 values a row is not a whole number of 32-value blocks"),
+    "mxfp4-zero-rows": ("mxfp4", lambda t: t.update({EXPERT: t[EXPERT][:0].clone(),
+                                                      EXPERT + "_scale": t[EXPERT + "_scale"][:0].clone()}),
+                        "has no elements"),
+    "mxfp6-bytes-not-by-3": ("mxfp6_e2m3", lambda t: t.update({EXPERT: t[EXPERT][:, :-1].clone()}),
+                             "is not a whole number of 6-bit mxfp6_e2m3 codes"),
+    "fp8-zero-rows": ("fp8", lambda t: t.update({EXPERT: t[EXPERT][:0].clone(),
+                                                  EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"][:0].clone()}),
+                      "has no elements"),
+}
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_stored_shapes_the_format_cannot_hold_are_refused_before_reading(case, quantized, outside, tmp_path,  # noqa: F811
+                                                                         capsys):
+    """A partial MX block (34 columns: the kernel left columns 32-33 unwritten), zero rows, MXFP6
+    bytes not divisible by 3: decode refuses at plan time (one line, exit 2, no output shard);
+    ``gate checkpoint`` flags it from the header."""
+    to, change, says = SHAPE_CASES[case]
+    bad = corrupt_copy(quantized[to], tmp_path, change)
+    refused(cli("--to", "bf16", bad, tmp_path / "back"), EXPERT, says)
+    assert not (tmp_path / "back").exists() or not list((tmp_path / "back").glob("*.safetensors*"))
+    code, out, _ = gate(capsys, bad, "--deep")
+    assert code == 1 and says in out, out
+
+
+def test_mxfp4_decode_kernel_refuses_a_partial_block_instead_of_leaving_memory_unwritten():
+    from quant.formats import mxfp4_fast
+
+    with pytest.raises(ValueError, match="unwritten"):
+        mxfp4_fast.decode_bf16(np.zeros((4, 17), np.uint8), np.full((4, 1), 127, np.uint8))
+
+
+@pytest.mark.parametrize("order", ["save_file", "reversed", "interleaved"])
+@pytest.mark.parametrize("to", ["fp8", "mxfp4"])
+def test_decode_reads_any_on_disk_tensor_order(to, order, quantized, tmp_path):
+    """The same valid checkpoint stored in the order safetensors' save_file writes (dtype size
+    first: every FP8 scale_inv before its weight), reversed, or each scale just before its
+    weight: decodes to the same bytes as in the converter's order."""
+    folder = Path(shutil.copytree(quantized[to], tmp_path / "reordered"))
+    for path in sorted(folder.glob("*.safetensors")):
+        if order == "save_file":
+            with safe_open(str(path), "pt") as f:
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        elif order == "reversed":
+            rewrite_shard(path, order=lambda names: sorted(names, reverse=True))
+        else:
+            rewrite_shard(path, order=lambda names: sorted(names, key=lambda n: (n.split(".weight")[0],
+                                                                               n.endswith(".weight"))))
+    moved = [t for t in read_header(shard_of(folder, EXPERT)).tensors.values() if t.name.startswith(EXPERT)]
+    assert min(moved, key=lambda t: t.begin).name != EXPERT or to == "mxfp4" and order == "save_file"
+    out = cli("--to", "bf16", folder, tmp_path / "back")
+    assert out.returncode == 0, out.stderr
+    straight = cli("--to", "bf16", quantized[to], tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    assert load_tensors(tmp_path / "back") == load_tensors(tmp_path / "straight")
+
+
 # ---- 9. outputs are never more readable than their sources ---------------------------------------
 
 @pytest.mark.parametrize("to", ["mxfp4", "bf16"])
