@@ -75,6 +75,8 @@ def check_plan(plan, where: str, fix: str = FIX) -> dict:
         raise BadInput(f"{where}.benchmarks: empty; {fix}")
     for bench, entry in benchmarks.items():
         at = f"{where}.benchmarks.{bench}"
+        if not isinstance(bench, str):
+            raise BadInput(f"{at}: {bench!r} is not a benchmark name; {fix}")
         entry = _mapping(entry, at)
         _need(entry, "items", at, _positive_int, "a positive integer")
         repeats = _need(entry, "repeats", at, _positive_int, "a positive integer")

@@ -155,6 +155,8 @@ PLAN_FILES = {
     "a list for a look": (_edit(lambda p, g: g["looks"].__setitem__(0, [1, 0.5])),
                           "benchmarks.gsm8k.looks[0]: a list where a mapping belongs"),
     "the plan a list": ("- 1\n- 2\n", "a list where a mapping belongs"),
+    "a number for a benchmark name": (_edit(lambda p, g: p["benchmarks"].update({1: json.loads(json.dumps(g))})),
+                                      "benchmarks.1: 1 is not a benchmark name"),
     "missing looks": (_edit(lambda p, g: g.pop("looks")), "benchmarks.gsm8k.looks: missing"),
     "no looks": (_edit(lambda p, g: g.update(looks=[])), "benchmarks.gsm8k.looks: [] is not a non-empty list"),
     "looks at 1, 2, 2 repeats": (
