@@ -1,0 +1,171 @@
+"""Each family's full-size layout from headers: `quantize --dry-run` on the bf16 release layout and
+`gate checkpoint` on the MXFP4 layout the plan writes, both as sparse files (real safetensors headers
+followed by holes: no disk, no tensor data), with the published config sizes.
+
+    PYTHONPATH=. nice -n 15 python tests/benchmarks/family_full_size.py [--families glm4_moe,...] [--root DIR]
+
+Names and shapes come from transformers' own modeling class built on the meta device at the real
+sizes (a few layers; its fused 3-D expert tensors are split back into the release's per-expert
+names, as save_pretrained does) and repeated over every layer. Prints seconds and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from quant.safetensors_io import DTYPE_BYTES, encode_header, numel
+
+# Published sizes (the releases' config.json; docs/reference.md §5b names the families).
+REAL = {
+    # zai-org/GLM-4.5: 92 layers (3 dense), 160 routed + 1 shared experts, MTP at 92
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+        "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "num_nextn_predict_layers": 1, "attention_bias": True, "partial_rotary_factor": 0.5, "n_group": 1,
+        "topk_group": 1, "tie_word_embeddings": False}, ("gate_proj", "up_proj", "down_proj")),
+    # Qwen/Qwen3-235B-A22B: 94 layers, 128 experts, top-8
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False}, ("gate_proj", "up_proj", "down_proj")),
+    # mistralai/Mixtral-8x22B-v0.1: 56 layers, 8 experts, top-2
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "vocab_size": 32768, "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False}, ("w1", "w3", "w2")),
+    # MiniMaxAI/MiniMax-M2.5: 62 layers, 256 experts, top-8, 3 MTP modules
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {
+        "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "num_mtp_modules": 3,
+        "use_qk_norm": True, "qk_norm_type": "per_layer", "tie_word_embeddings": False}, ("w1", "w3", "w2")),
+}
+MTP = {"glm4_moe": "num_nextn_predict_layers", "minimax_m2": "num_mtp_modules"}
+# transformers' module names that its save_pretrained writes under the release's (its weight conversions)
+RELEASE_NAMES = {"mixtral": (".mlp.", ".block_sparse_moe."), "minimax_m2": (".mlp.", ".block_sparse_moe.")}
+ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
+
+
+def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    """(config.json, [(name, dtype, shape)]) of the family's release at full size."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, sizes, (gate, up, down) = REAL[family]
+    layers, mtp = sizes["num_hidden_layers"], sizes.get(MTP.get(family, ""), 0)
+    dense = sizes.get("first_k_dense_replace", 0)
+    template_layers = dense + 1 + (1 if mtp else 0)  # one of each kind of layer
+    config = getattr(transformers, config_cls)(**{**sizes, "num_hidden_layers": template_layers})
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(config)
+    per_layer: dict[int, list] = {}
+    top = []
+    for name, t in model.state_dict().items():
+        shape, dtype = tuple(t.shape), ST[str(torch.bfloat16 if t.dtype == torch.bfloat16 else t.dtype)]
+        dtype = "BF16" if t.dtype in (torch.float16, torch.bfloat16, torch.float32) and "correction_bias" not in name \
+            else dtype
+        if family in RELEASE_NAMES:
+            name = name.replace(*RELEASE_NAMES[family])
+        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        entries = [(name, dtype, shape)]
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> per expert gate, up [I, H]
+            e, two_i, h = shape
+            entries = [(f"{name[:-len('gate_up_proj')]}{x}.{proj}.weight", dtype, (two_i // 2, h))
+                       for x in range(e) for proj in (gate, up)]
+        elif name.endswith("experts.down_proj"):  # [E, H, I] -> per expert down [H, I]
+            entries = [(f"{name[:-len('down_proj')]}{x}.{down}.weight", dtype, shape[1:]) for x in range(shape[0])]
+        if m:
+            per_layer.setdefault(int(m.group(1)), []).extend(
+                (re.sub(r"^model\.layers\.\d+\.", "", n), d, s) for n, d, s in entries)
+        else:
+            top.extend(entries)
+    out = list(top)
+    for i in range(layers + mtp):
+        kind = (0 if i < dense else dense) if i < layers else template_layers - 1
+        out += [(f"model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[kind]]
+    if family == "glm4_moe":  # the MTP layer's own tensors (transformers does not build them)
+        h, v = sizes["hidden_size"], sizes["vocab_size"]
+        p = f"model.layers.{layers}."
+        out += [(p + "eh_proj.weight", "BF16", (h, 2 * h)), (p + "enorm.weight", "BF16", (h,)),
+                (p + "hnorm.weight", "BF16", (h,)), (p + "shared_head.norm.weight", "BF16", (h,)),
+                (p + "shared_head.head.weight", "BF16", (v, h)), (p + "embed_tokens.weight", "BF16", (v, h))]
+    saved = {**config.to_dict(), **sizes, "architectures": [model_cls], "torch_dtype": "bfloat16"}
+    return saved, out
+
+
+def write_sparse(dst: Path, config: dict, entries, shard_bytes: int = 5 << 30) -> int:
+    dst.mkdir(parents=True)
+    chunks, size = [[]], 0
+    for entry in entries:
+        nbytes = DTYPE_BYTES[entry[1]] * numel(entry[2])
+        if chunks[-1] and size + nbytes > shard_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(entry)
+        size += nbytes
+    weight_map, claimed = {}, 0
+    for i, chunk in enumerate(chunks, 1):
+        file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"
+        header, offsets = encode_header(chunk)
+        end = max(offsets[n] + DTYPE_BYTES[d] * numel(s) for n, d, s in chunk)
+        with open(dst / file, "wb") as f:
+            f.write(header)
+            f.truncate(end)
+        claimed += end
+        weight_map.update({name: file for name, _, _ in chunk})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "tokenizer.json").write_text("{}")
+    return claimed
+
+
+def timed(command: list[str]) -> tuple[int, float, str]:
+    start = time.time()
+    # peak memory: the child's VmHWM (ru_maxrss would carry this parent's high-water mark across exec)
+    done = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; "
+                           "code = 0\ntry: runpy.run_module(sys.argv[0], run_name='__main__')\n"
+                           "except SystemExit as e: code = e.code or 0\n"
+                           "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+                           "print('PEAK_KB', hwm, file=sys.stderr); "
+                           "sys.exit(code)", *command], capture_output=True, text=True, check=False)
+    peak = re.search(r"PEAK_KB (\d+)", done.stderr)
+    return done.returncode, time.time() - start, f"{int(peak.group(1)) // 1024} MB" if peak else "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(REAL))
+    ap.add_argument("--root", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        for family in args.families.split(","):
+            config, entries = layout(family)
+            src = Path(tmp) / family / "bf16"
+            claimed = write_sparse(src, config, entries)
+            code, seconds, peak = timed(["quant.cli", "--to", "mxfp4", "--dry-run", "-q", "--json", str(src),
+                                         str(Path(tmp) / family / "out")])
+            # the MXFP4 output's layout, from the plan: headers the converter would write, holes for data
+            from quant.plan import make_plan
+            from quant.recipe import load_recipe
+            plan = make_plan(src, load_recipe(None, "mxfp4"))
+            out = Path(tmp) / family / "mxfp4"
+            write_sparse(out, plan.output_config(), [e for s in plan.shards for e in s.entries])
+            gcode, gseconds, gpeak = timed(["evals.cli", "checkpoint", "--engine", "sglang==0.5.23", str(out)])
+            vcode, vseconds, vpeak = timed(["evals.cli", "checkpoint", "--engine", "vllm", str(out)])
+            print(f"{family:<11} {len(entries):>6} tensors {claimed / 1e12:5.2f} TB bf16 | quantize --dry-run exit "
+                  f"{code} {seconds:5.1f} s {peak} | gate checkpoint sglang==0.5.23 exit {gcode} {gseconds:5.1f} s "
+                  f"{gpeak}, vllm exit {vcode} {vseconds:5.1f} s {vpeak}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
