@@ -69,32 +69,28 @@ def load_results(path: Path) -> dict:
         raise Tau2Error(f"{path}: not a tau2 results file ({type(exc).__name__}: {str(exc)[:300]})") from None
 
 
+def _events(path: Path):
+    """The events ``evals run`` recorded in an events file (none when missing; a line cut by a kill is passed over)."""
+    if Path(path).exists():
+        for line in read_regular(Path(path), RESULTS_BYTES, Tau2Error).decode(errors="replace").splitlines():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
 def events_of(path: Path) -> dict[tuple[str, int | None], dict]:
     """The latest recorded failure per (task id, seed) from an events file (missing: none)."""
-    out: dict = {}
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            if event.get("event") == "error":
-                out[(str(event["task_id"]), event.get("seed"))] = event
-    return out
+    return {(str(e["task_id"]), e.get("seed")): e for e in _events(path) if e.get("event") == "error"}
 
 
 def retries_of(path: Path) -> dict[tuple[str, int | None], int]:
     """How often each (task id, seed) was run again after an infrastructure error (``retry`` events)."""
     out: dict = {}
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event.get("event") == "retry":
-                key = (str(event["task_id"]), event.get("seed"))
-                out[key] = out.get(key, 0) + 1
+    for event in _events(path):
+        if event.get("event") == "retry":
+            key = (str(event["task_id"]), event.get("seed"))
+            out[key] = out.get(key, 0) + 1
     return out
 
 
