@@ -55,6 +55,11 @@ def _update_manifest(data_dir: Path, benchmark: str, files: dict[str, Path], sou
     return manifest[benchmark]
 
 
+def _sha256(path: Path) -> str:
+    """A data file's sha256, read as a regular file (a FIFO or device is refused, not waited on)."""
+    return sha256_of(read_regular(path, DATA_BYTES, DataError))
+
+
 def _read_text(path: Path) -> str:
     """A data file's text: a regular file (a FIFO or device is refused, not waited on), UTF-8."""
     try:
@@ -199,7 +204,7 @@ def dataset_for(benchmark: str, data_dir: Path | None = None) -> Dataset:
         for name in GSM8K_FILES:
             check_gsm8k_file(raw / name)
         return Dataset(raw, {"source": f"{raw} (GSM8K's own files, hashed at run time)",
-                             "files": {name: sha256_of(raw / name) for name in GSM8K_FILES}})
+                             "files": {name: _sha256(raw / name) for name in GSM8K_FILES}})
     if benchmark == "gsm8k" and manifest.exists():
         log.warning("%s has no gsm8k; using the GSM8K copy shipped with quantgate", data_dir)
         return dataset_for("gsm8k")
@@ -231,6 +236,6 @@ def verify_data(data_dir: Path, benchmark: str) -> dict:
         raise DataError(f"{data_dir}: {benchmark} not imported; run `evals data --{benchmark.split('_')[0]} ...`")
     for name, digest in entry["files"].items():
         path = Path(data_dir) / benchmark / name
-        if not path.exists() or sha256_of(path) != digest:
+        if not path.exists() or _sha256(path) != digest:
             raise DataError(f"{path}: changed since import (sha256 differs from {MANIFEST}); re-import it")
     return entry

@@ -206,6 +206,23 @@ def test_task_sha256_does_not_depend_on_where_the_data_lives(recorder, tmp_path)
     assert a == b and len(a["task_sha256"]) == 64
 
 
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_a_data_file_swapped_for_a_special_file_is_refused_without_hanging(special, tmp_path, outside):
+    """Before: the manifest check hashed the file by path, so a FIFO there hung `evals run`."""
+    data = imported(tmp_path / "data", tag="x")
+    test = data / "gsm8k" / "test.jsonl"
+    test.unlink()
+    os.mkfifo(test) if special == "fifo" else test.symlink_to("/dev/zero")
+    model = tmp_path / "model"  # a local folder: the data is checked before any model is loaded
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = as_process("evals_main", "run", "--benchmarks", "gsm8k", "--data-dir", data, "--model", model,
+                     "--out", tmp_path / "out", timeout=120)
+    assert out.returncode == 2, out.stderr
+    one_line(out.stderr, str(test), "not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
 # ---- issue 38 item 8: one writer per output folder ------------------------------------------------------
 
 def test_a_second_evals_run_into_the_same_out_is_refused_naming_the_lock(hostile, outside, tmp_path):
