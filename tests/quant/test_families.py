@@ -196,3 +196,15 @@ def test_minimax_config_keys_the_engines_read(tmp_path, capsys, edit, expect):
     for engine in ("sglang==0.5.22", "vllm"):
         code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", engine)
         assert code == 1 and expect in text, text
+
+
+def test_mxfp6_and_back_to_bf16(converted, tmp_path):
+    """--to mxfp6_e2m3 converts every family; --to bf16 decodes the MXFP4 output back to the source's
+    names, shapes and dtypes (routed experts decoded, the rest copied)."""
+    family, src, outputs = converted
+    assert quantize(["--to", "mxfp6_e2m3", "-q", str(src), str(tmp_path / "mxfp6")]) == 0
+    assert any(d == "U8" for d in dtypes(tmp_path / "mxfp6").values())
+    assert quantize(["--to", "bf16", "-q", str(outputs["mxfp4"]), str(tmp_path / "back")]) == 0
+    back, source = dtypes(tmp_path / "back"), dtypes(src)
+    assert back == source
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
