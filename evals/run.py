@@ -306,7 +306,7 @@ def scores_of(rows: list[dict], benchmarks: dict[str, dict]) -> dict:
     interval over items (a repeat of an item is not an independent item), and the shape of its rows."""
     import numpy as np
 
-    from evals.stats import wilson_interval
+    from evals.judge.stats import wilson_interval
 
     out = {}
     for bench, entry in benchmarks.items():

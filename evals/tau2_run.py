@@ -45,7 +45,7 @@ DOMAINS = ("airline", "retail", "telecom")
 @dataclass(frozen=True)
 class Tau2Settings:
     """One tau2 run's settings. Across arms everything but the addresses, ``concurrency`` and
-    ``max_retries`` must match (``evals.tau2_gate``); to resume, everything but addresses and concurrency."""
+    ``max_retries`` must match (``evals.judge.tau2_gate``); to resume, everything but addresses and concurrency."""
 
     model: str  # the served model (the agent), a name the server knows
     api_base: str  # http://host:port/v1

@@ -3,8 +3,8 @@ is final, or at the plan's last look.
 
 Look k runs each undecided benchmark's repeats up to the plan's k-th look (finished repeats are
 kept, as by ``--resume``), writes the bundle, and judges it against the reference with the gate
-(``gate.accuracy_gate``), which judges each benchmark at its look's level (``evals.design``,
-``evals.sequential``). A benchmark that PASSes or FAILs stops; an INCONCLUSIVE one goes on to
+(``gate.accuracy_gate``), which judges each benchmark at its look's level (``evals.judge.design``,
+``evals.judge.sequential``). A benchmark that PASSes or FAILs stops; an INCONCLUSIVE one goes on to
 its next look; an INCONCLUSIVE at the last look is final. Every look is kept in ``looks.json``
 beside the bundle and printed as it happens.
 """
@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from evals.errors import BadInput
-from evals.plan_file import plan_under_policy
+from evals.judge.plan_file import plan_under_policy
 from quant.outputs import write_atomic
 
 LOOKS_FILE = "looks.json"
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> dict:
     """``{"looks": [...], "accuracy": the last look's gate result}``; ``spec.plan`` is required."""
-    from evals.gate import FAIL, PASS, accuracy_gate
+    from evals.judge.gate import FAIL, PASS, accuracy_gate
     from evals.run import run
 
     if not spec.plan:
@@ -62,7 +62,7 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
 
 
 def render(result: dict) -> str:
-    from evals.render import versus
+    from evals.judge.render import versus
 
     lines = ["look  " + "  ".join(f"{b:>28}" for b in result["looks"][0]["benchmarks"]) + "  verdict"]
     for entry in result["looks"]:

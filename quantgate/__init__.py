@@ -127,8 +127,8 @@ def evaluate(out: str | Path, model: str | Path, benchmarks: list[str], **option
 def gate(candidate: str | Path, reference: str | Path, *, policy: str | Path | None = None,
          margins: dict[str, float] | None = None, benchmarks: list[str] | None = None) -> Verdict:
     """``gate accuracy``: the paired comparison of two run bundles under the release policy."""
-    from evals.gate import accuracy_gate
-    from evals.policy import load_policy
+    from evals.judge.gate import accuracy_gate
+    from evals.judge.policy import load_policy
 
     rules = load_policy(Path(policy) if policy else None).with_margins(margins or {})
     result = accuracy_gate(Path(candidate), Path(reference), rules, benchmarks=benchmarks)

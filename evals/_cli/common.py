@@ -38,8 +38,8 @@ def add_comparison_args(p: argparse.ArgumentParser) -> None:
 
 
 def accuracy_of(args: argparse.Namespace, benchmarks: list[str] | None = None) -> dict:
-    from evals.gate import accuracy_gate
-    from evals.policy import load_policy
+    from evals.judge.gate import accuracy_gate
+    from evals.judge.policy import load_policy
 
     policy = load_policy(args.policy).with_margins(margins(args.margin))
     return accuracy_gate(args.candidate, args.reference, policy, args.reference_rerun,
@@ -47,6 +47,6 @@ def accuracy_of(args: argparse.Namespace, benchmarks: list[str] | None = None) -
 
 
 def dumps(obj) -> str:
-    from evals.report import strict_json
+    from evals.judge.report import strict_json
 
     return strict_json(obj)

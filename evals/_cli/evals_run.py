@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, benchmarks: list[str]) -> dict | None:
     """The plan of ``--plan``, checked against the other flags (it fixes items, seeds, tau2 trials)."""
     from evals.errors import BadInput
-    from evals.plan_file import read_plan
+    from evals.judge.plan_file import read_plan
 
     if (args.until_decided or args.reference) and not (args.plan and args.until_decided and args.reference):
         raise BadInput("--until-decided needs --plan PLAN and --reference REF (and --reference is only for it)")
@@ -334,8 +334,8 @@ def _plan(args: argparse.Namespace, benchmarks: list[str]) -> dict | None:
 def _until_decided(args: argparse.Namespace, spec) -> int:
     from evals.bundle import read_bundle
     from evals.errors import EXIT_BLOCK
-    from evals.gate import PASS
-    from evals.policy import load_policy
+    from evals.judge.gate import PASS
+    from evals.judge.policy import load_policy
     from evals.until_decided import render, run_until_decided
 
     read_bundle(args.reference)  # a bad reference is refused before any model runs

@@ -40,8 +40,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evals import render
-    from evals.gate import PASS, unpaired_against_reference
+    from evals.judge import render
+    from evals.judge.gate import PASS, unpaired_against_reference
 
     benchmarks = [b for b in (args.benchmarks or "").split(",") if b] or None
     result = accuracy_of(args, benchmarks)

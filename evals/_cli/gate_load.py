@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evals.knee import PASS, human, load_gate
+    from evals.judge.knee import PASS, human, load_gate
 
     load = load_gate(args.candidate, args.reference, args.margin, args.ttft_slo, args.min_success)
     print(json.dumps(load, indent=2) if args.json else human(load))

@@ -22,7 +22,7 @@ outcome. When no design within the limits certifies the policy's margin, it says
 margin the largest design certifies.
 
 Variance per item comes from a pilot (--pilot-reference [--pilot-candidate]: bundles of a small
-run) or from stated assumptions (--between/--within; defaults in evals/design.py, printed).
+run) or from stated assumptions (--between/--within; defaults in evals/judge/design.py, printed).
 
 examples:
   gate plan                                            # the release policy, drop 0.01, power 0.8
@@ -79,7 +79,7 @@ def _per_bench(items: list[str], flag: str, benchmarks: list[str], cast=float) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from evals.design import (
+    from evals.judge.design import (
         DEFAULT_ASSUMPTIONS,
         DEFAULT_DROP,
         MAX_REPEATS,
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         pilot_assumptions,
         write_plan,
     )
-    from evals.gate import BENCHMARK_ITEMS
-    from evals.policy import load_policy
+    from evals.judge.gate import BENCHMARK_ITEMS
+    from evals.judge.policy import load_policy
 
     policy = load_policy(args.policy).with_margins(margins(args.margin))
     benchmarks = [b for b in (args.benchmarks or "").split(",") if b] or sorted(policy.benchmarks)

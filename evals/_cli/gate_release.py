@@ -50,14 +50,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evals import render
+    from evals.judge import render
     from evals._cli.gate_checkpoint import human
-    from evals.binding import bind_checkpoint, lines, provenance
+    from evals.judge.binding import bind_checkpoint, lines, provenance
     from evals.bundle import read_bundle
-    from evals.gate import RELEASE, release_report
-    from evals.knee import human as human_load
-    from evals.knee import load_gate
-    from evals.report import write
+    from evals.judge.gate import RELEASE, release_report
+    from evals.judge.knee import human as human_load
+    from evals.judge.knee import load_gate
+    from evals.judge.report import write
     from quant import kernels
     from quant.verify import verify
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     report = release_report(args.checkpoint, structure.to_dict(), accuracy, kern, load, prov)
     md, js = write(report, args.report_dir or args.candidate)
     if args.plots:
-        from evals import dashboard, page
+        from evals.judge import dashboard, page
 
         page.write(dashboard.load(args.candidate, args.reference, args.checkpoint, js), args.plots)
     sections = [human(structure), render.text(accuracy)]

@@ -6,7 +6,7 @@ whose true delta is 0, exactly the margin, or a point beyond it, at the sizes pe
 
 Not a test: a statistics experiment. Each simulation draws a fresh set of items and both arms'
 outcomes and judges them with the real
-decision function (``evals.gate.judge``, through which ``compare_benchmark`` decides; with infrastructure
+decision function (``evals.judge.gate.judge``, through which ``compare_benchmark`` decides; with infrastructure
 errors ``compare_benchmark`` itself on the rows) under the shipped ``manifests/gates/release.yaml``.
 
 Items are heterogeneous: a share always right, a share always wrong, the rest with a success
@@ -25,7 +25,7 @@ False pass is PASS at the margin: the policy promises at most 5% (one-sided 95% 
 
 Sequential cells judge one run after each repeat and stop at the first PASS or FAIL: at the level
 ``gate accuracy`` gives each look of a plan (Lan-DeMets O'Brien-Fleming spending on the information
-the look observed, ``evals.design.observed_levels``, against the plan `gate plan` writes from its
+the look observed, ``evals.judge.design.observed_levels``, against the plan `gate plan` writes from its
 stated item model), and, to show why, naively at the policy's 95% at every look; "mean repeats" is
 how many repeats the looks used on average.
 """
@@ -43,10 +43,10 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from evals.design import DEFAULT_ASSUMPTIONS, _power, observed_levels, one_outcome, plan_looks
-from evals.gate import compare_benchmark, judge
-from evals.policy import load_policy
-from evals.stats import exact_power
+from evals.judge.design import DEFAULT_ASSUMPTIONS, _power, observed_levels, one_outcome, plan_looks
+from evals.judge.gate import compare_benchmark, judge
+from evals.judge.policy import load_policy
+from evals.judge.stats import exact_power
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def rows(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | Non
 
 
 def run(task: tuple[Cell, float, int, int, str]) -> Counter:
-    """Verdicts of ``sims`` simulations: from ``evals.gate.judge`` on the per-item scores (what
+    """Verdicts of ``sims`` simulations: from ``evals.judge.gate.judge`` on the per-item scores (what
     ``compare_benchmark`` decides with), or, with infrastructure errors, from ``compare_benchmark``
     on the rows (dropping errored pairs happens there)."""
     cell, delta, sims, seed, model = task

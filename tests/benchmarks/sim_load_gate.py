@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from evals.errors import Refused
-from evals.knee import load_gate, p95_rank
+from evals.judge.knee import load_gate, p95_rank
 from evals.load import FORMAT, LoadSpec, Workload, next_rate
 
 T0, SLO, NOMINAL = 0.5, 5.0, 2.67

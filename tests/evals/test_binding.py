@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import dashboard
+from evals.judge import dashboard
 from evals.cli import build_parser
 from evals.cli import main as gate_main
 from evals.errors import BadInput

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evals import dashboard
+from evals.judge import dashboard
 from evals.cli import main as gate
 from quant.convert import convert
 from quant.plan import make_plan

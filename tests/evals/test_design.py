@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from evals import sequential
+from evals.judge import sequential
 from evals.cli import main as gate
-from evals.design import (
+from evals.judge.design import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     design,
@@ -25,10 +25,10 @@ from evals.design import (
     se_of,
 )
 from evals.errors import BadInput
-from evals.gate import BENCHMARK_ITEMS, PASS, compare_benchmark, judge
-from evals.plan_file import read_plan
-from evals.policy import BenchmarkPolicy, Bootstrap, GatePolicy
-from evals.stats import exact_power
+from evals.judge.gate import BENCHMARK_ITEMS, PASS, compare_benchmark, judge
+from evals.judge.plan_file import read_plan
+from evals.judge.policy import BenchmarkPolicy, Bootstrap, GatePolicy
+from evals.judge.stats import exact_power
 
 
 def test_boundaries_are_the_published_lan_demets_obrien_fleming_values():
@@ -201,7 +201,7 @@ def test_bootstrap_of_per_item_means_over_three_repeats_is_centred():
     """A look after 3 repeats has per-item means in thirds; computed as a difference of two means the
     same third can differ in its last bit, and the lattice bootstrap once dropped all but one of such
     twins (the resamples then centred far from the delta and a candidate at the margin passed)."""
-    from evals.stats import _bootstrap_means
+    from evals.judge.stats import _bootstrap_means
 
     rng = np.random.default_rng(5)
     ref, cand = (rng.random((198, 3)) < 0.8).astype(float), (rng.random((198, 3)) < 0.77).astype(float)
@@ -213,7 +213,7 @@ def test_bootstrap_of_per_item_means_over_three_repeats_is_centred():
 
 
 def test_a_pilot_gives_the_variance_components(tmp_path, capsys):
-    from evals.stats import variance_components
+    from evals.judge.stats import variance_components
     from tests.evals.test_gate import bundle
 
     rng = np.random.default_rng(2)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from evals.cli import main as gate
-from evals.gate import accuracy_gate
-from evals.policy import load_policy
-from evals.stats import items_to_decide, mcnemar_exact_p, paired_delta
+from evals.judge.gate import accuracy_gate
+from evals.judge.policy import load_policy
+from evals.judge.stats import items_to_decide, mcnemar_exact_p, paired_delta
 from quant.convert import convert
 from quant.plan import make_plan
 from quant.recipe import load_recipe

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from evals import render
+from evals.judge import render
 from evals.cli import main as gate
-from evals.gate import compare_benchmark
-from evals.policy import load_policy
-from evals.stats import certified_margin, conditional_power, exact_power, guidance, paired_delta, variance_components
+from evals.judge.gate import compare_benchmark
+from evals.judge.policy import load_policy
+from evals.judge.stats import certified_margin, conditional_power, exact_power, guidance, paired_delta, variance_components
 from tests.evals.test_gate import binary_pair, bundle
 from tests.evals.test_stats import pairs_of
 

@@ -8,7 +8,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
-from evals import dashboard
+from evals.judge import dashboard
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -17,7 +17,7 @@ import yaml
 
 from evals.cli import evals_main
 from evals.cli import main as gate_main
-from evals.plan_file import levels
+from evals.judge.plan_file import levels
 from tests.evals.test_gate import binary_pair, bundle
 from tests.evals.test_hostile_evals import as_process, cli, one_line, outside  # noqa: F401  (outside: a fixture)
 
@@ -218,7 +218,7 @@ def test_a_plan_gate_plan_writes_reads_back(tmp_path, capsys):
     code, _, _ = cli(capsys, gate_main, "plan", "--benchmarks", "gpqa_diamond", "--items", "gpqa_diamond=20",
                      "--max-repeats", "gpqa_diamond=3", "--out", plan)
     assert code in (0, 1)
-    from evals.plan_file import read_plan
+    from evals.judge.plan_file import read_plan
 
     written = read_plan(plan)
     assert [lk["repeats"] for lk in written["benchmarks"]["gpqa_diamond"]["looks"]] == [1, 2, 3]

@@ -14,7 +14,7 @@ import pytest
 
 from evals.cli import evals_main
 from evals.cli import main as gate
-from evals.knee import p95_rank
+from evals.judge.knee import p95_rank
 from evals.load import FORMAT, Workload, read_load_bundle
 from tests.evals.conftest import free_port, wait_healthy
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from evals.knee import bootstrap_p95, knee, load_gate, p95_rank, sweeps_to_decide
+from evals.judge.knee import bootstrap_p95, knee, load_gate, p95_rank, sweeps_to_decide
 from evals.load import LoadSpec, next_rate
 from tests.evals.test_load import REFERENCE, load_bundle, run_gate
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy.special import gammaln, xlogy
 
-from evals.gate import compare_benchmark
-from evals.policy import load_policy
-from evals.stats import (_score_z, exact_bounds, exact_loss_bound, exact_p, exact_passes, exact_power,
+from evals.judge.gate import compare_benchmark
+from evals.judge.policy import load_policy
+from evals.judge.stats import (_score_z, exact_bounds, exact_loss_bound, exact_p, exact_passes, exact_power,
                          paired_delta, score_bounds)
 from tests.evals.test_gate import binary_pair
 

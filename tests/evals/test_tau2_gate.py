@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evals import render
+from evals.judge import render
 from evals.cli import evals_main
 from evals.cli import main as gate
-from evals.gate import compare_benchmark
-from evals.policy import load_policy
+from evals.judge.gate import compare_benchmark
+from evals.judge.policy import load_policy
 from tests.evals.test_gate import bundle
 from tests.evals.test_tau2 import results_file
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evals.stats import REPORTED_CONFIDENCE, macro_interval, paired_delta, wilson_interval
+from evals.judge.stats import REPORTED_CONFIDENCE, macro_interval, paired_delta, wilson_interval
 
 COMPARED = ("user_llm", "user_llm_args", "agent_llm_args", "num_trials", "max_steps", "max_errors", "seed",
             "task_split", "tau2_version", "domains")

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from evals import binding, render
+from evals.judge import binding, render
 from quant.outputs import write_atomic
 
 
@@ -55,7 +55,7 @@ LOAD_COLUMNS = ("run", "sweeps", "knee RPS", "per sweep: knee RPS [bootstrap 95%
 
 def load_summary(load: dict) -> tuple[str, list[dict]]:
     """The serving-load section's SLO and ratio line and its rows (each arm's knees), as every rendering writes them."""
-    from evals.knee import knee_text
+    from evals.judge.knee import knee_text
 
     slo = f"SLO: TTFT p95 <= {load['ttft_slo_s']:g} s, success >= {load['min_success']:.0%}; margin {load['margin']:g}"
     if load.get("ratio") is not None:

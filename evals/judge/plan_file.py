@@ -19,7 +19,7 @@ from pathlib import Path
 
 from scipy import stats as sps
 
-from evals import sequential
+from evals.judge import sequential
 from evals.errors import BadInput, Refused
 from quant.safe_files import read_yaml
 

@@ -1,7 +1,7 @@
 """The accuracy gate and the release verdict: every verdict of ``gate`` is made here.
 
 Per benchmark, a paired candidate-vs-reference comparison judged against the policy
-(``evals.policy``): PASS when the one-sided lower bound of the paired delta is above -margin (and
+(``evals.judge.policy``): PASS when the one-sided lower bound of the paired delta is above -margin (and
 no absolute floor is broken); FAIL when the upper bound is below -margin or the floor is broken;
 INCONCLUSIVE otherwise, with what would decide it at the observed per-item spread: more items
 while the benchmark has them, else more repeats at the same temperature, and the margin the
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from evals import binding, design, render, tau2_gate
+from evals.judge import binding, design, render, tau2_gate
 from evals.bundle import RUN_JSON, BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
-from evals.plan_file import plan_under_policy
-from evals.policy import BenchmarkPolicy, GatePolicy
-from evals.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
+from evals.judge.plan_file import plan_under_policy
+from evals.judge.policy import BenchmarkPolicy, GatePolicy
+from evals.judge.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
                          noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
 from quant.layout import read_yaml_mapping
 
@@ -74,7 +74,7 @@ class BenchmarkResult:
     setting_differences: list[str] | None = None  # set only when compared despite them
     decidable: bool = True  # False: too few items or too many infrastructure errors to judge at all
     infra: dict | None = None  # tau2: infrastructure errors per arm
-    look: dict | None = None  # a planned run: its look, the level it was judged at, whether final (evals.design)
+    look: dict | None = None  # a planned run: its look, the level it was judged at, whether final (evals.judge.design)
 
 
 def _item_scores(rows: list[dict]) -> tuple[list[str], np.ndarray, np.ndarray | None]:

@@ -4,7 +4,7 @@ Inline CSS, figures embedded as base64 PNG data URIs, no script and nothing fetc
 opens the same from a file, a mail attachment or an artifact store. Verdict first (colour and
 words), then the accuracy table, forest plot, discordance, per-repeat and per-domain breakdowns,
 the checkpoint check, and kernel-readiness and load when present. Every sentence and table cell
-comes from ``evals.render`` / ``evals.report``, as in report.md, the CLI and the notebook.
+comes from ``evals.judge.render`` / ``evals.judge.report``, as in report.md, the CLI and the notebook.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals import binding, dashboard, render
-from evals.report import LOAD_COLUMNS, load_summary
+from evals.judge import binding, dashboard, render
+from evals.judge.report import LOAD_COLUMNS, load_summary
 from quant.outputs import write_atomic  # bytes: complete or absent, never half-written
 
 TONE = {"RELEASE": "good", "PASS": "good", "OK": "good", "BLOCK": "bad", "FAIL": "bad", "PROBLEM": "bad",

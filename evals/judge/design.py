@@ -36,11 +36,11 @@ import yaml
 from scipy import optimize
 from scipy import stats as sps
 
-from evals import sequential
+from evals.judge import sequential
 from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
-from evals.plan_file import PLAN_VERSION
-from evals.stats import exact_power, variance_components
+from evals.judge.plan_file import PLAN_VERSION
+from evals.judge.stats import exact_power, variance_components
 from quant.outputs import write_atomic
 
 DEFAULT_DROP = 0.01
@@ -113,7 +113,7 @@ def observed_levels(benchmark: str, entry: dict, alpha: float, ref: np.ndarray, 
     look of one repeat where repeats show no noise yet, by the most repeats could add (all of the
     variance within items: R times). The plan's final information is that of its stated item model
     (``se_of``). Returns, per look so far, ``repeats``, ``information_fraction``, ``z``, ``confidence``."""
-    from evals.stats import paired_se  # the gate's standard error, as the gate computes it
+    from evals.judge.stats import paired_se  # the gate's standard error, as the gate computes it
 
     looks = [lk for lk in entry["looks"] if lk["repeats"] <= ref.shape[1]]
     final_repeats = entry["looks"][-1]["repeats"]

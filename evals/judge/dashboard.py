@@ -1,7 +1,7 @@
 """The dashboard's logic: tables and figures from run bundles, a gate report and a checkpoint.
 
 ``notebooks/dashboard.ipynb`` only calls these and displays them; ``gate release --plots DIR``
-writes the same figures as PNG and one HTML page (``evals.page``), so everything here is tested
+writes the same figures as PNG and one HTML page (``evals.judge.page``), so everything here is tested
 without Jupyter.
 """
 
@@ -20,10 +20,10 @@ from matplotlib.figure import (
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import ScalarFormatter
 
-from evals import render
+from evals.judge import render
 from evals.errors import BadInput
-from evals.gate import accuracy_gate
-from evals.policy import load_policy
+from evals.judge.gate import accuracy_gate
+from evals.judge.policy import load_policy
 from quant.safe_files import read_json
 
 _LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.(?=(?:shared_)?experts\.))?(.+)\.weight$")
@@ -38,7 +38,7 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
     the CLI cannot disagree. A report judged under another policy than ``policy`` is refused."""
     data: dict = {"candidate": candidate, "reference": reference, "checkpoint": checkpoint}
     if load_candidate and load_reference:
-        from evals.knee import load_gate
+        from evals.judge.knee import load_gate
 
         data["load"] = load_gate(Path(load_candidate), Path(load_reference))
     report = report or (release_report_beside(candidate, reference) if candidate and reference else None)
