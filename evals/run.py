@@ -80,6 +80,19 @@ class RunSpec:
     repeats_now: dict[str, int] | None = None  # a sequential look: only a benchmark's first N repeats run yet
     checkpoint: Path | None = None  # with base_url: the quantgate checkpoint folder the server serves (hashed)
 
+    def __post_init__(self) -> None:
+        """Degenerate numbers are bad input here too, for the Python API (the CLI checks its flags first)."""
+        for name in ("limit", "max_gen_toks", "concurrency", "batch_size", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BadInput(f"{name}={value!r}: give a whole number of at least 1")
+        timeout = self.request_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise BadInput(f"request_timeout={timeout!r}: must be a positive finite number of seconds (0 does not "
+                           "mean no limit)")
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise BadInput(f"seeds={self.seeds!r}: a seed is repeated; each repeat needs its own seed")
+
     def _planned(self, benchmark: str) -> dict | None:
         return (self.plan or {}).get("benchmarks", {}).get(benchmark)
 

@@ -34,6 +34,16 @@ def test_mistakes_raise_instead_of_exiting(glm_ckpt, tmp_path):
     assert bad.value.exit_code == 2
 
 
+@pytest.mark.parametrize("options", [{"limit": 0}, {"limit": -5}, {"max_gen_toks": 0}, {"concurrency": 0},
+                                     {"request_timeout": 0}, {"request_timeout": float("nan")}, {"seeds": [0, 0]}])
+def test_evaluate_refuses_degenerate_numbers_before_running(options, tmp_path):
+    """The API gets the same refusals as `evals run`'s flags (exit code 2), and writes nothing."""
+    with pytest.raises(QuantgateError) as bad:
+        quantgate.evaluate(tmp_path / "run", tmp_path / "no-model", ["gsm8k"], **options)
+    assert bad.value.exit_code == 2 and next(iter(options)) in str(bad.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_gate_verdict_is_typed(tmp_path):
     ref, cand = binary_pair(1000, 0, 0)
     bundle(tmp_path / "ref", "gsm8k", ref)
