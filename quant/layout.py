@@ -15,7 +15,6 @@ from pathlib import Path
 
 from quant.safe_files import read_yaml
 
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -43,14 +42,33 @@ class Family:
     roles: tuple[Role, ...]
     engine_classes: tuple[tuple[str, str], ...] = ()  # (engine, the engine's model class for the architecture)
     mtp_layers_key: str = "num_nextn_predict_layers"  # the config key counting the MTP layers after the decoder
+    # A multimodal release keeps the language model's config under one key (Kimi-K2.5: text_config)
+    # and its decoder layers under another prefix (language_model.model.layers); None: top level.
+    text_config_key: str | None = None
+    layers_prefix: str = "model.layers"
+
+    def text_config(self, config: dict) -> dict:
+        """The language model's config: the keys the engines' text model reads (layers, experts,
+        router, architectures), nested under ``text_config_key`` where the release nests them."""
+        if self.text_config_key is None:
+            return config
+        nested = config.get(self.text_config_key)
+        return nested if isinstance(nested, dict) else {}
+
+    def layer_index(self, tensor_name: str) -> int | None:
+        """The decoder layer a tensor belongs to (None outside the decoder stack)."""
+        head = self.layers_prefix + "."
+        if not tensor_name.startswith(head):
+            return None
+        index, dot, _ = tensor_name[len(head):].partition(".")
+        return int(index) if dot and index.isascii() and index.isdigit() else None
 
     @property
     def engine_class(self) -> dict[str, str]:
         return dict(self.engine_classes)
 
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
-        match = _LAYER_INDEX.match(tensor_name)
-        layer = int(match.group(1)) if match else None
+        layer = self.layer_index(tensor_name)
         mtp = layer is not None and layer >= num_hidden_layers
         for role in self.roles:
             if role.pattern.search(tensor_name):
@@ -91,6 +109,8 @@ def load_family(path: Path) -> Family:
             roles=roles,
             engine_classes=tuple(sorted((str(e), str(c)) for e, c in (data.get("engine_classes") or {}).items())),
             mtp_layers_key=data.get("mtp_layers_key", "num_nextn_predict_layers"),
+            text_config_key=data.get("text_config_key"),
+            layers_prefix=data.get("layers_prefix", "model.layers"),
         )
     except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import Checkpoint, config_int
 from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.replay import release_spans
@@ -180,7 +180,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     source_dir, config = checkpoint.folder, checkpoint.config
     family = family or family_for(config)
-    num_hidden_layers = checkpoint.config_int(family.num_layers_key)
+    num_hidden_layers = config_int(family.text_config(config), family.num_layers_key, checkpoint.config_path)
     checkpoint.check_declared_counts()  # 10**9 layers: refused before anything walks them
     warnings = _index_warnings(checkpoint)
 
@@ -234,10 +234,10 @@ def _check_engines_load(plan: Plan) -> list[str]:
     qconfig = plan.quantization_config()
     findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,
                                                               plan.num_hidden_layers, kind, plan.recipe.format.upper(),
-                                                              plan.config)]
+                                                              plan.family.text_config(plan.config))]
     fusion = [f for f in findings if f.check == "fusion"]
     findings = [f for f in findings if f.check != "fusion"]
-    layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, plan.config)]
+    layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, plan.family.text_config(plan.config))]
     if findings:
         listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
         raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quant.checkpoint import INDEX_NAME, Checkpoint
+from quant.checkpoint import INDEX_NAME, Checkpoint, config_int
 from quant.engines import Finding, Module, UnknownEngine, replay, select
 from quant.engines.config import model_findings, quark_findings, router_tensors
 from quant.engines.replay import loads_under
@@ -98,12 +98,12 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
     return findings
 
 
-def _missing_modules(tensors, config: dict, num_hidden_layers: int) -> list[Finding]:
+def _missing_modules(tensors, config: dict, num_hidden_layers: int, prefix: str = "model.layers") -> list[Finding]:
     """What the config declares but no shard holds: decoder layers, and routed experts of a MoE
     layer (a dropped shard, an index cut short)."""
     findings, layers, experts = [], {}, {}
     for name in tensors:
-        if m := re.match(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name):
+        if m := re.match(re.escape(prefix) + r"\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name):
             layer = int(m.group(1))
             layers[layer] = True
             if m.group(2) is not None:
@@ -111,7 +111,7 @@ def _missing_modules(tensors, config: dict, num_hidden_layers: int) -> list[Find
     absent, n_absent = _first_absent(num_hidden_layers, layers)
     if absent:
         shown = ", ".join(map(str, absent)) + (f" and {n_absent - len(absent)} more" if n_absent > len(absent) else "")
-        findings.append(Finding("layout", None, f"model.layers.{absent[0]}",
+        findings.append(Finding("layout", None, f"{prefix}.{absent[0]}",
                                 f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor "
                                 "in the checkpoint", "re-copy the missing shards (or fix the index that omits them)"))
     n_experts = config.get("n_routed_experts")
@@ -119,7 +119,7 @@ def _missing_modules(tensors, config: dict, num_hidden_layers: int) -> list[Find
         for layer, present in sorted(experts.items()):
             lacking, n_lacking = _first_absent(n_experts, present)
             if lacking:
-                findings.append(Finding("layout", None, f"model.layers.{layer}.mlp.experts",
+                findings.append(Finding("layout", None, f"{prefix}.{layer}.mlp.experts",
                                         f"config.json declares {n_experts} routed experts but experts "
                                         f"{', '.join(map(str, lacking))}{' ...' if n_lacking > len(lacking) else ''} "
                                         "have no tensor", "re-copy the missing shards (or fix the index)"))
@@ -272,11 +272,13 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     try:
         checkpoint = Checkpoint.open(folder)
         family = family_for(checkpoint.config)
-        num_hidden_layers = checkpoint.config_int(family.num_layers_key)
+        num_hidden_layers = config_int(family.text_config(checkpoint.config), family.num_layers_key,
+                                       checkpoint.config_path)
         rule_sets = select(engine, family)  # the rules read for this family's model classes only
     except (CheckpointError, UnknownFamilyError, UnknownEngine) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
     config = checkpoint.config
+    text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
     report = Report(str(folder), [r.id for r in rule_sets], serving=serving)
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
@@ -302,7 +304,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.findings.append(Finding("layout", None, "checkpoint", f"no Linear module of family {family.name} "
                                        "found: nothing the engines would load was checked",
                                        "check that the shards and index are the model's"))
-    report.findings += _missing_modules(tensors, config, num_hidden_layers)
+    report.findings += _missing_modules(tensors, text, num_hidden_layers, family.layers_prefix)
     report.findings += _layout_findings(checkpoint, fmt)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
     # A quantization_config the engines cannot even read: its one finding says it all.
@@ -312,16 +314,16 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
-        report.findings += model_findings(rules, config, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key)
+        report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
         if kind == "fp8" or (kind == "quark" and exclude is not None):
             usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
             report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
-                                      config, serving)
+                                      text, serving)
             if rules.engine == "sglang":
                 report.conditions[rules.id] = loads_under(rules, modules, usable, family.name, num_hidden_layers,
-                                                          kind, _format_label(fmt), config, serving)
+                                                          kind, _format_label(fmt), text, serving)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
