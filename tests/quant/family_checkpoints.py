@@ -57,6 +57,34 @@ def _minimax_m2(num_hidden_layers: int, **overrides):
     return config, MiniMaxM2ForCausalLM
 
 
+def _kimi_k25(num_hidden_layers: int, **overrides):
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    # text_config as moonshotai/Kimi-K2.5's config.json carries it (model_type kimi_k2, the router
+    # keys sglang reads as attributes, the architecture its fusion check compares; no next-n layer),
+    # at DeepSeek-V3's MLA shapes scaled down; a one-block MoonViT vision tower
+    text = {**TINY, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+            "num_hidden_layers": num_hidden_layers, "num_key_value_heads": 2, "n_routed_experts": 4,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 32,
+            "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "n_group": 1,
+            "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+            **overrides}
+    vision = {"patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 2, "num_attention_heads": 2,
+              "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128}
+    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=64,
+                            tie_word_embeddings=False)
+    return config, Kimi_K25ForConditionalGeneration
+
+
+# transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
+# "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
+RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
+                              ("model.mm_projector.", "mm_projector."),
+                              ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")]}
+# the architecture the release's config.json names (transformers' class name differs)
+RELEASE_ARCH = {"kimi_k25": "KimiK25ForConditionalGeneration"}
+
+
 def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
     """The next-n layer's own tensors as GLM-4.5 / DeepSeek-V3 store them (beside a full decoder layer)."""
     h, v = config.hidden_size, config.vocab_size
@@ -67,7 +95,7 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
 
 BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False),
             # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
-            "minimax_m2": (_minimax_m2, "decoder_only")}  # family -> (config + model class, whether the release has an MTP layer)
+            "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False)}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
@@ -88,6 +116,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
         tensors = {}
         for file in sorted(Path(tmp).glob("*.safetensors")):
             tensors.update(load_file(str(file)))
+        for old, new in RELEASE_NAMES.get(family, []):
+            tensors = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
         if has_mtp is True:
             gen = torch.Generator().manual_seed(seed + 1)
             for name, shape in _mtp_extras(config, num_hidden_layers).items():
@@ -104,7 +134,12 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
     saved = config.to_dict()
-    saved.update(num_hidden_layers=num_hidden_layers, architectures=[model_class.__name__], torch_dtype="bfloat16")
+    saved.update(architectures=[RELEASE_ARCH.get(family, model_class.__name__)], torch_dtype="bfloat16")
+    if "text_config" in saved:  # the release's text_config: model_type kimi_k2 (transformers rewrites it)
+        saved["text_config"].update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    else:
+        saved.update(num_hidden_layers=num_hidden_layers)
     (dst / "config.json").write_text(json.dumps(saved, indent=2))
-    write_tokenizer(dst, config.vocab_size, config.max_position_embeddings)
+    text = getattr(config, "text_config", config)
+    write_tokenizer(dst, text.vocab_size, text.max_position_embeddings)
     return dst

@@ -32,6 +32,11 @@ EXPECT = {
     # vLLM builds MiniMax-M2's MoE block under mlp.* (its router: model.layers.N.mlp.gate)
     "minimax_m2": {"aliases": ["model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate",
                                "model.layers.0.self_attn.qkv_proj"], "sglang_default_loads": True},
+    # sglang's DeepSeek text model replaces the Quark mapping (no gate_up_proj); vLLM names the
+    # projector linear_1/2 and builds the vision tower with the quant config
+    "kimi_k25": {"aliases": ["language_model.model.layers.0.mlp.gate_up_proj",
+                             "language_model.model.layers.1.mlp.shared_experts.gate_up_proj", "mm_projector.linear_1",
+                             "vision_tower.encoder.blocks.0.wqkv"], "sglang_default_loads": True},
 }
 
 
@@ -68,7 +73,7 @@ def test_mxfp4_quantizes_routed_experts_only(converted):
     stored = dtypes(outputs["mxfp4"])
     packed = {n.removesuffix(".weight") for n, d in stored.items() if d == "U8" and n.endswith(".weight")}
     routed = {n.removesuffix(".weight") for n in stored if n.endswith(".weight")
-              and roles.classify(n, config["num_hidden_layers"]).role == "routed_expert"}
+              and roles.classify(n, roles.text_config(config)[roles.num_layers_key]).role == "routed_expert"}
     assert routed and packed == routed
     exclude = json.loads((outputs["mxfp4"] / "config.json").read_text())["quantization_config"]["exclude"]
     # every unquantized fused module is listed by its fused name too, in the draft's names as well
@@ -174,6 +179,39 @@ def test_mixtral_needs_the_layers_names_in_sglang(tmp_path, capsys):
     code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "sglang==0.5.21")
     assert code == 1 and "layers.0.self_attn.qkv_proj" in text and "meets an MXFP4 slot" in text, text
     code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
+    assert code == 0, text
+
+
+def _kimi_without(tmp_path, drop) -> object:
+    src = write_family_checkpoint(tmp_path / "bf16", "kimi_k25")
+    assert quantize(["--to", "mxfp4", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if not drop(e)]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "mxfp4"
+
+
+def test_kimi_needs_the_fused_gate_up_names_in_sglang(tmp_path, capsys):
+    """Without the gate_up_proj entries, sglang (whose DeepSeek text model replaced the Quark mapping
+    with its own, without gate_up_proj) builds the shared experts and the dense MLP MXFP4 over bf16
+    weights; vLLM, which maps gate_up_proj to its shards, still loads."""
+    out = _kimi_without(tmp_path, lambda e: e.endswith(".gate_up_proj"))
+    for release in ("sglang==0.5.21", "sglang==0.5.23"):
+        code, text = run_gate(capsys, out, "--engine", release)
+        assert code == 1 and "language_model.model.layers.1.mlp.shared_experts.gate_up_proj" in text, text
+        assert "language_model.model.layers.0.mlp.gate_up_proj" in text, text
+    code, text = run_gate(capsys, out, "--engine", "vllm")
+    assert code == 0, text
+
+
+def test_kimi_vision_tower_must_be_excluded_for_vllm(tmp_path, capsys):
+    """Without the vision tower's and projector's entries, vLLM (which builds them with the Quark
+    config, projector renamed linear_1/2) builds them MXFP4 over bf16 weights; sglang never quantizes them."""
+    out = _kimi_without(tmp_path, lambda e: e.startswith(("vision_tower.", "mm_projector.")))
+    code, text = run_gate(capsys, out, "--engine", "vllm")
+    assert code == 1 and "vision_tower.encoder.blocks.0.wqkv" in text and "mm_projector.linear_1" in text, text
+    code, text = run_gate(capsys, out, "--engine", "sglang==0.5.23")
     assert code == 0, text
 
 

@@ -1,0 +1,144 @@
+"""Differential tests for Kimi-K2.5 / K2.6 (``kimi_k25``, KimiK25ForConditionalGeneration): each
+release read (``manifests/engines/{sglang,vllm}.kimi_k25.yaml``) decides with its own Quark
+``should_ignore_layer`` beside ``quant.engines`` on the checkpoint's module names (the text model
+under language_model.model.layers, the vision tower, the projector), fed the packed-modules mapping
+the release's classes leave on the quant config, read from the wheel: sglang's DeepSeek text model
+replaces the loader's mapping with its own (no gate_up_proj); vLLM's is DeepseekV2ForCausalLM's.
+vLLM's exclude list goes through the class's hf_to_vllm_mapper (read from the wheel) first.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+
+import pytest
+from packaging.version import Version
+
+from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines.replay import class_name
+from quant.engines.rules import releases_read
+from tests.quant.engine_sources import class_constant, class_def, method_def
+from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel
+
+KIMI = {"sglang": "sglang/srt/models/kimi_k25.py", "vllm": "vllm/model_executor/models/kimi_k25.py"}
+DEEPSEEK = {"sglang": "sglang/srt/models/deepseek_v2.py", "vllm": "vllm/model_executor/models/deepseek_v2.py"}
+CASES = [(r, v) for e in ENGINES for r in rule_sets(e, "kimi_k25")
+         for v in sorted(releases_read(e, "kimi_k25"), key=Version) if r.covers(releases_read(e, "kimi_k25")[v])]
+IDS = [f"{r.engine} {v}" for r, v in CASES]
+
+
+def effective_mapping(whl, engine: str) -> dict[str, list[str]]:
+    """The packed_modules_mapping the quant config holds once the text model is built: the Kimi class
+    has none; DeepseekV2ForCausalLM's class literal plus its __init__ additions (q_lora_rank), which
+    sglang's update_packed_modules_mapping assigns over the loader's dict (never merged)."""
+    kimi = class_def(whl, KIMI[engine], "KimiK25ForConditionalGeneration")
+    assert class_constant(kimi, "packed_modules_mapping") is None
+    cls = class_def(whl, DEEPSEEK[engine], "DeepseekV2ForCausalLM")
+    init = method_def(cls, "__init__")
+    if engine == "sglang":
+        base = class_def(whl, "sglang/srt/layers/quantization/base_config.py", "QuantizationConfig")
+        assert ast.unparse(method_def(base, "update_packed_modules_mapping").body[-1]) == \
+            "self.packed_modules_mapping = mapping"
+        assert "quant_config.update_packed_modules_mapping(self.packed_modules_mapping)" in ast.unparse(init)
+    mapping = dict(class_constant(cls, "packed_modules_mapping") or {})
+    for stmt in ast.walk(init):
+        if isinstance(stmt, ast.If) and "use_mha" not in ast.unparse(stmt.test):
+            for inner in stmt.body:
+                target = inner.targets[0] if isinstance(inner, ast.Assign) else None
+                if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "self.packed_modules_mapping":
+                    mapping[ast.literal_eval(target.slice)] = ast.literal_eval(inner.value)
+    return {k: list(v) for k, v in mapping.items()}
+
+
+def vllm_prefix_mapper(whl) -> dict[str, str]:
+    """KimiK25ForConditionalGeneration.hf_to_vllm_mapper's orig_to_new_prefix, as the wheel writes it."""
+    node = class_def(whl, KIMI["vllm"], "KimiK25ForConditionalGeneration")
+    assign = next(s for s in node.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "hf_to_vllm_mapper")
+    return ast.literal_eval(next(k.value for k in assign.value.keywords if k.arg == "orig_to_new_prefix"))
+
+
+def _mapped(entries: list[str], prefixes: dict[str, str]) -> list[str]:
+    out = []
+    for e in entries:
+        old = next((p for p in prefixes if e.startswith(p)), None)
+        out.append(prefixes[old] + e[len(old):] if old else e)
+    return out
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_packed_mapping_is_the_one_the_wheel_leaves(rules, release):
+    assert effective_mapping(engine_wheel(rules, release), rules.engine) == rules["quark_fused"]
+
+
+def test_vllm_projector_names_are_the_mappers():
+    rules, release = next(c for c in CASES if c[0].engine == "vllm")
+    prefixes = vllm_prefix_mapper(engine_wheel(rules, release))
+    for old in ("mm_projector.proj.0", "mm_projector.proj.2", "mm_projector.proj.0.weight", "language_model.lm_head"):
+        assert class_name(old, rules) == _mapped([old], prefixes)[0]
+
+
+POOL_LAYERS = ["language_model.model.layers.0.", "language_model.model.layers.1."]
+LEAVES = ["self_attn.fused_qkv_a_proj_with_mqa", "self_attn.fused_qkv_a_proj", "self_attn.kv_b_proj",
+          "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "mlp.shared_experts.gate_up_proj",
+          "mlp.shared_experts.down_proj", "mlp.experts", "mlp.gate"]
+SHARDS = ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlp.gate_proj", "mlp.up_proj",
+          "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.experts.0.gate_proj"]
+VISION = ["vision_tower.encoder.blocks.0.wqkv", "vision_tower.encoder.blocks.0.wo",
+          "vision_tower.encoder.blocks.0.mlp.fc0", "vision_tower.encoder.blocks.0.mlp.fc1"]
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_quark_exclude_decisions_equal_the_engines(rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
+    fused = effective_mapping(whl, rules.engine)
+    prefixes = vllm_prefix_mapper(whl) if rules.engine == "vllm" else {}
+    modules = [p + m for p in POOL_LAYERS for m in LEAVES] + VISION + \
+        [class_name(m, rules) for m in ("mm_projector.proj.0", "mm_projector.proj.2")]
+    entries = [p + m for p in POOL_LAYERS for m in LEAVES + SHARDS] + VISION + \
+        ["mm_projector.proj.0", "mm_projector.proj.2", "re:.*shared_experts.*", "re:.*vision_tower.*", "lm_head"]
+    rng = random.Random(f"kimi{rules.id}{release}")
+    disagree, seen = [], 0
+    for _ in range(200):
+        exclude = rng.sample(entries, rng.randint(0, 20))
+        for name in rng.sample(modules, 5):
+            moe = name.endswith(".experts")
+            # the engine sees its mapper's names; the writer lists both (quant/serving.py)
+            ours = _outcome(excluded, name, Exclude(exclude + [class_name(e, rules) for e in exclude]), rules,
+                            "quark", moe)
+            theirs = _outcome(engine, name, _mapped(exclude, prefixes), fused, moe)
+            seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, exclude, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert seen > 30
+
+
+def _built_with(whl, engine: str, attr: str) -> str:
+    """The quant_config argument KimiK25ForConditionalGeneration.__init__ builds ``attr`` with."""
+    init = method_def(class_def(whl, KIMI[engine], "KimiK25ForConditionalGeneration"), "__init__")
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == f"self.{attr}" and \
+                isinstance(node.value, ast.Call):
+            return ast.unparse(next(k.value for k in node.value.keywords if k.arg == "quant_config"))
+    raise AssertionError(f"{attr} not built in __init__")
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_vision_tower_gets_the_quant_config_as_the_wheel_builds_it(rules, release):
+    """sglang passes the vision tower a config only for ModelSlim (its projector's ReplicatedLinears
+    take none); vLLM passes _maybe_ignore_quant_config(quant_config), None only for compressed-tensors."""
+    whl = engine_wheel(rules, release)
+    vision = _built_with(whl, rules.engine, "vision_tower")
+    if rules.engine == "sglang":
+        never = vision == "quant_config if isinstance(quant_config, ModelSlimConfig) else None"
+        projector = class_def(whl, KIMI["sglang"], "K2VLMultiModalProjector")
+        assert "quant_config" not in ast.unparse(method_def(projector, "__init__")).split("ReplicatedLinear", 1)[1]
+    else:
+        guard = method_def(class_def(whl, KIMI["vllm"], "KimiK25ForConditionalGeneration"), "_maybe_ignore_quant_config")
+        assert "CompressedTensorsConfig" in ast.unparse(guard)
+        never = vision != "self._maybe_ignore_quant_config(quant_config)" or \
+            _built_with(whl, "vllm", "mm_projector") != vision
+    assert never == ({"vision", "projector"} <= set(rules["unquantized_roles"]))
+    assert ("vision" in rules["unquantized_roles"]) == ("projector" in rules["unquantized_roles"])
