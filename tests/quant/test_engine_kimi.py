@@ -142,3 +142,62 @@ def test_vision_tower_gets_the_quant_config_as_the_wheel_builds_it(rules, releas
             _built_with(whl, "vllm", "mm_projector") != vision
     assert never == ({"vision", "projector"} <= set(rules["unquantized_roles"]))
     assert ("vision" in rules["unquantized_roles"]) == ("projector" in rules["unquantized_roles"])
+
+
+SGLANG = [c for c in CASES if c[0].engine == "sglang"]
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_shared_expert_fusion_is_deepseek_v3s_on_the_text_config(rules, release):
+    """The Kimi class hands its text_config to DeepseekV3ForCausalLM's own decision (and, 0.5.23, its
+    count); that decision, run from the wheel on a DeepseekV3ForCausalLM text config, equals the replay's."""
+    from quant.engines.fusion import no_fusion_reason
+    from quant.engines.serving import serving
+    from tests.quant.test_engine_sources import GPUS
+    from tests.quant.test_engine_sources import _fusion_engine as deepseek_fusion
+
+    whl = engine_wheel(rules, release)
+    kimi = class_def(whl, KIMI["sglang"], "KimiK25ForConditionalGeneration")
+    delegated = ast.unparse(method_def(kimi, "shared_experts_fusion_disable_reason"))
+    assert "DeepseekV3ForCausalLM.shared_experts_fusion_disable_reason(" in delegated and "text_config" in delegated
+    engine = deepseek_fusion(whl, "deepseek_v3", False)
+    pool = [f"language_model.model.layers.{n}.mlp.shared_experts.{p}" for n in (1, 3) for p in ("gate_proj", "gate_up_proj")] \
+        + ["re:.*shared_experts.*", "vision_tower.encoder.blocks.0.wqkv", "language_model.model.layers.3.mlp.experts",
+           "mm_projector.proj.0", "language_model.lm_head"]
+    rng = random.Random(f"kimi-fusion{release}")
+    disagree, fused = [], 0
+    for _ in range(150):
+        config = {"num_hidden_layers": 61, "n_routed_experts": rng.choice([384, 384, 256, 160]),
+                  "n_shared_experts": rng.choice([1, 1, 1, 2]), "num_nextn_predict_layers": 1}
+        exclude = rng.sample(pool, rng.randint(0, 3))
+        kind = rng.choice(["quark", "quark", "fp8"])
+        platform, arch = rng.choice(GPUS)
+        setup = serving(platform, arch, tp=8, ep=rng.choice([1, 1, 8]), disable_shared_experts_fusion=rng.random() < 0.15)
+        theirs = engine(config, exclude, kind, setup)
+        ours = no_fusion_reason(rules, "kimi_k25", {**config, "architectures": ["DeepseekV3ForCausalLM"]}, kind,
+                                exclude, setup, False) is None
+        fused += theirs
+        if theirs != ours:
+            disagree.append((config, exclude, kind, setup.label(), theirs, ours))
+    assert not disagree, disagree[:3]
+    assert 0 < fused < 150
+
+
+TEXT_MODEL = {"sglang": "DeepseekV3ForCausalLM(", "vllm": "architectures=['DeepseekV2ForCausalLM']"}
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_the_text_model_is_deepseeks_with_its_rules(rules, release):
+    """The Kimi class builds its language model as the DeepSeek class (sglang DeepseekV3ForCausalLM,
+    vLLM DeepseekV2ForCausalLM, read in __init__), so the text model's router, FP8 skip and
+    unquantized modules are that class's rules for the same release, which test_engine_sources.py
+    checks against the wheel's own code."""
+    from quant.engines.rules import select
+
+    init = method_def(class_def(engine_wheel(rules, release), KIMI[rules.engine], "KimiK25ForConditionalGeneration"),
+                      "__init__")
+    assert TEXT_MODEL[rules.engine] in ast.unparse(init).replace('"', "'")
+    deepseek = select(f"{rules.engine}=={release}", "deepseek_v3")[0]
+    for rule in ("router", "fp8_skip"):
+        assert rules[rule] == deepseek[rule], rule
+    assert set(deepseek["unquantized_roles"]) - {"mtp_head"} <= set(rules["unquantized_roles"])
