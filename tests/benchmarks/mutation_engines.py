@@ -27,7 +27,8 @@ import pytest
 import quant.engines.rules as rules_module
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py"]
+TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
+         "tests/quant/test_engine_kimi.py"]
 
 
 def data(engine, first, rule, path, value, why):

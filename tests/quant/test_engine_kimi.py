@@ -198,6 +198,14 @@ def test_the_text_model_is_deepseeks_with_its_rules(rules, release):
                       "__init__")
     assert TEXT_MODEL[rules.engine] in ast.unparse(init).replace('"', "'")
     deepseek = select(f"{rules.engine}=={release}", "deepseek_v3")[0]
-    for rule in ("router", "fp8_skip"):
+    for rule in ("router", "fp8_skip", "built_fused"):
         assert rules[rule] == deepseek[rule], rule
     assert set(deepseek["unquantized_roles"]) - {"mtp_head"} <= set(rules["unquantized_roles"])
+
+
+def test_every_required_release_is_read_and_has_one_rule_set():
+    for engine, required in {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}.items():
+        read = releases_read(engine, "kimi_k25")
+        assert set(required) <= set(read), (engine, sorted(read))
+        for release in required:
+            assert sum(r.covers(read[release]) for r in rule_sets(engine, "kimi_k25")) == 1
