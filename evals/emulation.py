@@ -23,6 +23,11 @@ that is what an engine multiplies. transformers' extension points used (transfor
 - ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (``ExpertsInterface.register``) +
   ``from_pretrained(experts_implementation=...)``: ``experts_forward`` is transformers' eager experts
   loop (``DeepseekV3Experts.forward``) with the inputs of both expert matmuls quantize-dequantized.
+  The same loop is ``Glm4MoeExperts``, ``Qwen3MoeExperts``, ``MixtralExperts`` and
+  ``MiniMaxM2Experts.forward`` (concatenated [gate; up], no bias, not transposed: checked per module).
+- ``conversion_mapping.get_model_conversion_mapping`` + ``core_model_loading.rename_source_key``: a
+  checkpoint module's name in the model, by transformers' own renamings (Mixtral's and MiniMax-M2's
+  ``block_sparse_moe.experts.E.{w1,w2,w3}`` load as ``mlp.experts.{gate_up_proj,down_proj}``).
 No transformers code is patched.
 """
 
@@ -45,7 +50,8 @@ METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
 # Quark algorithms whose effect is baked into the stored weights (nothing left to emulate at run time).
 BAKED_ALGORITHMS = {"smooth", "autosmoothquant", "awq", "gptq", "gptaq", "autoround", "qronos"}
-EXPERT_PROJ = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
+# a per-expert weight after transformers' renaming: merged into its experts module's fused tensors
+FUSED_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?:gate_up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -202,18 +208,36 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return final_hidden_states
 
 
+def _model_names(model: torch.nn.Module):
+    """checkpoint module -> the name transformers loads its weight under, less ``.weight``
+    (``rename_source_key`` with the model's own conversion mapping, as ``from_pretrained`` renames)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+
+    def model_name(module: str) -> str:
+        return rename_source_key(module + ".weight", renamings, converters)[0].removesuffix(".weight")
+
+    return model_name
+
+
 def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, num_hidden_layers: int) -> dict:
     """Hook every module the checkpoint quantizes; returns which modules were hooked and which were not loaded."""
     named = dict(model.named_modules())
     linears, experts, not_loaded = [], {}, set()
+    model_name = _model_names(model)
     for name in emulation.modules:
-        match = EXPERT_PROJ.match(name)
+        loaded = model_name(name)
+        match = FUSED_EXPERT.match(loaded)
         if match and match["experts"] in named and hasattr(named[match["experts"]], "gate_up_proj"):
             experts.setdefault(match["experts"], set()).add(name)
-        elif isinstance(named.get(name), torch.nn.Linear):
-            linears.append(name)
+        elif isinstance(named.get(loaded), torch.nn.Linear):
+            linears.append(loaded)
         elif (layer := LAYER.match(name)) and int(layer[1]) >= num_hidden_layers:
-            not_loaded.add(match["experts"] if match else name)  # the MTP (next-n) layer: transformers skips it
+            not_loaded.add(match["experts"] if match else loaded)  # the MTP (next-n) layer: transformers skips it
         else:
             raise EmulationRefused(f"the checkpoint quantizes {name}, which {type(model).__name__} has no Linear or "
                                    "experts module for: cannot emulate it")
