@@ -336,6 +336,19 @@ def _register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
+def _refuse_without_a_causal_lm_class(checkpoint: Checkpoint) -> None:
+    """Local evaluation loads a text decoder with ``AutoModelForCausalLM``; a model type transformers
+    maps to no causal-LM class (Kimi-K2.5's ``kimi_k25``: vision tower + text model, an
+    image-text-to-text class) is refused naming it, never loaded some other way."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = checkpoint.config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise EmulationRefused(f"{checkpoint.config_path}: model_type {model_type!r} has no transformers causal-LM "
+                               "class (AutoModelForCausalLM), so it cannot be evaluated locally; serve it and use "
+                               "evals run --base-url")
+
+
 def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
     """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
 
@@ -350,6 +363,7 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
         checkpoint = Checkpoint.open(folder)
     except CheckpointError as exc:
         raise BadInput(str(exc)) from None
+    _refuse_without_a_causal_lm_class(checkpoint)
     emulation = emulation_of(checkpoint.config)
     _register()
     if emulation is None:

@@ -169,3 +169,18 @@ def test_a_layer_with_some_experts_left_bf16_is_refused_in_one_line(family, data
     said = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]  # less progress bars
     assert len(said) == 1 and "evals: error: model.layers.1.mlp.experts: 11 of 12" in said[0]
     assert not (out / "run.json").exists()
+
+
+def test_a_family_without_a_causal_lm_class_is_refused_in_one_line(data_dir, tmp_path, capsys):  # noqa: F811
+    """Kimi-K2.5 (kimi_k25): transformers builds it as image-text-to-text only; bf16 and MXFP4 alike
+    exit 2 naming the model type and the way out, nothing written."""
+    src = write_family_checkpoint(tmp_path / "bf16", "kimi_k25")
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
+    for ckpt in (src, tmp_path / "mxfp4"):
+        out = tmp_path / f"run-{ckpt.name}"
+        capsys.readouterr()
+        assert run_cli("--out", out, "--model", ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir,
+                       "--limit", 1) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
+        assert len(said) == 1 and "model_type 'kimi_k25' has no transformers causal-LM class" in said[0], said
+        assert "--base-url" in said[0] and not (out / "run.json").exists()
