@@ -78,10 +78,15 @@ def bytes_read() -> int:
 
 def write_sparse_checkpoint(dst, config, tensors_per_shard: int = 0, shards: int = 0) -> int:
     """Real headers followed by holes: a full-size layout that uses no disk. Returns bytes claimed."""
-    dst.mkdir(parents=True)
     items = [(name, TORCH_TO_ST[str(dtype)], shape) for name, (shape, dtype) in tensor_shapes(config).items()]
     per_shard = tensors_per_shard or -(-len(items) // shards)
-    chunks = [items[i:i + per_shard] for i in range(0, len(items), per_shard)]
+    return write_sparse_shards(dst, config, [items[i:i + per_shard] for i in range(0, len(items), per_shard)])
+
+
+def write_sparse_shards(dst, config: dict, chunks: list[list[tuple]]) -> int:
+    """One shard per chunk of ``(name, safetensors dtype, shape)``: its real header, then a hole as
+    long as its tensors; plus the index and config.json. Returns the bytes the shards claim."""
+    dst.mkdir(parents=True)
     weight_map, claimed = {}, 0
     for i, chunk in enumerate(chunks, 1):
         file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"

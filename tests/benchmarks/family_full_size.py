@@ -12,7 +12,6 @@ names, as save_pretrained does) and repeated over every layer. Prints seconds an
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from quant.safetensors_io import DTYPE_BYTES, encode_header, numel
+from quant.safetensors_io import DTYPE_BYTES, numel
+from tests.conftest import write_sparse_shards
 
 # Published sizes (the releases' config.json; docs/reference.md §5b names the families).
 REAL = {
@@ -103,7 +103,7 @@ def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
 
 
 def write_sparse(dst: Path, config: dict, entries, shard_bytes: int = 5 << 30) -> int:
-    dst.mkdir(parents=True)
+    """The layout in shards of about ``shard_bytes`` each (as releases shard), headers and holes."""
     chunks, size = [[]], 0
     for entry in entries:
         nbytes = DTYPE_BYTES[entry[1]] * numel(entry[2])
@@ -112,18 +112,7 @@ def write_sparse(dst: Path, config: dict, entries, shard_bytes: int = 5 << 30) -
             size = 0
         chunks[-1].append(entry)
         size += nbytes
-    weight_map, claimed = {}, 0
-    for i, chunk in enumerate(chunks, 1):
-        file = f"model-{i:05d}-of-{len(chunks):05d}.safetensors"
-        header, offsets = encode_header(chunk)
-        end = max(offsets[n] + DTYPE_BYTES[d] * numel(s) for n, d, s in chunk)
-        with open(dst / file, "wb") as f:
-            f.write(header)
-            f.truncate(end)
-        claimed += end
-        weight_map.update({name: file for name, _, _ in chunk})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (dst / "config.json").write_text(json.dumps(config))
+    claimed = write_sparse_shards(dst, config, chunks)
     (dst / "tokenizer.json").write_text("{}")
     return claimed
 

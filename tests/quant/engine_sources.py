@@ -120,6 +120,20 @@ def method_def(node: ast.ClassDef, name: str) -> ast.FunctionDef | None:
     return next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
 
 
+def sglang_quark_loader_additions(whl: Path) -> dict:
+    """The entries sglang's loader adds to a model's packed_modules_mapping when the quant config is
+    Quark (``model_loader/loader.py``: ``_get_quantization_config``), read from the wheel."""
+    added: dict = {}
+    loader = parsed(whl, "sglang/srt/model_loader/loader.py")
+    fn = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "_get_quantization_config")
+    for stmt in ast.walk(fn):
+        if isinstance(stmt, ast.If) and "'quark'" in ast.unparse(stmt.test).replace('"', "'"):
+            for call in ast.walk(stmt):
+                if isinstance(call, ast.Call) and ast.unparse(call.func) == "packed_modules_mapping.update":
+                    added.update(ast.literal_eval(call.args[0]))
+    return added
+
+
 def class_constant(node: ast.ClassDef, name: str):
     """A class attribute assigned a literal in the class body (None when absent)."""
     for stmt in node.body:

@@ -25,7 +25,8 @@ from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from quant.layout import family_named
-from tests.quant.engine_sources import attribute_builds, class_constant, class_def, method_def, methods, parsed, source
+from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, method_def, methods, parsed,
+                                        sglang_quark_loader_additions, source)
 from tests.quant.test_engine_sources import (
     GPUS,
     _draft_config_arch,
@@ -99,13 +100,7 @@ def class_mapping(whl, engine: str, path: str, cls: str, kind: str) -> dict[str,
     quark, the loader's additions (model_loader/loader.py: _get_quantization_config)."""
     mapping = dict(class_constant(class_def(whl, path, cls), "packed_modules_mapping") or {})
     if engine == "sglang" and kind == "quark":
-        loader = parsed(whl, "sglang/srt/model_loader/loader.py")
-        fn = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "_get_quantization_config")
-        for stmt in ast.walk(fn):
-            if isinstance(stmt, ast.If) and "'quark'" in ast.unparse(stmt.test).replace('"', "'"):
-                for call in ast.walk(stmt):
-                    if isinstance(call, ast.Call) and ast.unparse(call.func) == "packed_modules_mapping.update":
-                        mapping.update(ast.literal_eval(call.args[0]))
+        mapping.update(sglang_quark_loader_additions(whl))
     return {k: list(v) for k, v in mapping.items()}
 
 

@@ -44,6 +44,7 @@ from tests.quant.engine_sources import (
     method_def,
     methods,
     parsed,
+    sglang_quark_loader_additions,
     source,
     wheel,
 )
@@ -322,13 +323,7 @@ def wheel_quark_mapping(whl, engine) -> dict[str, list[str]]:
                 if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "self.packed_modules_mapping":
                     mapping[ast.literal_eval(target.slice)] = ast.literal_eval(inner.value)
     if engine == "sglang":
-        loader = parsed(whl, "sglang/srt/model_loader/loader.py")
-        fn = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "_get_quantization_config")
-        for stmt in ast.walk(fn):
-            if isinstance(stmt, ast.If) and "'quark'" in ast.unparse(stmt.test).replace('"', "'"):
-                for call in ast.walk(stmt):
-                    if isinstance(call, ast.Call) and ast.unparse(call.func) == "packed_modules_mapping.update":
-                        mapping.update(ast.literal_eval(call.args[0]))
+        mapping.update(sglang_quark_loader_additions(whl))
     return {k: list(v) for k, v in mapping.items()}
 
 
