@@ -166,9 +166,6 @@ def _local_model(spec: RunSpec):
     return _LOADED[key]
 
 
-task_config = run_tasks.template  # the benchmark's lm-eval task YAML as shipped
-
-
 def _eos(spec: RunSpec) -> str | None:
     """The end-of-sequence string lm-eval adds to the stop list: the model's own for a local model
     (``HFLM.generate_until``), the tokenizer's for a server when ``--tokenizer`` is given."""
@@ -185,7 +182,7 @@ def stop_sequences(spec: RunSpec, benchmark: str, eos: str | None) -> list[str]:
     lm-eval 0.4.13 appends the EOS string only on its one-at-a-time path (``TemplateAPI.model_call``
     passes ``eos``, ``amodel_call`` does not), so it is put in the list here, before either path sees it.
     The chat endpoint sends at most four (``LocalChatCompletion._create_payload``: ``stop[:4]``)."""
-    until = list(task_config(benchmark)["generation_kwargs"].get("until") or [])
+    until = list(run_tasks.template(benchmark)["generation_kwargs"].get("until") or [])
     if eos and eos not in until:
         until.append(eos)
     return until[:4] if spec.base_url and spec.api == "chat" else until
@@ -240,9 +237,13 @@ def checkpoint_manifest_sha256(folder: Path) -> str | None:
     return sha256_of(read_regular(manifest, error=BadInput))  # a regular file (a FIFO is refused, not waited on)
 
 
-def checkpoint_of(spec: RunSpec) -> Path | None:
-    """The checkpoint folder the run measured: the local ``--model``, or a server's ``--checkpoint``."""
-    return spec.checkpoint if spec.base_url else Path(spec.model)
+def served_checkpoint_sha256(folder: Path) -> str:
+    """``--checkpoint``'s identity: the folder a server serves must be a checkpoint quantgate wrote."""
+    digest = checkpoint_manifest_sha256(folder)
+    if digest is None:
+        raise BadInput(f"--checkpoint {folder}: no {MANIFEST_NAME}, so not a checkpoint `quantize` wrote; "
+                       "give the folder it wrote (the one served), or leave --checkpoint out")
+    return digest
 
 
 def _checkpoint_provenance(spec: RunSpec) -> dict:
@@ -251,11 +252,9 @@ def _checkpoint_provenance(spec: RunSpec) -> dict:
     path = Path(spec.tokenizer or spec.model)
     if spec.base_url and spec.checkpoint:
         out["checkpoint"] = str(spec.checkpoint)
-    if checkpoint_of(spec) and (digest := checkpoint_manifest_sha256(checkpoint_of(spec))):
+        out["checkpoint_manifest_sha256"] = served_checkpoint_sha256(spec.checkpoint)
+    elif not spec.base_url and (digest := checkpoint_manifest_sha256(Path(spec.model))):
         out["checkpoint_manifest_sha256"] = digest
-    elif spec.base_url and spec.checkpoint:
-        raise BadInput(f"--checkpoint {spec.checkpoint}: no {MANIFEST_NAME}, so not a checkpoint `quantize` wrote; "
-                       "give the folder it wrote (the one served), or leave --checkpoint out")
     config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
     # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
     # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)
@@ -270,7 +269,7 @@ def settings_of(spec: RunSpec, benchmark: str, eos: str | None, task_sha256: str
     """Everything that defines the measurement of ``benchmark`` (not the model measured): the gate
     refuses to pair two runs whose settings differ, and ``--resume`` redoes units recorded under others.
     ``task_sha256``: the task lm-eval ran, its data files named by file name (``evals.tasks``)."""
-    task = task_config(benchmark)
+    task = run_tasks.template(benchmark)
     gen = task["generation_kwargs"]
     shots = task.get("num_fewshot", 0)
     served = bool(spec.base_url)

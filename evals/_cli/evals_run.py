@@ -221,9 +221,9 @@ def check_flags(args: argparse.Namespace) -> None:
         if not args.checkpoint.is_dir():
             raise BadInput(f"--checkpoint {args.checkpoint}: no such folder; give the checkpoint folder the server "
                            "serves")
-        if not (args.checkpoint / "conversion_manifest.json").exists():
-            raise BadInput(f"--checkpoint {args.checkpoint}: no conversion_manifest.json, so not a checkpoint "
-                           "`quantize` wrote; give the folder it wrote (the one served), or leave --checkpoint out")
+        from evals.run import served_checkpoint_sha256
+
+        served_checkpoint_sha256(args.checkpoint)  # before anything runs (the run records it)
 
 
 def check_model(args: argparse.Namespace) -> None:
