@@ -40,6 +40,7 @@ from evals.judge import sequential
 from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
 from evals.judge.plan_file import PLAN_VERSION
+from evals.judge.policy import finite_number
 from evals.judge.stats import exact_power, variance_components
 from quant.outputs import write_atomic
 
@@ -121,8 +122,7 @@ def observed_levels(benchmark: str, entry: dict, alpha: float, ref: np.ndarray, 
     # early), never raise them: numbers a bundle carries cannot make a look more lenient than its data allow.
     stated = entry.get("assumptions") if isinstance(entry.get("assumptions"), dict) else {}
     between, within = stated.get("between"), stated.get("within")
-    sane = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-               for v in (between, within)) and between + within > 0
+    sane = all(finite_number(v) and v >= 0 for v in (between, within)) and between + within > 0
     planned = 1 / se_of(benchmark, Assumptions(float(between), float(within), ""), entry["items"],
                         final_repeats) ** 2 if sane else 0.0  # none stated: the data's own estimate alone
     information, final = [], []

@@ -14,22 +14,18 @@ both values: a candidate cannot choose the confidence it is judged at.
 from __future__ import annotations
 
 import itertools
-import math
 from pathlib import Path
 
 from scipy import stats as sps
 
 from evals.judge import sequential
 from evals.errors import BadInput, Refused
+from evals.judge.policy import finite_number
 from quant.safe_files import read_yaml
 
 PLAN_VERSION = 1
 LEVEL_TOLERANCE = 1e-6  # the levels are recomputed exactly as `gate plan` computes them; this only absorbs rounding
 FIX = "write the plan with `gate plan --out PLAN`"
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(value) -> bool:
@@ -57,7 +53,7 @@ class _Fields:
 
 
 def _confidence(value) -> bool:
-    return _number(value) and 0.5 < value < 1
+    return finite_number(value) and 0.5 < value < 1
 
 
 def check_plan(plan, where: str, fix: str = FIX) -> dict:
@@ -88,7 +84,7 @@ def check_plan(plan, where: str, fix: str = FIX) -> dict:
         for k, look in enumerate(looks):
             look = _mapping(look, f"{at}.looks[{k}]")
             _need(look, "repeats", f"{at}.looks[{k}]", _positive_int, "a positive integer")
-            _need(look, "information_fraction", f"{at}.looks[{k}]", lambda v: _number(v) and 0 < v <= 1,
+            _need(look, "information_fraction", f"{at}.looks[{k}]", lambda v: finite_number(v) and 0 < v <= 1,
                   "an information fraction in (0, 1]")
             _need(look, "confidence", f"{at}.looks[{k}]", _confidence, "a one-sided confidence in (0.5, 1)")
         steps = [lk["repeats"] for lk in looks]

@@ -82,6 +82,11 @@ class GatePolicy:
         return asdict(self)
 
 
+def finite_number(value) -> bool:
+    """A real, finite number as YAML or JSON gives one (a bool is not one, NaN and Inf are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _typed(cls, raw, where: str):
     """``cls(**raw)`` with every key known and every value of its field's kind, else BadInput."""
     if not isinstance(raw, dict):
@@ -97,7 +102,7 @@ def _typed(cls, raw, where: str):
                            "assumed), e.g. {margin: 0.025}")
     for key, value in raw.items():
         kind = known[key].type
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        number = finite_number(value)
         ok = (value is None and "None" in kind) or (
             "bool" in kind and isinstance(value, bool)) or (
             "float" in kind and number) or ("int" in kind and isinstance(value, int) and not isinstance(value, bool)) or (
