@@ -34,6 +34,66 @@ class TensorRole:
     mtp: bool  # a next-n (MTP) layer: index >= num_hidden_layers
 
 
+AXES = {("experts", "out", "in"), ("experts", "in", "out")}  # Qwen3.5: [E, 2I, H]; Llama-4, gpt-oss: [E, H, 2I]
+SPLITS = ("halves", "interleaved")  # gate then up along the out axis, or gate, up alternating (gpt-oss)
+WRITES = ("per_expert",)  # the layouts the converter writes fused experts in (Quark's published MXFP4 names)
+
+
+@dataclass(frozen=True)
+class FusedTensor:
+    """One fused expert tensor: all routed experts of a layer's projections in one 3-D tensor."""
+    pattern: re.Pattern[str]  # matches the fused tensor's name
+    axes: tuple[str, str, str]  # the order of the experts, projection output and input dimensions
+    projections: tuple[str, ...]  # stacked along the out axis, in this order: (gate_proj, up_proj) or (down_proj,)
+    out_key: str  # the text config key giving each projection's output size (moe_intermediate_size, hidden_size)
+    in_key: str  # ... and its input size
+    split: str = "halves"  # how the projections share the out axis (SPLITS)
+    # The per-expert tensor each projection of expert e is written as ({experts}: the fused tensor's
+    # name less its last component, e.g. model.language_model.layers.0.mlp.experts)
+    names: str = "{experts}.{e}.{proj}.weight"
+
+    def per_expert_name(self, fused_name: str, expert: int, projection: str) -> str:
+        return self.names.format(experts=fused_name.rpartition(".")[0], e=expert, proj=projection)
+
+    def expected_shape(self, experts: int, out: int, inner: int) -> tuple[int, int, int]:
+        """The fused shape the config implies (``out``/``inner``: one projection's sizes)."""
+        dims = {"experts": experts, "out": out * len(self.projections), "in": inner}
+        return tuple(dims[axis] for axis in self.axes)
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """How a family stores its routed experts fused (manifest ``fused_experts``), and the layout the
+    converter writes them in (``writes``: ``per_expert``, the per-expert 2-D names the engines'
+    per-expert loaders map; a second output layout, e.g. a release's own ``*_blocks`` form, is a new
+    value here and its writer)."""
+    experts_key: str  # the text config key counting the routed experts
+    tensors: tuple[FusedTensor, ...]
+    writes: str = "per_expert"
+
+    def match(self, name: str) -> FusedTensor | None:
+        return next((t for t in self.tensors if t.pattern.search(name)), None)
+
+
+def _load_fused(data: dict | None) -> FusedExperts | None:
+    """The manifest's ``fused_experts``; a layout this code does not know is refused, not guessed."""
+    if data is None:
+        return None
+    tensors = []
+    for entry in data["tensors"]:
+        axes = tuple(entry["axes"])
+        split = entry.get("split", "halves")
+        if axes not in AXES or split not in SPLITS:
+            raise ValueError(f"fused_experts: axes {list(axes)} / split {split!r} is not a layout quantgate reads "
+                             f"(axes: {sorted(map(list, AXES))}; split: {', '.join(SPLITS)})")
+        tensors.append(FusedTensor(re.compile(entry["pattern"]), axes, tuple(entry["projections"]), entry["out"],
+                                   entry["in"], split, entry.get("names", FusedTensor.names)))
+    writes = data.get("writes", "per_expert")
+    if writes not in WRITES:
+        raise ValueError(f"fused_experts: writes {writes!r} is not an output layout quantgate writes ({', '.join(WRITES)})")
+    return FusedExperts(data["experts_key"], tuple(tensors), writes)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -46,6 +106,7 @@ class Family:
     # and its decoder layers under another prefix (language_model.model.layers); None: top level.
     text_config_key: str | None = None
     layers_prefix: str = "model.layers"
+    fused_experts: FusedExperts | None = None  # routed experts stored as 3-D tensors (Qwen3.5, Llama-4)
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -111,8 +172,9 @@ def load_family(path: Path) -> Family:
             mtp_layers_key=data.get("mtp_layers_key", "num_nextn_predict_layers"),
             text_config_key=data.get("text_config_key"),
             layers_prefix=data.get("layers_prefix", "model.layers"),
+            fused_experts=_load_fused(data.get("fused_experts")),
         )
-    except (KeyError, TypeError, AttributeError, re.error) as exc:  # a field missing or of the wrong type
+    except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "
                                  f"{manifests_root() / 'models' / 'glm_moe_dsa.yaml'}") from None
 

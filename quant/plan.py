@@ -18,7 +18,8 @@ from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.replay import release_spans
 from quant.formats.codecs import Codec, codec_for_config, get_codec
-from quant.layout import Family, family_for
+from quant.fused import Piece, pieces
+from quant.layout import Family, FusedTensor, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
@@ -45,6 +46,17 @@ class TensorPlan:
     linear: bool = False
     mtp: bool = False
     scale: TensorInfo | None = None  # DECODE: the weight's scale tensor
+    # A fused expert tensor (``quant.fused``): the per-expert matrices it holds, which ENCODE writes
+    # as ``outputs`` (each piece's weight and scale, in this order); COPY keeps the tensor as it is.
+    pieces: tuple[Piece, ...] = ()
+
+    def linear_modules(self) -> list[tuple[str, tuple[int, int]]]:
+        """The Linear modules this tensor holds, by the engines' per-expert names, with their [out, in]."""
+        if self.pieces:
+            return [(p.name.removesuffix(".weight"), (p.rows, p.cols)) for p in self.pieces]
+        if self.linear and len(self.source.shape) == 2:
+            return [(self.source.name.removesuffix(".weight"), tuple(self.source.shape))]
+        return []
 
 
 @dataclass(frozen=True)
@@ -152,7 +164,44 @@ def _index_warnings(checkpoint: Checkpoint) -> list[str]:
             "the others and listed in the output index" for file, names in sorted(by_file.items())]
 
 
-def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_layers: int, file: str) -> TensorPlan:
+def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Recipe, num_hidden_layers: int,
+                file: str, text_config: dict, config_path: Path) -> TensorPlan:
+    """A fused expert tensor: planned per expert and projection, from its header and the config."""
+    sizes = {key: config_int(text_config, key, config_path)
+             for key in (family.fused_experts.experts_key, spec.out_key, spec.in_key)}
+    experts, out, inner = (sizes[k] for k in (family.fused_experts.experts_key, spec.out_key, spec.in_key))
+    expected = spec.expected_shape(experts, out, inner)
+    where = f"{file}: tensor {info.name} {info.dtype}{list(info.shape)}"
+    if tuple(info.shape) != expected:
+        axes = ", ".join(spec.axes)
+        raise PlanError(f"{where} is not the fused [{axes}] layout config.json gives ({list(expected)}: "
+                        f"{', '.join(f'{k}={v}' for k, v in sizes.items())}); the checkpoint and its config disagree: "
+                        "use the release's config.json with its shards")
+    found = pieces(info, spec, out, inner)
+    roles = {family.classify(p.name, num_hidden_layers) for p in found}
+    if len(roles) != 1:
+        raise PlanError(f"{where}: its experts' names ({found[0].name}, ...) match {len(roles)} roles of family "
+                        f"{family.name}'s manifest; fix fused_experts.names or the role patterns")
+    role = roles.pop()
+    quantize = recipe.action(role) == "quantize"
+    if not quantize:  # kept as the release stores it
+        return TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),), role.role, role.linear, role.mtp,
+                          pieces=found)
+    if info.dtype not in QUANTIZABLE_SOURCE_DTYPES:
+        raise PlanError(f"{where} is not a float tensor; quantize from a bf16 checkpoint")
+    fmt = get_codec(recipe.format)
+    if problem := fmt.shape_problem((out, inner)):
+        raise PlanError(f"{where}: each expert's {spec.projections[0]} [{out}, {inner}]: {problem}; keep this role "
+                        "bf16 in the recipe")
+    outputs = tuple(entry for p in found for entry in fmt.outputs(p.name, (p.rows, p.cols)))
+    return TensorPlan(info, ENCODE, outputs, role.role, role.linear, role.mtp, pieces=found)
+
+
+def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_layers: int, file: str,
+                 checkpoint: Checkpoint) -> TensorPlan:
+    if family.fused_experts and (spec := family.fused_experts.match(info.name)):
+        return _plan_fused(info, spec, family, recipe, num_hidden_layers, file, family.text_config(checkpoint.config),
+                           checkpoint.config_path)
     role = family.classify(info.name, num_hidden_layers)
     quantize = recipe.action(role) == "quantize"
     if quantize and not role.quantizable:
@@ -187,15 +236,15 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     shards = []
     for file, header in checkpoint.headers.items():
         infos = sorted(header.tensors.values(), key=lambda t: t.begin)
-        tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file) for info in infos)
+        tensors = tuple(_plan_tensor(info, family, recipe, num_hidden_layers, file, checkpoint) for info in infos)
         shards.append(ShardPlan(file, header.file_size, tensors, header.identity, header.header_sha256))
 
     _check_roles(shards, family)
     kept, quantized = set(), set()
     for shard in shards:
         for tensor in shard.tensors:
-            if tensor.linear and len(tensor.source.shape) == 2:
-                (quantized if tensor.action == ENCODE else kept).add(tensor.source.name.removesuffix(".weight"))
+            for module, _ in tensor.linear_modules():
+                (quantized if tensor.action == ENCODE else kept).add(module)
     if not quantized:
         warnings.append("the recipe quantizes no tensor of this checkpoint; the output is a copy with a Quark config")
     if get_codec(recipe.format).warning:
@@ -228,8 +277,8 @@ def _check_engines_load(plan: Plan) -> list[str]:
     """Replay every known engine release on the planned checkpoint (served on the default setup,
     MI355X with TP); refuse what one would not load. Shared-expert fusion is a serving choice, not
     a checkpoint defect: the releases that fuse are named in a warning, with the ways out."""
-    modules = {t.source.name.removesuffix(".weight"): Module(t.action == ENCODE, tuple(t.source.shape), t.role)
-               for t in plan.tensors if t.linear and len(t.source.shape) == 2}
+    modules = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors
+               for module, shape in t.linear_modules()}
     kind = "fp8" if plan.recipe.format == "fp8" else "quark"
     qconfig = plan.quantization_config()
     findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,

@@ -31,8 +31,9 @@ from quant.errors import NonFiniteError, SourceError
 from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
+from quant.fused import Piece
 from quant.plan import CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
-from quant.safetensors_io import MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
+from quant.safetensors_io import DTYPE_BYTES, MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 # Mapped source left behind is dropped in steps this big (each drop also interrupts the other
@@ -292,6 +293,41 @@ class SourceReader:
             raise changed_error(self.path)
         return bytes(self._view(offset, offset + nbytes))
 
+    def gather(self, offset: int, rows: int, cols: int, row_stride: int, col_stride: int, item: int) -> np.ndarray:
+        """A copy of the ``rows x cols`` elements of ``item`` bytes at ``offset + r * row_stride + c *
+        col_stride``, as contiguous rows (uint8 ``[rows, cols * item]``): one chunk of a fused expert's
+        projection that is not a run of whole rows in the file. Memory stays at the chunk: what it
+        touched of the mapping is dropped after (the pages stay in the page cache for the next
+        chunk's neighbouring columns), and without a lease it reads line by line. The read position
+        does not move (the chunks of an ``[E, H, 2I]`` tensor interleave in the file)."""
+        end = offset + (rows - 1) * row_stride + (cols - 1) * col_stride + item
+        if end > self.size:
+            raise truncated_error(self.path, self.size)
+        if self.guard.changed():
+            raise changed_error(self.path)
+        started = time.perf_counter()
+        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[item]
+        # the lines along the smaller stride are runs in the file: read those, transpose if needed
+        by_rows = row_stride >= col_stride
+        lines, length, line_stride, stride = (rows, cols, row_stride, col_stride) if by_rows else \
+            (cols, rows, col_stride, row_stride)
+        if self.map:
+            view = np.ndarray((lines, length), word, self.map, offset, (line_stride, stride))
+            block = np.ascontiguousarray(view)
+            del view
+            first = offset - offset % mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_DONTNEED, first, min(self.size, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE) - first)
+        else:
+            block = np.empty((lines, length), word)
+            span = (length - 1) * stride + item
+            for line in range(lines):
+                run = np.frombuffer(pread_exactly(self.file.fileno(), offset + line * line_stride, span, self.path), word)
+                block[line] = run[::stride // item]
+        out = block if by_rows else transpose(block)
+        self.hash.allow(max(self.pos, end))
+        self.read_s += time.perf_counter() - started
+        return out.view(np.uint8).reshape(rows, cols * item)
+
     def _view(self, start: int, end: int) -> memoryview:
         if self.map:
             return memoryview(self.map)[start:end]
@@ -315,6 +351,13 @@ class SourceReader:
         self.file.close()
 
 
+def transpose(block: np.ndarray) -> np.ndarray:
+    """A contiguous transpose of a 2-D array (torch's tiled copy: numpy's strided one is ~5x slower)."""
+    import torch
+
+    return torch.from_numpy(block).T.contiguous().numpy()
+
+
 def changed_error(path: Path) -> SourceError:
     return SourceError(f"{path}: changed while it was being converted; leave the source alone and rerun "
                        "(--resume keeps the finished shards)")
@@ -327,29 +370,57 @@ def truncated_error(path: Path, at: int) -> SourceError:
 
 def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
                    advance: Callable[[int], None], timing: dict) -> dict:
-    info, codec = tensor.source, job.codec
-    rows, cols = info.shape
-    row_bytes = info.nbytes // rows
+    info = tensor.source
+    if tensor.pieces:  # a fused expert tensor: each expert's projection encoded as its own weight
+        errors = [_encode_rows(piece_rows(reader, piece), (piece.rows, piece.cols), tensor.outputs[2 * i:2 * i + 2],
+                               info.dtype, piece.name, writer, job, advance, timing)
+                  for i, piece in enumerate(tensor.pieces)]
+        err_sq, ref_sq = sum(e for e, _ in errors), sum(r for _, r in errors)
+    else:
+        row_bytes = info.nbytes // info.shape[0]
+        rows = lambda start, count: reader.read(info.begin + start * row_bytes, count * row_bytes)  # noqa: E731
+        err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs, info.dtype, info.name, writer, job, advance,
+                                      timing)
+    return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+
+
+def piece_rows(reader: SourceReader, piece: Piece) -> Callable[[int, int], memoryview | np.ndarray]:
+    """Rows of one fused expert's projection: read as they lie where they follow each other, else
+    gathered (every other row of an interleaved tensor, the transpose of an ``[E, H, 2I]`` slice)."""
+    row_bytes = piece.cols * piece.item
+    if piece.contiguous:
+        return lambda start, count: reader.read(piece.offset + start * piece.row_stride, count * row_bytes)
+    return lambda start, count: reader.gather(piece.offset + start * piece.row_stride, count, piece.cols,
+                                              piece.row_stride, piece.col_stride, piece.item)
+
+
+def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], outputs, dtype: str, what: str,
+                 writer: ShardWriter, job: ShardJob, advance: Callable[[int], None], timing: dict) -> tuple[float, float]:
+    """Encode a ``[rows, cols]`` matrix whose rows ``rows_at(start, count)`` gives as raw bytes, in
+    chunks of ``CHUNK_BYTES``; returns the squared error and reference sums."""
+    codec = job.codec
+    rows, cols = shape
+    row_bytes = cols * DTYPE_BYTES[dtype]
     step = max(codec.row_multiple, CHUNK_BYTES // row_bytes // codec.row_multiple * codec.row_multiple)
-    (weight_name, _, _), (scale_name, _, _) = tensor.outputs
+    (weight_name, _, _), (scale_name, _, _) = outputs
     err_sq = ref_sq = 0.0
     scale_chunks = []  # written after the weight, keeping the file order (1/64 of the tensor's size)
     for start in range(0, rows, step):
         count = min(step, rows - start)
-        raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
+        raw = np.frombuffer(rows_at(start, count), np.uint8)
         started = time.perf_counter()
         try:
-            out = codec.encode(raw.reshape(count, row_bytes), info.dtype, job.scale_rule, device=job.device, row0=start,
+            out = codec.encode(raw.reshape(count, row_bytes), dtype, job.scale_rule, device=job.device, row0=start,
                                threads=job.kernel_threads)
         except NonFiniteError as exc:
-            raise NonFiniteError(f"{info.name}: {exc}") from None
+            raise NonFiniteError(f"{what}: {exc}") from None
         timing["kernel"] += time.perf_counter() - started
         writer.write(weight_name, start * out.weight.shape[1] * out.weight.itemsize, out.weight.data)
         scale_chunks.append(out.scales)
         err_sq, ref_sq = err_sq + out.err_sq, ref_sq + out.ref_sq
         advance(count * row_bytes)
     writer.write(scale_name, 0, np.concatenate(scale_chunks).data)
-    return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+    return err_sq, ref_sq
 
 
 def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
