@@ -304,13 +304,18 @@ def _run_tau2(spec: RunSpec, units_dir: Path, resume: bool) -> tuple[list[dict],
     if spec.tau2 is None:
         raise RunError("tau2 needs a served model (--base-url) and a fixed user simulator (--tau2-user-llm), "
                        "the same for both arms of a comparison")
+    # A look of a planned run (--until-decided) runs the first trials of the plan's: tau2 draws trial
+    # seeds as a prefix (tau2_run.trial_seeds), so each next look only adds trials to the same measurement.
+    trials = min(spec.tau2.trials, (spec.repeats_now or {}).get("tau2", spec.tau2.trials))
     try:
-        files = run_domains(spec.tau2, units_dir / "tau2", resume)
+        files = run_domains(replace(spec.tau2, trials=trials), units_dir / "tau2", resume, more_trials=bool(spec.plan))
     except Tau2Error as exc:
         raise RunError(f"{exc}\nfinished simulations are kept: rerun with --resume") from exc
     rows, summary = rows_from_results(files)
+    # Like an lm-eval benchmark's seeds, the trials recorded are the plan's (what the arms are compared on);
+    # those run so far are the rows, and trials_run.
     return rows, {"benchmark": "tau2", "model": spec.model, **spec.tau2.recorded(), **summary,
-                  "settings": tau2_measurement(spec.tau2)}
+                  "num_trials": spec.tau2.trials, "trials_run": trials, "settings": tau2_measurement(spec.tau2)}
 
 
 def scores_of(rows: list[dict], benchmarks: dict[str, dict]) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -119,14 +120,27 @@ def _drop_infra_errors(save_to: Path, events: Path) -> list[dict]:
     return removed
 
 
-def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
+def trial_seeds(seed: int, trials: int) -> list[int]:
+    """Each trial's random seed as tau2 draws it (``tau2/run.py`` ``run_tasks``: ``random.seed(seed)``,
+    then one ``random.randint(0, 1000000)`` per trial): the seeds of k trials are the first k of the
+    seeds of more, so a run grown from k to n trials is the same measurement as one of n."""
+    draw = random.Random(seed)
+    return [draw.randint(0, 1000000) for _ in range(trials)]
+
+
+def _prepare_resume(files: dict[str, Path], settings: Tau2Settings, more_trials: bool = False) -> int:
     """Check an existing domain may be resumed; drop its infrastructure-error simulations so tau2
     runs them again, and point its recorded endpoints at today's addresses (tau2 compares the whole
-    ``Info`` before resuming). Returns how many simulations will be run again."""
+    ``Info`` before resuming). With ``more_trials`` the domain may also grow to more trials than it
+    ran (a sequential look of a plan): its simulations must then be the first trials of the new run,
+    seed for seed, and its recorded trial count becomes the new one. Returns how many simulations
+    will be run again."""
     now = _without_addresses(settings.recorded())
     if files["settings"].exists():
         before = _without_addresses(json.loads(files["settings"].read_text()))
         diff = {k: [before.get(k), v] for k, v in now.items() if before.get(k) != v}
+        if more_trials and "trials" in diff and before.get("trials", 0) <= settings.trials:
+            diff.pop("trials")
         if diff:
             raise Tau2Error(f"{files['results']} was run with other settings ({json.dumps(diff)}, as [before, now]); "
                             "resume with the same settings or choose a new --out")
@@ -134,6 +148,14 @@ def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
         return 0
     removed = _drop_infra_errors(files["results"], files["events"])
     results = load_results(files["results"])
+    if more_trials and results["info"].get("num_trials") != settings.trials:
+        seeds = trial_seeds(settings.seed, settings.trials)
+        off = [s for s in results["simulations"] if not (s["trial"] < settings.trials and s["seed"] == seeds[s["trial"]])]
+        if off:
+            raise Tau2Error(f"{files['results']}: simulation {off[0]['id']} (trial {off[0]['trial']}, seed "
+                            f"{off[0]['seed']}) is not one of the first {settings.trials} trials of seed "
+                            f"{settings.seed}; choose a new --out")
+        results["info"]["num_trials"] = settings.trials  # the trials it holds are the new run's first ones
     results["info"]["agent_info"]["llm_args"]["api_base"] = settings.api_base
     for key in ("api_base", "base_url"):
         if key in settings.user_llm_args:
@@ -142,22 +164,28 @@ def _prepare_resume(files: dict[str, Path], settings: Tau2Settings) -> int:
     return len(removed)
 
 
-def _finished(files: dict[str, Path]) -> bool:
-    """The domain's last run ended (a ``finish`` event) and its results file still holds all of it."""
+def _finished(files: dict[str, Path], trials: int) -> bool:
+    """The domain's last run ended (a ``finish`` event) with ``trials`` trials, and its results file
+    still holds all of it."""
     if not (files["results"].exists() and files["events"].exists()):
+        return False
+    if load_results(files["results"])["info"].get("num_trials") != trials:
         return False
     lines = files["events"].read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}
     return last.get("event") == "finish" and last["simulations"] == len(load_results(files["results"])["simulations"])
 
 
-def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: bool = True) -> list[Path]:
+def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: bool = True,
+                more_trials: bool = False) -> list[Path]:
     """Run (or resume) every domain to completion; returns tau2's results files, one per domain.
 
     Every simulation ends as a row: an exception inside one becomes a skipped 0-reward simulation
     with its reason recorded in the events file. ``resume`` re-runs infrastructure errors and
-    anything missing; finished simulations are kept. One child process runs the domains in turn
-    (tau2 takes ~10 s to import).
+    anything missing; finished simulations are kept. ``more_trials`` (with ``resume``): a domain run
+    with fewer trials grows to ``settings.trials``, only the new trials running (the next look of
+    ``evals run --until-decided``). One child process runs the domains in turn (tau2 takes ~10 s
+    to import).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {d: paths(out_dir, d) for d in settings.domains}
@@ -166,8 +194,9 @@ def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: b
         raise Tau2Error(f"{', '.join(existing)} exist from an earlier run; pass --resume or choose a new --out")
     todo: dict[str, int] = {}
     for domain, f in files.items():
-        rerun = _prepare_resume(f, settings) if resume else 0
-        if resume and not rerun and _finished(f):
+        finished = resume and _finished(f, settings.trials)  # before a domain grown to more trials says it has them
+        rerun = _prepare_resume(f, settings, more_trials) if resume else 0
+        if finished and not rerun:
             continue
         write_atomic(f["settings"], json.dumps(settings.recorded(), indent=2))
         write_atomic(f["config"], json.dumps(settings.run_config(domain, out_dir), indent=2))
@@ -189,7 +218,7 @@ def run_domains(settings: Tau2Settings, out_dir: Path, resume: bool, progress: b
             child.terminate()
             child.wait(30)
             raise
-    unfinished = [d for d in todo if not _finished(files[d])]
+    unfinished = [d for d in todo if not _finished(files[d], settings.trials)]
     if child.returncode or unfinished:
         tail = log_path.read_text(errors="replace")[-1500:]
         raise Tau2Error(f"tau2 stopped (exit {child.returncode}) before finishing {', '.join(unfinished)}; "

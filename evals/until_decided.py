@@ -2,7 +2,8 @@
 is final, or at the plan's last look.
 
 Look k runs each undecided benchmark's repeats up to the plan's k-th look (finished repeats are
-kept, as by ``--resume``), writes the bundle, and judges it against the reference with the gate
+kept, as by ``--resume``; tau2's repeats are trials: its domains grow to the look's trials, whose
+seeds are the first of the plan's, ``evals.tau2_run.trial_seeds``), writes the bundle, and judges it against the reference with the gate
 (``gate.accuracy_gate``), which judges each benchmark at its look's level (``evals.judge.design``,
 ``evals.judge.sequential``). A benchmark that PASSes or FAILs stops; an INCONCLUSIVE one goes on to
 its next look; an INCONCLUSIVE at the last look is final. Every look is kept in ``looks.json``
@@ -31,9 +32,6 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
 
     if not spec.plan:
         raise BadInput("--until-decided needs --plan: the plan fixes the looks and the level each is judged at")
-    if "tau2" in spec.benchmarks:
-        raise BadInput("--until-decided runs lm-eval benchmarks repeat by repeat; tau2 runs its trials in one `tau2 "
-                       "run` per domain: run it with --plan alone and judge it with `gate accuracy`")
     plan_under_policy(spec.plan, policy, "--plan")  # a plan made under another confidence is refused before any run
     looks = {b: spec.plan["benchmarks"][b]["looks"] for b in spec.benchmarks}
     at = dict.fromkeys(spec.benchmarks, 0)  # each benchmark's current look (index)

@@ -155,7 +155,8 @@ def tau2_settings(args: argparse.Namespace):
                         user_llm=args.tau2_user_llm, user_llm_args=user_args,
                         domains=tuple(d for d in args.tau2_domains.split(",") if d), trials=args.tau2_trials,
                         max_steps=args.tau2_max_steps, max_errors=args.tau2_max_errors, seed=args.tau2_seed,
-                        num_tasks=args.limit, task_split=args.tau2_task_split, concurrency=args.tau2_concurrency,
+                        num_tasks=args.limit if args.limit is not None else getattr(args, "planned_tau2_tasks", None),
+                        task_split=args.tau2_task_split, concurrency=args.tau2_concurrency,
                         max_retries=args.tau2_max_retries, infra_retries=args.tau2_infra_retries,
                         agent_max_tokens=args.max_gen_toks)
 
@@ -286,13 +287,13 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--batch-size {args.batch_size} / --threads {args.threads}: give a whole number >= 1")
     if args.base_url and any(b != "tau2" for b in benchmarks):  # lm-eval's endpoint; tau2 takes the server's /v1
         args.base_url = endpoint_url(args.base_url, args.api)
+    plan = _plan(args, benchmarks)  # a plan no run can follow is refused before any server is asked
     check_model(args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
-    plan = _plan(args, benchmarks)
     spec = RunSpec(benchmarks=benchmarks, out=args.out, data_dir=args.data_dir, model=args.model,
                    base_url=args.base_url, tokenizer=args.tokenizer, api=args.api, limit=args.limit,
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
@@ -326,8 +327,12 @@ def _plan(args: argparse.Namespace, benchmarks: list[str]) -> dict | None:
         raise BadInput(f"--plan {args.plan}: plans {sorted(plan['benchmarks'])}, not {missing}; plan them with `gate plan`")
     if args.limit is not None or args.seeds:
         raise BadInput(f"--plan {args.plan} fixes items and seeds per benchmark; drop --limit/--seeds")
-    if "tau2" in benchmarks:
-        args.tau2_trials = plan["benchmarks"]["tau2"]["repeats"]  # set before the tau2 settings are built
+    if "tau2" in benchmarks:  # set before the tau2 settings are built; a count no run has is refused here
+        from evals.judge.design import tau2_tasks_per_domain
+
+        args.tau2_trials = plan["benchmarks"]["tau2"]["repeats"]  # looks run a prefix of them (--until-decided)
+        domains = tuple(d for d in args.tau2_domains.split(",") if d)
+        args.planned_tau2_tasks = tau2_tasks_per_domain(plan["benchmarks"]["tau2"]["items"], domains)
     return plan
 
 

@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         available = items.get(bench, BENCHMARK_ITEMS[bench])
         if available > BENCHMARK_ITEMS[bench]:
             raise BadInput(f"--items {bench}={available}: the benchmark has {BENCHMARK_ITEMS[bench]}")
+        if bench == "tau2":  # a tau2 run has whole task sets: a plan no run can follow is refused here
+            from evals.judge.design import tau2_tasks_per_domain
+            from evals.tau2_run import DOMAINS
+
+            tau2_tasks_per_domain(available, DOMAINS)
         rules = policy.of(bench)
         designs.append(design(bench, assumed, rules.margin, drops.get(bench, DEFAULT_DROP), 1 - policy.confidence,
                               args.power, available, repeats.get(bench, MAX_REPEATS[bench]),

@@ -81,6 +81,22 @@ MAX_REPEATS = {"gsm8k": 1, "gpqa_diamond": 8, "tau2": 8, "arith": 1}  # repeats 
 WHOLE_SETS = {"tau2"}
 
 
+def tau2_tasks_per_domain(items: int, domains: tuple[str, ...] | list[str]) -> int | None:
+    """The ``num_tasks`` per domain a tau2 plan of ``items`` tasks runs: every task of the domains
+    (None), or the first N tasks of each (a plan of N x len(domains) items: whole task sets of N, as
+    `gate plan --items tau2=6` writes for a small trial run); any other count cannot be run as planned
+    (BadInput, before any server is asked)."""
+    whole = sum(TAU2_DOMAIN_TASKS.get(d, 0) for d in domains)
+    if items == whole:
+        return None
+    fewest = min(TAU2_DOMAIN_TASKS.get(d, 0) for d in domains)
+    if domains and items % len(domains) == 0 and 0 < items // len(domains) < fewest:
+        return items // len(domains)
+    raise BadInput(f"the plan has {items} tau2 tasks, which no run of {', '.join(domains)} has: a tau2 plan runs every "
+                   f"task ({whole}) or the first N of each domain ({len(domains)} x N, N below {fewest}); plan again "
+                   "with `gate plan --items tau2=N`")
+
+
 def se_of(benchmark: str, assumptions: Assumptions, items: int, repeats: int) -> float:
     """Standard error of the benchmark's delta at ``items`` x ``repeats``."""
     factor = TAU2_MACRO_FACTOR if benchmark == "tau2" else 1.0
