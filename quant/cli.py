@@ -129,7 +129,9 @@ def _human_plan(plan: Plan) -> str:
     s = plan.summary()
     if plan.decodes:
         lines = [f"source      {s['source']}  ({s['from']}, {s['shards']} shards)",
-                 f"tensors     {s['tensors_decoded']} {s['from']} weights decoded to bf16, {s['tensors_copied']} copied",
+                 f"tensors     {s['tensors_decoded']} {s['from']} weights decoded to bf16, {s['tensors_copied']} copied"
+                 + (f"; experts written back into {s['fused_tensors_written']} fused tensors, as the release stores "
+                    "them" if s["fused_tensors_written"] else ""),
                  f"bytes       in {size(s['bytes_in'])} -> out {size(s['bytes_out'])}"]
         return "\n".join(lines + [f"warning     {w}" for w in s["warnings"]])
     lines = [
@@ -188,13 +190,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
     if not args.dry_run:  # refuse before a 25-line plan scrolls the reason away
         check_destination(args.src, args.dst, args.overwrite, args.resume)
-    if args.to == "bf16":
-        plan = make_decode_plan(args.src)
+    family = load_family(args.family_manifest) if args.family_manifest else None
+    if args.to == "bf16":  # a fused family's experts go back into its release's fused tensors
+        plan = make_decode_plan(args.src, family)
     else:
         recipe = with_overrides(load_recipe(args.recipe, args.to), shared_experts=args.shared_experts,
                                 mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                                 scale_rule=args.scale_rule)
-        family = load_family(args.family_manifest) if args.family_manifest else None
         plan = make_plan(args.src, recipe, family)
     if args.dry_run:
         print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))

@@ -51,9 +51,20 @@ class FusedTensor:
     # The per-expert tensor each projection of expert e is written as ({experts}: the fused tensor's
     # name less its last component, e.g. model.language_model.layers.0.mlp.experts)
     names: str = "{experts}.{e}.{proj}.weight"
+    # The fused tensor's last name component (gate_up_proj): ``--to bf16`` writes the per-expert
+    # weights back as ``{experts}.<name>``; the manifest's ``name``, else read off a pattern ending
+    # in ``\.<name>$``. The pattern must match only what the release stores fused (Qwen3.5's MTP
+    # layer is per expert): a per-expert name is fused back only where its fused name matches it.
+    name: str = ""
 
     def per_expert_name(self, fused_name: str, expert: int, projection: str) -> str:
         return self.names.format(experts=fused_name.rpartition(".")[0], e=expert, proj=projection)
+
+    def fused_name(self, experts: str) -> str | None:
+        """The fused tensor ``experts`` (a per-expert name's ``{experts}``) is written back as, None
+        where the release stores those experts per expert (the pattern does not match it)."""
+        name = f"{experts}.{self.name}"
+        return name if self.pattern.search(name) else None
 
     def expected_shape(self, experts: int, out: int, inner: int) -> tuple[int, int, int]:
         """The fused shape the config implies (``out``/``inner``: one projection's sizes)."""
@@ -86,8 +97,13 @@ def _load_fused(data: dict | None) -> FusedExperts | None:
         if axes not in AXES or split not in SPLITS:
             raise ValueError(f"fused_experts: axes {list(axes)} / split {split!r} is not a layout quantgate reads "
                              f"(axes: {sorted(map(list, AXES))}; split: {', '.join(SPLITS)})")
+        ending = re.search(r"\\\.(\w+)\$$", entry["pattern"])  # the pattern's literal \.NAME$
+        last = entry.get("name") or (ending.group(1) if ending else None)
+        if not last:
+            raise ValueError(f"fused_experts: pattern {entry['pattern']!r} does not end in \\.NAME$; give the fused "
+                             "tensor's last name component as name: (--to bf16 writes it back under that name)")
         tensors.append(FusedTensor(re.compile(entry["pattern"]), axes, tuple(entry["projections"]), entry["out"],
-                                   entry["in"], split, entry.get("names", FusedTensor.names)))
+                                   entry["in"], split, entry.get("names", FusedTensor.names), last))
     writes = data.get("writes", "per_expert")
     if writes not in WRITES:
         raise ValueError(f"fused_experts: writes {writes!r} is not an output layout quantgate writes ({', '.join(WRITES)})")

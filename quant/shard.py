@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from quant.formats.codecs import Codec
 from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
 from quant.fused import Piece
-from quant.plan import CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
+from quant.plan import ASSEMBLE, CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import DTYPE_BYTES, MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
@@ -313,10 +313,9 @@ class SourceReader:
             (cols, rows, col_stride, row_stride)
         if self.map:
             view = np.ndarray((lines, length), word, self.map, offset, (line_stride, stride))
-            block = np.ascontiguousarray(view)
+            block = np.array(view)  # a copy, always (ascontiguousarray would return a contiguous view itself)
             del view
-            first = offset - offset % mmap.PAGESIZE
-            self.map.madvise(mmap.MADV_DONTNEED, first, min(self.size, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE) - first)
+            self._drop(offset, end)
         else:
             block = np.empty((lines, length), word)
             span = (length - 1) * stride + item
@@ -327,6 +326,32 @@ class SourceReader:
         self.hash.allow(max(self.pos, end))
         self.read_s += time.perf_counter() - started
         return out.view(np.uint8).reshape(rows, cols * item)
+
+    def fetch(self, offset: int, nbytes: int) -> np.ndarray:
+        """A copy of the bytes at ``offset`` (uint8), wherever the read position is: a fused tensor
+        written back (``--to bf16``) reads its experts' weights in expert order, not file order.
+        What it touched of the mapping is dropped after; the read position does not move."""
+        end = offset + nbytes
+        if end > self.size:
+            raise truncated_error(self.path, self.size)
+        if self.guard.changed():
+            raise changed_error(self.path)
+        started = time.perf_counter()
+        if self.map:
+            block = np.frombuffer(self.map, np.uint8, nbytes, offset).copy()
+            self._drop(offset, end)
+        else:
+            block = np.frombuffer(pread_exactly(self.file.fileno(), offset, nbytes, self.path), np.uint8)
+        self.hash.allow(max(self.pos, end))
+        self.read_s += time.perf_counter() - started
+        return block
+
+    def _drop(self, start: int, end: int) -> None:
+        """Drop the mapped pages of ``[start, end)`` from this process (they stay in the page cache)."""
+        first = start - start % mmap.PAGESIZE
+        last = min(self.size, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _view(self, start: int, end: int) -> memoryview:
         if self.map:
@@ -423,18 +448,17 @@ def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], 
     return err_sq, ref_sq
 
 
-def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
-                   advance: Callable[[int], None], timing: dict, stored_scales: bytes | None) -> None:
-    """Decode one weight; ``stored_scales``: its scale's bytes when the file holds the scale before
-    the weight (read as the reader passed them), else None (read ahead now). Scales, codes and
-    the decoded values are checked before a byte is written: a scale or code the format forbids
-    (E8M0 0xFF, a NaN/Inf/negative FP8 scale, an e4m3 NaN code) or a value that overflows bf16
-    is refused naming the tensor, never written as NaN or Inf."""
-    info, scale, codec = tensor.source, tensor.scale, job.codec
-    (name, _, (rows, cols)), multiple = tensor.outputs[0], codec.row_multiple
+def _decoded_rows(job: ShardJob, info, scale, raw_scales: bytes, rows_at: Callable[[int, int], object],
+                  shape: tuple[int, int], timing: dict, advance: Callable[[int], None]) -> Iterator[tuple[int, np.ndarray]]:
+    """The bf16 rows (uint8 ``[count, cols * 2]``, from row ``start``) of one stored weight whose rows
+    ``rows_at(offset, nbytes)`` reads, in chunks. Scales, codes and the decoded values are checked
+    before a row is given: a scale or code the format forbids (E8M0 0xFF, a NaN/Inf/negative FP8
+    scale, an e4m3 NaN code) or a value that overflows bf16 is refused naming the tensor, never
+    written as NaN or Inf."""
+    codec, multiple = job.codec, job.codec.row_multiple
+    rows, cols = shape
     where = f"{job.source_dir / job.shard.file}: tensor"
     fix = "the checkpoint is corrupt: re-export it (gate checkpoint --deep lists every such tensor)"
-    raw_scales = stored_scales if stored_scales is not None else reader.peek(scale.begin, scale.nbytes)
     scales = np.frombuffer(raw_scales, np.uint8).reshape(scale.shape[0], -1)
     if problem := codec.scale_problem(scales):
         raise SourceError(f"{where} {scale.name}: {problem}; {fix}")
@@ -443,7 +467,7 @@ def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
     step = max(multiple, CHUNK_BYTES // (cols * 2) // multiple * multiple)  # bounded by the bf16 written
     for start in range(0, rows, step):
         count = min(step, rows - start)
-        raw = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
+        raw = np.frombuffer(rows_at(info.begin + start * row_bytes, count * row_bytes), np.uint8)
         started = time.perf_counter()
         codes = raw.reshape(count, row_bytes)
         if problem := codec.code_problem(codes, start):
@@ -454,7 +478,63 @@ def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
             raise SourceError(f"{where} {info.name}: decodes to NaN/Inf at row {start + bad // cols}, column "
                               f"{bad % cols} (its scale is too large for bf16); {fix}")
         timing["kernel"] += time.perf_counter() - started
-        writer.write(name, start * cols * 2, out.data)
+        yield start, out
+        advance(count * row_bytes)
+
+
+def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                   advance: Callable[[int], None], timing: dict, stored_scales: bytes | None) -> None:
+    """Decode one weight; ``stored_scales``: its scale's bytes when the file holds the scale before
+    the weight (read as the reader passed them), else None (read ahead now)."""
+    info, scale = tensor.source, tensor.scale
+    name, _, shape = tensor.outputs[0]
+    raw_scales = stored_scales if stored_scales is not None else reader.peek(scale.begin, scale.nbytes)
+    for start, out in _decoded_rows(job, info, scale, raw_scales, reader.read, shape, timing, advance):
+        writer.write(name, start * shape[1] * 2, out.data)
+
+
+def _assemble_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                     advance: Callable[[int], None], timing: dict) -> None:
+    """Write one fused tensor (``--to bf16`` of a fused family) from its experts' weights, expert by
+    expert: each expert's block of the fused tensor (its projections, in the release's axis order
+    and gate/up layout, as ``tensor.pieces`` place them) is filled from their decoded rows (or the
+    rows of a weight kept bf16, copied) and written, so memory is one expert's block and a chunk,
+    whatever the tensor's size. The weights are read in expert order (``SourceReader.fetch``)."""
+    import torch
+
+    name, _, shape = tensor.outputs[0]
+    experts = tensor.pieces[-1].expert + 1
+    block_items = numel(shape) // experts  # one expert's [out, in] or [in, out] block, in bf16 items
+    block = None
+    for piece, (weight, scale) in zip(tensor.pieces, tensor.members):
+        if block is None or piece.expert != expert:
+            if block is not None:
+                writer.write(name, expert * block_items * 2, block.numpy())
+            expert, block = piece.expert, torch.empty(block_items, dtype=torch.int16)
+        item = piece.item
+        place = block.as_strided((piece.rows, piece.cols), (piece.row_stride // item, piece.col_stride // item),
+                                 piece.offset // item - expert * block_items)
+        if scale is None:  # kept bf16: its rows as they are
+            rows = _kept_rows(reader, weight, piece.cols * item, advance)
+        else:
+            rows = _decoded_rows(job, weight, scale, bytes(reader.fetch(scale.begin, scale.nbytes)), reader.fetch,
+                                 (piece.rows, piece.cols), timing, advance)
+        for start, out in rows:
+            count = out.shape[0]
+            place[start:start + count].copy_(torch.from_numpy(out.view(np.int16).reshape(count, piece.cols)))
+        if scale is not None:
+            advance(scale.nbytes)
+    writer.write(name, expert * block_items * 2, block.numpy())
+
+
+def _kept_rows(reader: SourceReader, weight, row_bytes: int,
+               advance: Callable[[int], None]) -> Iterator[tuple[int, np.ndarray]]:
+    """The rows of a weight kept bf16 (uint8 ``[count, row_bytes]``), in chunks."""
+    rows = weight.nbytes // row_bytes
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        yield start, reader.fetch(weight.begin + start * row_bytes, count * row_bytes).reshape(count, row_bytes)
         advance(count * row_bytes)
 
 
@@ -506,6 +586,9 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
                 _decode_tensor(reader, tensor, writer, job, advance, timing, early_scales.pop(tensor.scale.name, None))
                 used_scales.add(tensor.scale.name)
                 decoded.append(tensor.source.name)
+            elif tensor.action == ASSEMBLE:
+                _assemble_tensor(reader, tensor, writer, job, advance, timing)
+                decoded += [weight.name for weight, scale in tensor.members if scale is not None]
             elif tensor.action == COPY:
                 if where := _copy_tensor(reader, tensor, writer, job, advance):
                     kept_non_finite[tensor.source.name] = where

@@ -36,13 +36,14 @@ LAYOUTS = {  # name -> (axes, split) of the fused gate_up_proj (down_proj shares
 _EXPERT = "model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
 
 
-def fused_manifest(dst: Path, axes: list[str], split: str) -> Path:
-    """Qwen3-MoE's manifest with its experts declared fused in the given layout."""
+def fused_manifest(dst: Path, axes: list[str], split: str, pattern_prefix: str = "") -> Path:
+    """Qwen3-MoE's manifest with its experts declared fused in the given layout (in the layers
+    ``pattern_prefix`` names, if given)."""
     data = yaml.safe_load((manifests_root() / "models" / "qwen3_moe.yaml").read_text())
     data["fused_experts"] = {"experts_key": "num_local_experts", "writes": "per_expert", "tensors": [
-        {"pattern": r"\.mlp\.experts\.gate_up_proj$", "axes": list(axes), "split": split,
+        {"pattern": pattern_prefix + r"\.mlp\.experts\.gate_up_proj$", "axes": list(axes), "split": split,
          "projections": ["gate_proj", "up_proj"], "out": "moe_intermediate_size", "in": "hidden_size"},
-        {"pattern": r"\.mlp\.experts\.down_proj$", "axes": list(axes), "projections": ["down_proj"],
+        {"pattern": pattern_prefix + r"\.mlp\.experts\.down_proj$", "axes": list(axes), "projections": ["down_proj"],
          "out": "hidden_size", "in": "moe_intermediate_size"}]}
     path = dst / "qwen3_moe_fused.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -61,9 +62,9 @@ def fuse(matrices: list[torch.Tensor], axes: list[str], split: str) -> torch.Ten
     return torch.stack(per_expert).contiguous()
 
 
-def write_fused(src: Path, dst: Path, axes: list[str], split: str) -> Path:
-    """``src`` (per-expert) re-stored with each layer's experts in two fused tensors, each in the
-    shard of its first expert's weight."""
+def write_fused(src: Path, dst: Path, axes: list[str], split: str, layers: list[int] | None = None) -> Path:
+    """``src`` (per-expert) re-stored with each layer's experts (or those of ``layers``) in two fused
+    tensors, each in the shard of its first expert's weight."""
     shutil.copytree(src, dst)
     config = json.loads((src / "config.json").read_text())
     weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
@@ -71,7 +72,7 @@ def write_fused(src: Path, dst: Path, axes: list[str], split: str) -> Path:
     for file in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     experts = config["num_local_experts"]
-    for layer in range(config["num_hidden_layers"]):
+    for layer in range(config["num_hidden_layers"]) if layers is None else layers:
         take = lambda e, proj: tensors.pop(_EXPERT.format(layer=layer, e=e, proj=proj))  # noqa: E731
         prefix = f"model.layers.{layer}.mlp.experts."
         file = weight_map[_EXPERT.format(layer=layer, e=0, proj="gate_proj")]
