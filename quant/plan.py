@@ -294,7 +294,9 @@ def _check_engines_load(plan: Plan) -> list[str]:
                                                               plan.family.text_config(plan.config))]
     fusion = [f for f in findings if f.check == "fusion"]
     findings = [f for f in findings if f.check != "fusion"]
-    layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, plan.family.text_config(plan.config))]
+    moe_present = {plan.family.layer_index(t.source.name) for t in plan.tensors if t.role == "routed_expert" and not t.mtp}
+    layers = [f for rules in select("all", plan.family)
+              for f in layer_findings(rules, plan.family.text_config(plan.config), moe_present - {None})]
     if findings:
         listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
         raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "

@@ -290,10 +290,13 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     tensors = checkpoint.tensors()
     modules: dict[str, Module] = {}
     mtp_layers: set[int] = set()
+    moe_layers: set[int] = set()  # the decoder layers holding routed experts
     for name, info in tensors.items():
         role = family.classify(name, num_hidden_layers)
         if role.mtp:
             mtp_layers.add(role.layer)
+        elif role.role == "routed_expert" and role.layer is not None:
+            moe_layers.add(role.layer)
         if role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
             shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)
@@ -314,7 +317,8 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
-        report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key)
+        report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
+                                          moe_layers)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
         if kind == "fp8" or (kind == "quark" and exclude is not None):

@@ -40,7 +40,8 @@ def router_tensors(tensors, family, num_hidden_layers: int) -> tuple[list[str], 
 
 
 def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,
-                   mtp_layers: set[int], mtp_key: str = "num_nextn_predict_layers") -> list[Finding]:
+                   mtp_layers: set[int], mtp_key: str = "num_nextn_predict_layers",
+                   moe_present: set[int] | None = None) -> list[Finding]:
     """Router keys and the tensors they imply (``routers`` from ``router_tensors``); the MTP layers
     the config promises."""
     findings = []
@@ -77,7 +78,7 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
         finding("e_score_correction_bias", f"{when} but only {len(biases)} of "
                 f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
                 "copy the source checkpoint's e_score_correction_bias tensors")
-    findings += layer_findings(rules, config)
+    findings += layer_findings(rules, config, moe_present)
     declared = int(config.get(mtp_key) or 0)
     if declared != len(mtp_layers):
         finding(f"config.json {mtp_key}", f"declares {declared} MTP layer(s); the checkpoint holds "
@@ -91,9 +92,44 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
     return findings
 
 
-def layer_findings(rules: RuleSet, config: dict) -> list[Finding]:
-    """Dense layers the config declares that the release builds as MoE layers (``moe_layers: all``)."""
-    if rules.values.get("moe_layers") != "all":
+def moe_layers_built(rules: RuleSet, config: dict) -> set[int] | None:
+    """The decoder layers this release builds as MoE layers from the config, for a class whose rule
+    is a step (``moe_layers: {step: KEY, zero: all|none, experts: KEY}``: MoE when (i + 1) % step == 0;
+    a step of 0 means every layer or none, as the class reads it); None for other classes."""
+    rule = rules.values.get("moe_layers")
+    if not isinstance(rule, dict):
+        return None
+    layers, step = config.get("num_hidden_layers"), config.get(rule["step"], 1)
+    if not isinstance(layers, int) or not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None  # the config checks name a missing or malformed key
+    if step == 0:
+        return set(range(layers)) if rule["zero"] == "all" and (config.get(rule["experts"]) or 0) > 0 else set()
+    return {i for i in range(layers) if (i + 1) % step == 0}
+
+
+def _spans(layers: set[int]) -> str:
+    shown = sorted(layers)
+    return "none" if not shown else ", ".join(map(str, shown[:8])) + (f", ... ({len(shown)} layers)" if len(shown) > 8 else "")
+
+
+def layer_findings(rules: RuleSet, config: dict, moe_present: set[int] | None = None) -> list[Finding]:
+    """Layers the release builds as MoE layers where the checkpoint's are dense, or the other way
+    round: ``moe_layers: all`` against the config's dense layers (Qwen3-MoE), or a step rule against
+    the layers holding routed experts (``moe_present``, from the tensors; else the config's own
+    ``moe_layers`` list, as transformers builds it)."""
+    rule = rules.values.get("moe_layers")
+    if isinstance(rule, dict):
+        built = moe_layers_built(rules, config)
+        declared = moe_present if moe_present is not None else config.get("moe_layers")
+        if built is None or not isinstance(declared, (list, set)) or built == set(declared):
+            return []
+        step = config.get(rule["step"], 1)
+        return [Finding("config", rules.id, f"config.json {rule['step']}",
+                        f"{rules.engine} builds MoE layers {_spans(built)} from {rule['step']} {step} "
+                        f"({rules.cites['moe_layers'].split(' (')[0]}); the checkpoint's routed experts are in layers "
+                        f"{_spans(set(declared))}: the other layers' weights have no module to load into (load fails)",
+                        f"set {rule['step']} to the release's value (its routed experts every N-th layer)")]
+    if rule != "all":
         return []
     dense = config.get("mlp_only_layers") or []
     step = config.get("decoder_sparse_step", 1)

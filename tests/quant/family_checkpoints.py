@@ -76,11 +76,30 @@ def _kimi_k25(num_hidden_layers: int, **overrides):
     return config, Kimi_K25ForConditionalGeneration
 
 
+def _llama4(num_hidden_layers: int, **overrides):
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    # text_config as meta-llama/Llama-4-Maverick's config.json carries it, scaled down: MoE every
+    # second layer (interleave_moe_layer_step 2; transformers derives moe_layers from it), one shared
+    # expert, experts intermediate_size wide and the dense layers intermediate_size_mlp; a one-layer
+    # vision tower with its pixel-shuffle adapter and projector
+    text = {**TINY, "intermediate_size": 32, "intermediate_size_mlp": 128, "num_hidden_layers": num_hidden_layers,
+            "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "pad_token_id": 2,
+            "attention_chunk_size": 1024, **overrides}
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 56, "patch_size": 14, "projector_input_dim": 128, "projector_output_dim": 64,
+              "vision_output_dim": 64, "pixel_shuffle_ratio": 0.5}
+    config = Llama4Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return config, Llama4ForConditionalGeneration
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
                               ("model.mm_projector.", "mm_projector."),
                               ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")]}
+# the text_config keys the release's config.json carries that transformers rewrites on save
+RELEASE_TEXT = {"kimi_k25": {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}}
 # the architecture the release's config.json names (transformers' class name differs)
 RELEASE_ARCH = {"kimi_k25": "KimiK25ForConditionalGeneration"}
 
@@ -95,7 +114,9 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
 
 BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False),
             # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
-            "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False)}  # family -> (config + model class, whether the release has an MTP layer)
+            "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False),
+            # Llama-4: routed experts stored fused ([E, H, 2I] gate_up_proj, [E, I, H] down_proj)
+            "llama4": (_llama4, False)}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
@@ -135,8 +156,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
                                                                   "weight_map": weight_map}, indent=2))
     saved = config.to_dict()
     saved.update(architectures=[RELEASE_ARCH.get(family, model_class.__name__)], torch_dtype="bfloat16")
-    if "text_config" in saved:  # the release's text_config: model_type kimi_k2 (transformers rewrites it)
-        saved["text_config"].update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    if "text_config" in saved:  # the release's text_config (Kimi-K2.5: model_type kimi_k2; transformers rewrites it)
+        saved["text_config"].update(RELEASE_TEXT.get(family, {}))
     else:
         saved.update(num_hidden_layers=num_hidden_layers)
     (dst / "config.json").write_text(json.dumps(saved, indent=2))

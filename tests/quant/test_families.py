@@ -37,6 +37,12 @@ EXPECT = {
     "kimi_k25": {"aliases": ["language_model.model.layers.0.mlp.gate_up_proj",
                              "language_model.model.layers.1.mlp.shared_experts.gate_up_proj", "mm_projector.linear_1",
                              "vision_tower.encoder.blocks.0.wqkv"], "sglang_default_loads": True},
+    # sglang builds the vision MLPs with the Quark config (the vision attention and projector without);
+    # the dense and shared-expert gate_up_proj and qkv_proj are listed by their fused names too
+    "llama4": {"aliases": ["vision_model.model.layers.0.mlp.fc1", "vision_model.patch_embedding.linear",
+                           "vision_model.vision_adapter.mlp.fc2", "language_model.model.layers.0.feed_forward.gate_up_proj",
+                           "language_model.model.layers.1.feed_forward.shared_expert.gate_up_proj",
+                           "language_model.model.layers.1.feed_forward.router"], "sglang_default_loads": True},
 }
 
 
@@ -239,7 +245,7 @@ def test_minimax_config_keys_the_engines_read(tmp_path, capsys, edit, expect):
 def test_mxfp6_and_back_to_bf16(converted, tmp_path):
     """--to mxfp6_e2m3 converts every family; --to bf16 decodes the MXFP4 output back to the source's
     names, shapes and dtypes (routed experts decoded, the rest copied)."""
-    family, src, outputs = converted
+    _, src, outputs = converted
     assert quantize(["--to", "mxfp6_e2m3", "-q", str(src), str(tmp_path / "mxfp6")]) == 0
     assert any(d == "U8" for d in dtypes(tmp_path / "mxfp6").values())
     assert quantize(["--to", "bf16", "-q", str(outputs["mxfp4"]), str(tmp_path / "back")]) == 0
