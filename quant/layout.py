@@ -36,7 +36,9 @@ class TensorRole:
 
 AXES = {("experts", "out", "in"), ("experts", "in", "out")}  # Qwen3.5: [E, 2I, H]; Llama-4, gpt-oss: [E, H, 2I]
 SPLITS = ("halves", "interleaved")  # gate then up along the out axis, or gate, up alternating (gpt-oss)
-WRITES = ("per_expert",)  # the layouts the converter writes fused experts in (Quark's published MXFP4 names)
+# the layouts the converter writes fused experts in: Quark's per-expert 2-D names (published MXFP4
+# releases), or a release's own ``<fused>_blocks`` / ``_scales`` form (gpt-oss: quant/blocks.py)
+WRITES = ("per_expert", "blocks")
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,14 @@ class FusedTensor:
 class FusedExperts:
     """How a family stores its routed experts fused (manifest ``fused_experts``), and the layout the
     converter writes them in (``writes``: ``per_expert``, the per-expert 2-D names the engines'
-    per-expert loaders map; a second output layout, e.g. a release's own ``*_blocks`` form, is a new
-    value here and its writer)."""
+    per-expert loaders map; or ``blocks``, the release's own ``<fused>_blocks`` / ``_scales`` tensors,
+    written by quant.blocks)."""
     experts_key: str  # the text config key counting the routed experts
     tensors: tuple[FusedTensor, ...]
     writes: str = "per_expert"
+    # ``writes: blocks``: config.json's quantization_config as the release ships it (its own
+    # quant_method, e.g. gpt-oss's {quant_method: mxfp4, modules_to_not_convert: [...]})
+    blocks_config: dict | None = None
 
     def match(self, name: str) -> FusedTensor | None:
         return next((t for t in self.tensors if t.pattern.search(name)), None)
@@ -107,7 +112,11 @@ def _load_fused(data: dict | None) -> FusedExperts | None:
     writes = data.get("writes", "per_expert")
     if writes not in WRITES:
         raise ValueError(f"fused_experts: writes {writes!r} is not an output layout quantgate writes ({', '.join(WRITES)})")
-    return FusedExperts(data["experts_key"], tuple(tensors), writes)
+    blocks_config = data.get("blocks_config")
+    if (writes == "blocks") != isinstance(blocks_config, dict):
+        raise ValueError("fused_experts: writes: blocks needs blocks_config (the release's quantization_config), "
+                         "and only it takes one")
+    return FusedExperts(data["experts_key"], tuple(tensors), writes, blocks_config)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
+from quant import blocks
 from quant.checkpoint import Checkpoint, config_int
 from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
@@ -55,6 +56,9 @@ class TensorPlan:
     # ASSEMBLE: per piece, the stored weight and its scale (None: a weight kept bf16, copied); the
     # plan's ``source`` is the first of them in the file, where the fused tensor is written.
     members: tuple[tuple[TensorInfo, TensorInfo | None], ...] = ()
+    # ``fused_experts.writes: blocks``: ENCODE writes the pieces (one whole matrix per expert) into
+    # the two ``outputs`` as the release's ``*_blocks`` / ``*_scales`` (``quant.blocks``)
+    blocks: bool = False
 
     def linear_modules(self) -> list[tuple[str, tuple[int, int]]]:
         """The Linear modules this tensor holds, by the engines' per-expert names, with their [out, in]."""
@@ -106,7 +110,15 @@ class Plan:
     def tensors(self) -> list[TensorPlan]:
         return [tensor for shard in self.shards for tensor in shard.tensors]
 
+    @property
+    def writes_blocks(self) -> bool:
+        """The family's fused experts are written in its release's own MXFP4 layout (``quant.blocks``)."""
+        fused = self.family and self.family.fused_experts
+        return bool(fused) and fused.writes == "blocks" and not self.decodes and any(t.blocks for t in self.tensors)
+
     def quantization_config(self) -> dict:
+        if self.writes_blocks:  # the release's own config (gpt-oss: quant_method mxfp4), not Quark's
+            return blocks.native_config(self.family.fused_experts.blocks_config)
         return self.codec.quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
 
     def output_config(self) -> dict:
@@ -185,7 +197,8 @@ def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Rec
         raise PlanError(f"{where} is not the fused [{axes}] layout config.json gives ({list(expected)}: "
                         f"{', '.join(f'{k}={v}' for k, v in sizes.items())}); the checkpoint and its config disagree: "
                         "use the release's config.json with its shards")
-    found = pieces(info, spec, out, inner)
+    writes_blocks = family.fused_experts.writes == "blocks"
+    found = (blocks.expert_matrices if writes_blocks else pieces)(info, spec, out, inner)
     roles = {family.classify(p.name, num_hidden_layers) for p in found}
     if len(roles) != 1:
         raise PlanError(f"{where}: its experts' names ({found[0].name}, ...) match {len(roles)} roles of family "
@@ -197,12 +210,33 @@ def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Rec
                           pieces=found)
     if info.dtype not in QUANTIZABLE_SOURCE_DTYPES:
         raise PlanError(f"{where} is not a float tensor; quantize from a bf16 checkpoint")
+    if writes_blocks:
+        return _plan_blocks(info, found, role, recipe, where, family)
     fmt = get_codec(recipe.format)
     if problem := fmt.shape_problem((out, inner)):
         raise PlanError(f"{where}: each expert's {spec.projections[0]} [{out}, {inner}]: {problem}; keep this role "
                         "bf16 in the recipe")
     outputs = tuple(entry for p in found for entry in fmt.outputs(p.name, (p.rows, p.cols)))
     return TensorPlan(info, ENCODE, outputs, role.role, role.linear, role.mtp, pieces=found)
+
+
+def _plan_blocks(info: TensorInfo, found: tuple[Piece, ...], role, recipe: Recipe, where: str,
+                 family: Family) -> TensorPlan:
+    """A fused tensor written as the release's MXFP4 blocks: only MXFP4 exists in that layout."""
+    if recipe.format != "mxfp4":
+        raise PlanError(f"{where}: family {family.name} writes its routed experts in the release's own MXFP4 layout "
+                        f"(*_blocks / *_scales, quant_method mxfp4), the only quantized expert layout its engines' loaders "
+                        f"were read to take ({family.name}'s loaders read no {recipe.format} expert scales: sglang "
+                        "GptOssForCausalLM._load_normal_weights and vLLM GptOssModel._load_weights_other load the fused "
+                        "weights and biases only); use --to mxfp4, or keep the experts bf16")
+    if problem := get_codec("mxfp4").shape_problem((found[0].rows, found[0].cols)):
+        raise PlanError(f"{where}: each expert's [{found[0].rows}, {found[0].cols}]: {problem}; keep this role bf16 "
+                        "in the recipe")
+    if recipe.weight_only:
+        raise PlanError(f"{where}: quant_method mxfp4 has no weight-only form (its config carries no activation spec: "
+                        "the engines choose the activation path); drop --weight-only / activations: none")
+    outputs = blocks.outputs(info.name, len(found), found[0].rows, found[0].cols)
+    return TensorPlan(info, ENCODE, outputs, role.role, role.linear, role.mtp, pieces=found, blocks=True)
 
 
 def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_layers: int, file: str,
@@ -260,7 +294,9 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     if recipe.weight_only:
         warnings.append("weight-only (W4A16) config: sglang's Quark loader needs W4A4 for MXFP4 and will refuse it; "
                         "vLLM loads it")
-    exclude = build_exclude(kept, quantized, num_hidden_layers, family)
+    # the release's own MXFP4 config (quant.blocks) carries no exclude list the engines read
+    writes_blocks = any(t.blocks for s in shards for t in s.tensors)
+    exclude = () if writes_blocks else build_exclude(kept, quantized, num_hidden_layers, family)
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
     fusion = _check_engines_load(plan)
@@ -287,7 +323,7 @@ def _check_engines_load(plan: Plan) -> list[str]:
     a checkpoint defect: the releases that fuse are named in a warning, with the ways out."""
     modules = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors
                for module, shape in t.linear_modules()}
-    kind = "fp8" if plan.recipe.format == "fp8" else "quark"
+    kind = "mxfp4" if plan.writes_blocks else "fp8" if plan.recipe.format == "fp8" else "quark"
     qconfig = plan.quantization_config()
     findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,
                                                               plan.num_hidden_layers, kind, plan.recipe.format.upper(),

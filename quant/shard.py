@@ -396,7 +396,15 @@ def truncated_error(path: Path, at: int) -> SourceError:
 def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
                    advance: Callable[[int], None], timing: dict) -> dict:
     info = tensor.source
-    if tensor.pieces:  # a fused expert tensor: each expert's projection encoded as its own weight
+    if tensor.blocks:  # the release's own layout: every expert's matrix into one *_blocks, then one *_scales
+        scales: list = []
+        errors = [_encode_rows(piece_rows(reader, piece), (piece.rows, piece.cols), tensor.outputs, info.dtype,
+                               f"{info.name} expert {piece.expert}", writer, job, advance, timing,
+                               weight_base=i * piece.rows * piece.cols // 2, scales_out=scales)
+                  for i, piece in enumerate(tensor.pieces)]
+        writer.write(tensor.outputs[1][0], 0, np.concatenate(scales).data)
+        err_sq, ref_sq = sum(e for e, _ in errors), sum(r for _, r in errors)
+    elif tensor.pieces:  # a fused expert tensor: each expert's projection encoded as its own weight
         errors = [_encode_rows(piece_rows(reader, piece), (piece.rows, piece.cols), tensor.outputs[2 * i:2 * i + 2],
                                info.dtype, piece.name, writer, job, advance, timing)
                   for i, piece in enumerate(tensor.pieces)]
@@ -420,9 +428,12 @@ def piece_rows(reader: SourceReader, piece: Piece) -> Callable[[int, int], memor
 
 
 def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], outputs, dtype: str, what: str,
-                 writer: ShardWriter, job: ShardJob, advance: Callable[[int], None], timing: dict) -> tuple[float, float]:
+                 writer: ShardWriter, job: ShardJob, advance: Callable[[int], None], timing: dict,
+                 weight_base: int = 0, scales_out: list | None = None) -> tuple[float, float]:
     """Encode a ``[rows, cols]`` matrix whose rows ``rows_at(start, count)`` gives as raw bytes, in
-    chunks of ``CHUNK_BYTES``; returns the squared error and reference sums."""
+    chunks of ``CHUNK_BYTES``; returns the squared error and reference sums. ``weight_base``: where in
+    the weight tensor the matrix starts (one expert of a ``*_blocks`` tensor); ``scales_out``: collect
+    the scales there for the caller to write (after every expert's blocks), instead of writing them."""
     codec = job.codec
     rows, cols = shape
     row_bytes = cols * DTYPE_BYTES[dtype]
@@ -440,11 +451,14 @@ def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], 
         except NonFiniteError as exc:
             raise NonFiniteError(f"{what}: {exc}") from None
         timing["kernel"] += time.perf_counter() - started
-        writer.write(weight_name, start * out.weight.shape[1] * out.weight.itemsize, out.weight.data)
+        writer.write(weight_name, weight_base + start * out.weight.shape[1] * out.weight.itemsize, out.weight.data)
         scale_chunks.append(out.scales)
         err_sq, ref_sq = err_sq + out.err_sq, ref_sq + out.ref_sq
         advance(count * row_bytes)
-    writer.write(scale_name, 0, np.concatenate(scale_chunks).data)
+    if scales_out is not None:
+        scales_out.extend(scale_chunks)
+    else:
+        writer.write(scale_name, 0, np.concatenate(scale_chunks).data)
     return err_sq, ref_sq
 
 

@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quant import blocks
 from quant.checkpoint import INDEX_NAME, Checkpoint, config_int
 from quant.engines import Finding, Module, UnknownEngine, replay, select
 from quant.engines.config import model_findings, quark_findings, router_tensors
 from quant.engines.replay import loads_under
 from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
-from quant.formats.codecs import Codec, codec_for_config
+from quant.formats.codecs import Codec, codec_for_config, get_codec
+from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -283,8 +285,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
     report.findings += malformed
+    native = isinstance(qconfig, dict) and qconfig.get("quant_method") == "mxfp4"  # a release's own MXFP4 (gpt-oss)
     try:
-        fmt = codec_for_config(config) if qconfig and not malformed else None
+        fmt = get_codec("mxfp4") if native else codec_for_config(config) if qconfig and not malformed else None
     except ValueError as exc:
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
@@ -297,7 +300,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             mtp_layers.add(role.layer)
         elif role.role == "routed_expert" and role.layer is not None:
             moe_layers.add(role.layer)
-        if role.linear and name.endswith(".weight") and len(info.shape) == 2:
+        if family.fused_experts and (fused := _fused_module(name, info, tensors, family, num_hidden_layers)):
+            modules[fused[0]] = fused[1]
+        elif role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
             shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)
             modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role)
@@ -309,19 +314,26 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
                                        "check that the shards and index are the model's"))
     report.findings += _missing_modules(tensors, text, num_hidden_layers, family.layers_prefix)
     report.findings += _layout_findings(checkpoint, fmt)
+    if family.fused_experts:
+        report.findings += _blocks_findings(tensors, family, text)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
     # A quantization_config the engines cannot even read: its one finding says it all.
     report.findings += [] if malformed else _config_findings(qconfig, has_quantized)
     exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
-    kind = None if malformed else {"quark": "quark", "fp8": "fp8"}.get((qconfig or {}).get("quant_method"))
+    kind = None if malformed else {"quark": "quark", "fp8": "fp8", "mxfp4": "mxfp4"}.get((qconfig or {}).get("quant_method"))
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
         report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
                                           moe_layers)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
-        if kind == "fp8" or (kind == "quark" and exclude is not None):
+        if kind == "mxfp4" and not rules.values.get("mxfp4_native"):
+            report.findings.append(Finding("config", rules.id, "quantization_config.quant_method",
+                                           f"quant_method mxfp4 (gpt-oss's own MXFP4 layout): {rules.engine}'s "
+                                           f"{rules.model_class} was not read to load it", "convert the bf16 release "
+                                           "with quantize (it writes the Quark layout this class loads)"))
+        elif kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None):
             usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
             report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
                                       text, serving)
@@ -333,7 +345,63 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
+        if native and family.fused_experts:
+            report.findings += _deep_blocks_findings(checkpoint, fmt)
     return report
+
+
+def _fused_module(name: str, info, tensors, family, num_hidden_layers: int) -> tuple[str, Module] | None:
+    """A fused expert tensor as the module the engines build from it (its FusedMoE's parts): bf16
+    ``[E, in, out]`` / ``[E, out, in]`` as the release stores it, or its MXFP4 ``*_blocks``
+    (``quant.blocks``); the module is named by the fused tensor, shaped one expert's [out, in]."""
+    stored = blocks.fused_name(name)
+    spec = family.fused_experts.match(stored or name)
+    if spec is None or family.classify(stored or name, num_hidden_layers).role != "routed_expert":
+        return None
+    if stored is not None and info.dtype == "U8" and len(info.shape) == 4:
+        return stored, Module(True, (info.shape[1], info.shape[2] * BLOCK), "routed_expert")
+    if stored is None and info.dtype in FLOAT_DTYPES and len(info.shape) == 3:
+        out, inner = (info.shape[1], info.shape[2]) if spec.axes[1] == "out" else (info.shape[2], info.shape[1])
+        return name, Module(False, (out, inner), "routed_expert")
+    return None
+
+
+def _blocks_findings(tensors, family, text: dict) -> list[Finding]:
+    """Each ``*_blocks`` tensor against the layout the engines read for config.json's sizes."""
+    findings = []
+    fused = family.fused_experts
+    for name, info in sorted(tensors.items()):
+        stored = blocks.fused_name(name)
+        spec = fused.match(stored) if stored else None
+        if spec is None:
+            continue
+        try:
+            sizes = [int(text[k]) for k in (fused.experts_key, spec.out_key, spec.in_key)]
+        except (KeyError, TypeError, ValueError):
+            continue  # the config findings name a missing key
+        expected = (sizes[0], sizes[1] * len(spec.projections), sizes[2])
+        if problem := blocks.layout_problem(info, tensors.get(stored + blocks.SCALES), expected):
+            findings.append(Finding("layout", None, name, problem, "re-export the checkpoint (quantize writes this "
+                                    "layout from the bf16 release)"))
+    return findings
+
+
+def _deep_blocks_findings(checkpoint: Checkpoint, fmt: Codec) -> list[Finding]:
+    """Every ``*_blocks`` tensor decoded with its ``*_scales`` (E8M0 0xFF, NaN/Inf), one expert's rows
+    after another: what the engines would serve."""
+    findings = []
+    tensors = checkpoint.tensors()
+    where = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
+    handles: dict = {}
+    for name, info in sorted(tensors.items()):
+        stored = blocks.fused_name(name)
+        scale = tensors.get(stored + blocks.SCALES) if stored else None
+        if scale is None or info.dtype != "U8" or len(info.shape) != 4 or tuple(scale.shape) != tuple(info.shape[:3]):
+            continue  # the layout findings name it
+        weight = _raw(handles, checkpoint, where[name], name).reshape(-1, info.shape[2] * info.shape[3])
+        scales = _raw(handles, checkpoint, where[scale.name], scale.name).reshape(-1, info.shape[2])
+        findings += _decode_findings(fmt, name, scale.name, weight, scales)
+    return findings
 
 
 def _format_label(fmt) -> str:

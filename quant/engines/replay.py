@@ -162,6 +162,8 @@ def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, in
 
 
 def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
+    if kind == "mxfp4":  # a release's native MXFP4 config: the engines read no exclude list (mxfp4_native)
+        return []
     if kind == "fp8":
         skip = rules["fp8_skip"]
         return fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
@@ -171,6 +173,9 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
 
 def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) -> bool:
     """The engine's decision for one module (raises ``MixedShards`` where the engine raises)."""
+    if kind == "mxfp4":  # native MXFP4 (gpt-oss): the routed experts quantized, every Linear unquantized
+        native = rules["mxfp4_native"]
+        return native["linear"] == "unquantized" if not moe else native["experts"] != "mxfp4"
     if kind == "fp8":
         skip = rules["fp8_skip"]
         return fp8_skipped(name, exclude.entries, skip["fused"], match=skip["match"], experts=skip["experts"],

@@ -93,6 +93,18 @@ def _llama4(num_hidden_layers: int, **overrides):
     return config, Llama4ForConditionalGeneration
 
 
+def _gpt_oss(num_hidden_layers: int, **overrides):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    # intermediate_size and hidden_size multiples of 32: the MXFP4 blocks run along both (gate_up's
+    # input is H, down's is I); the release's sliding/full attention alternation and YaRN rope
+    config = GptOssConfig(**{**TINY, "intermediate_size": 96, "num_hidden_layers": num_hidden_layers,
+                             "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+                             "layer_types": (["sliding_attention", "full_attention"] * num_hidden_layers)[:num_hidden_layers],
+                             **overrides})
+    return config, GptOssForCausalLM
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
@@ -116,7 +128,8 @@ BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mi
             # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
             "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False),
             # Llama-4: routed experts stored fused ([E, H, 2I] gate_up_proj, [E, I, H] down_proj)
-            "llama4": (_llama4, False)}  # family -> (config + model class, whether the release has an MTP layer)
+            "llama4": (_llama4, False),
+            "gpt_oss": (_gpt_oss, False)}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,

@@ -16,7 +16,9 @@ from quant.cli import main as quantize
 from quant.layout import family_for
 from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
 
-FAMILIES = sorted(BUILDERS)
+# gpt-oss writes its release's own MXFP4 layout (no Quark exclude list) and refuses --to fp8:
+# tests/quant/test_gpt_oss.py
+FAMILIES = sorted(set(BUILDERS) - {"gpt_oss"})
 # Per family: exclude entries the engines need beyond the checkpoint's own names, and whether
 # sglang 0.5.23 on the default setup (MI355X, TP 8, fusion on) loads the routed-only MXFP4 output.
 EXPECT = {
