@@ -132,6 +132,9 @@ class Family:
     text_config_key: str | None = None
     layers_prefix: str = "model.layers"
     fused_experts: FusedExperts | None = None  # routed experts stored as 3-D tensors (Qwen3.5, Llama-4)
+    # MTP modules stored outside the decoder stack (MiniMax-M3: language_model.model.mtp.layers.i):
+    # module i is MTP layer num_hidden_layers + i; None: they follow the decoder layers (model.layers.N)
+    mtp_prefix: str | None = None
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -156,6 +159,10 @@ class Family:
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
         layer = self.layer_index(tensor_name)
         mtp = layer is not None and layer >= num_hidden_layers
+        if layer is None and self.mtp_prefix and tensor_name.startswith(self.mtp_prefix + "."):
+            index, dot, _ = tensor_name[len(self.mtp_prefix) + 1:].partition(".")
+            if dot and index.isascii() and index.isdigit():
+                layer, mtp = num_hidden_layers + int(index), True
         for role in self.roles:
             if role.pattern.search(tensor_name):
                 return TensorRole(role.name, role.linear, role.quantizable, layer, mtp)
@@ -198,6 +205,7 @@ def load_family(path: Path) -> Family:
             text_config_key=data.get("text_config_key"),
             layers_prefix=data.get("layers_prefix", "model.layers"),
             fused_experts=_load_fused(data.get("fused_experts")),
+            mtp_prefix=data.get("mtp_prefix"),
         )
     except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

@@ -70,6 +70,8 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     match = _LAYER.match(module)
     if match and int(match.group(1)) >= num_hidden_layers and naming["style"] == "dropped":
         return None  # the class skips the MTP layers' weights and builds no draft from them
+    if naming.get("dropped_prefix") and module.startswith(naming["dropped_prefix"]):
+        return None  # MTP modules stored outside the decoder stack, skipped the same way (MiniMax-M3)
     if not match or int(match.group(1)) < num_hidden_layers or naming["style"] != "decoder":
         return class_name(module, rules)
     if any(part in module for part in naming["skipped"]):
@@ -276,9 +278,9 @@ def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
     """Each FusedMoE's engine name -> the checkpoint's shared-expert modules of that layer."""
     out: dict[str, list[str]] = {}
     for module, info in modules.items():
-        if info.role == "shared_expert" and ".mlp.shared_experts." in module:
-            layer = module[:module.index(".mlp.shared_experts.")]
-            name = draft_name(f"{layer}.mlp.experts.0.gate_proj", rules, num_hidden_layers)
+        if info.role == "shared_expert" and ".shared_experts." in module:
+            block = module[:module.index(".shared_experts.")]  # <layer>.mlp, or <layer>.block_sparse_moe
+            name = draft_name(f"{block}.experts.0.gate_proj", rules, num_hidden_layers)
             if name is not None:
                 out.setdefault(name[:name.rindex(".experts.") + len(".experts")], []).append(module)
     return out
@@ -314,7 +316,7 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
         findings.append(Finding(
             "fusion", rules.id, moe,
             f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert "
-            f"{config.get('n_routed_experts')} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
+            f"{config.get('n_routed_experts', config.get('num_local_experts'))} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
             f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
             (f"serve with {release_spans(ok, family)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))

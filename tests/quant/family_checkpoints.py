@@ -105,6 +105,59 @@ def _gpt_oss(num_hidden_layers: int, **overrides):
     return config, GptOssForCausalLM
 
 
+def _minimax_m3(num_hidden_layers: int, **overrides):
+    from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
+
+    # MiniMax-M3's text model scaled down: layer 0 dense with full attention, the others MoE with
+    # sparse attention (the lightning indexer's index_q/k_proj, one index head as vLLM shards it by
+    # the KV heads); the release's sparse_attention_config / moe_layer_freq are written back into
+    # text_config by _minimax_m3_release. A one-layer CLIP vision tower.
+    freq = [0] + [1] * (num_hidden_layers - 1)
+    text = {**TINY, "intermediate_size": 32, "dense_intermediate_size": 128, "shared_intermediate_size": 32,
+            "num_hidden_layers": num_hidden_layers, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "rotary_dim": 16, "index_n_heads": 1, "index_head_dim": 32, "index_block_size": 16,
+            "index_topk_blocks": 2, "mlp_layer_types": ["sparse" if f else "dense" for f in freq],
+            "layer_types": ["minimax_m3_sparse" if f else "full_attention" for f in freq], **overrides}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    config = MiniMaxM3VLConfig(text_config=text, vision_config=vision, projector_hidden_size=64,
+                               tie_word_embeddings=False)
+    return config, MiniMaxM3SparseForConditionalGeneration
+
+
+def _minimax_m3_release(saved: dict, num_hidden_layers: int) -> None:
+    """The text_config keys MiniMaxAI/MiniMax-M3's config.json carries that transformers' config does
+    not keep (sglang and vLLM read them: sparse_attention_config and moe_layer_freq choose each layer's
+    attention and MLP, n_shared_experts, scoring_func, use_routing_bias, num_mtp_modules), for the
+    decoder layers only (the last built layer is the MTP module)."""
+    text = saved["text_config"]
+    freq = [0 if t == "dense" else 1 for t in text.pop("mlp_layer_types")][:num_hidden_layers]
+    text.pop("layer_types")
+    text.update(num_hidden_layers=num_hidden_layers, moe_layer_freq=freq, n_shared_experts=1, scoring_func="sigmoid",
+                use_routing_bias=True, num_mtp_modules=1, use_qk_norm=True, qk_norm_type="per_head",
+                use_gemma_norm=True, hidden_act="swigluoai",
+                sparse_attention_config={"use_sparse_attention": True, "sparse_index_dim": text["index_head_dim"],
+                                         "sparse_num_index_heads": text["index_n_heads"], "sparse_topk_blocks": 2,
+                                         "sparse_block_size": 16, "sparse_disable_index_value": freq,
+                                         "sparse_score_type": "max", "sparse_init_block": 0, "sparse_local_block": 1,
+                                         "sparse_attention_freq": freq})
+
+
+def _m3_mtp(tensors: dict, config, layer: int) -> dict:
+    """The last built decoder layer becomes MTP module 0 (language_model.model.mtp.layers.0.*, a sparse
+    MoE layer as vLLM's MiniMaxM3MTP builds it) with its own eh_proj and norms."""
+    import torch
+
+    old, new = f"language_model.model.layers.{layer}.", "language_model.model.mtp.layers.0."
+    out = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
+    h = config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(layer)
+    out[new + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "final_layernorm"):
+        out[new + f"{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    return out
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
@@ -129,7 +182,9 @@ BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mi
             "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False),
             # Llama-4: routed experts stored fused ([E, H, 2I] gate_up_proj, [E, I, H] down_proj)
             "llama4": (_llama4, False),
-            "gpt_oss": (_gpt_oss, False)}  # family -> (config + model class, whether the release has an MTP layer)
+            "gpt_oss": (_gpt_oss, False),
+            # MiniMax-M3's MTP module (language_model.model.mtp.layers.0): skipped by both engines' main models
+            "minimax_m3": (_minimax_m3, "mtp_module")}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
@@ -152,6 +207,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
             tensors.update(load_file(str(file)))
         for old, new in RELEASE_NAMES.get(family, []):
             tensors = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
+        if has_mtp == "mtp_module":
+            tensors = _m3_mtp(tensors, config, num_hidden_layers)
         if has_mtp is True:
             gen = torch.Generator().manual_seed(seed + 1)
             for name, shape in _mtp_extras(config, num_hidden_layers).items():
@@ -169,7 +226,9 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
                                                                   "weight_map": weight_map}, indent=2))
     saved = config.to_dict()
     saved.update(architectures=[RELEASE_ARCH.get(family, model_class.__name__)], torch_dtype="bfloat16")
-    if "text_config" in saved:  # the release's text_config (Kimi-K2.5: model_type kimi_k2; transformers rewrites it)
+    if family == "minimax_m3":
+        _minimax_m3_release(saved, num_hidden_layers)
+    elif "text_config" in saved:  # the release's text_config (Kimi-K2.5: model_type kimi_k2; transformers rewrites it)
         saved["text_config"].update(RELEASE_TEXT.get(family, {}))
     else:
         saved.update(num_hidden_layers=num_hidden_layers)

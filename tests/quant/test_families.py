@@ -45,6 +45,14 @@ EXPECT = {
                            "vision_model.vision_adapter.mlp.fc2", "language_model.model.layers.0.feed_forward.gate_up_proj",
                            "language_model.model.layers.1.feed_forward.shared_expert.gate_up_proj",
                            "language_model.model.layers.1.feed_forward.router"], "sglang_default_loads": True},
+    # sglang builds MiniMax-M3's MoE block as mlp.* and its indexer as index_qkv_proj; vLLM renames the
+    # projector and patch merger under vision_tower and the tower's mlp.fc1 to fc1. sglang fuses the
+    # shared expert on MI355X whatever the exclude list says (as for GLM-4.5)
+    "minimax_m3": {"aliases": ["language_model.model.layers.1.mlp.shared_experts.gate_up_proj",
+                               "language_model.model.layers.1.self_attn.index_qkv_proj",
+                               "language_model.model.layers.1.mlp.gate", "vision_tower.multi_modal_projector.linear_1",
+                               "vision_tower.patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.fc1"],
+                   "sglang_default_loads": False, "fused_moe": "language_model.model.layers.1.mlp.experts"},
 }
 
 
@@ -98,7 +106,7 @@ def test_fp8_converts_and_loads_in_both_engines(converted, capsys):
 
 
 def test_mxfp4_gate_is_the_engines_fusion_answer(converted, capsys):
-    """glm4_moe: sglang 0.5.21-0.5.23 fuse GLM-4.5's shared expert on MI355X whatever the exclude list
+    """glm4_moe, minimax_m3: sglang 0.5.21-0.5.23 fuse GLM-4.5's (MiniMax-M3's) shared expert on MI355X whatever the exclude list
     says (glm4_moe.py: shared_experts_fusion_disable_reason): the bf16 shared expert cannot load into
     the MXFP4 FusedMoE, so the default setup fails and --disable-shared-experts-fusion loads. Families
     without a shared expert load on the default setup. vLLM loads both."""
@@ -107,7 +115,8 @@ def test_mxfp4_gate_is_the_engines_fusion_answer(converted, capsys):
     if EXPECT[family]["sglang_default_loads"]:
         assert code == 0 and "verdict: loads correctly" in text, text
     else:
-        assert code == 1 and "[fusion] model.layers.1.mlp.experts" in text and "--disable-shared-experts-fusion" in text
+        fused_moe = EXPECT[family].get("fused_moe", "model.layers.1.mlp.experts")
+        assert code == 1 and f"[fusion] {fused_moe}" in text and "--disable-shared-experts-fusion" in text
     code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.23", "--disable-shared-experts-fusion")
     assert code == 0 and "verdict: loads correctly" in text, text
     code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "vllm")

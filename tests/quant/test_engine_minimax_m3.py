@@ -1,0 +1,327 @@
+"""Differential tests for MiniMax-M3 (``minimax_m3``, MiniMaxM3SparseForConditionalGeneration): each
+release read (``manifests/engines/{sglang,vllm}.minimax_m3.yaml``) decides with its own code beside
+``quant.engines``: Quark's ``should_ignore_layer`` and FP8's ``is_layer_skipped`` fed the class's
+packed-modules mapping read from the same wheel, on the exclude list as the class's weight mapper
+(read from the wheel) leaves it; sglang's shared-expert fusion decision (the class's own
+``shared_experts_fusion_disable_reason``, hardware queries stubbed); the MTP modules the main models
+skip (sglang's own ``get_spec_layer_idx_from_weight_name``); and how the router, the vision tower,
+the MoE block and the fused attention projections are built, read from the constructors and loaders.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import types
+
+import pytest
+from packaging.version import Version
+
+from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines.fusion import no_fusion_reason
+from quant.engines.match import fp8_ignored_layers, fp8_skipped
+from quant.engines.replay import class_name, draft_name
+from quant.engines.rules import releases_read
+from quant.engines.serving import serving
+from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
+                                        sglang_quark_loader_additions, source)
+from tests.quant.test_engine_sources import GPUS, _fp8_engine, _outcome, _quark_engine, _stubs, engine_wheel
+
+FAMILY = "minimax_m3"
+VL = "MiniMaxM3SparseForConditionalGeneration"
+TEXT = "MiniMaxM3SparseForCausalLM"
+MAIN = {"sglang": "sglang/srt/models/minimax_m3_vl.py", "vllm": "vllm/models/minimax_m3/nvidia/model.py"}
+TEXT_PATH = {"sglang": "sglang/srt/models/minimax_m3.py", "vllm": "vllm/models/minimax_m3/nvidia/model.py"}
+CASES = [(r, v) for e in ENGINES for r in rule_sets(e, FAMILY)
+         for v in sorted(releases_read(e, FAMILY), key=Version) if r.covers(releases_read(e, FAMILY)[v])]
+IDS = [f"{r.engine} {v}" for r, v in CASES]
+SGLANG = [c for c in CASES if c[0].engine == "sglang"]
+
+
+def wheel_mapping(whl, engine: str, kind: str) -> dict[str, list[str]]:
+    """The packed_modules_mapping the quant config holds: the VL class's literal (vLLM: also the text
+    class's, which configure_quant_config sets when it builds it; they must agree), plus sglang's
+    loader additions for Quark."""
+    mapping = dict(class_constant(class_def(whl, MAIN[engine], VL), "packed_modules_mapping") or {})
+    if engine == "vllm":
+        assert class_constant(class_def(whl, TEXT_PATH[engine], TEXT), "packed_modules_mapping") == mapping
+    if engine == "sglang" and kind == "quark":
+        mapping.update(sglang_quark_loader_additions(whl))
+    return {k: list(v) for k, v in mapping.items()}
+
+
+def wheel_mapper(whl, engine: str) -> dict[str, dict[str, str]]:
+    """The VL class's weight mapper as the wheel writes it: {orig_to_new_prefix: ..., orig_to_new_substr: ...}."""
+    node = class_def(whl, MAIN[engine], VL)
+    name = "hf_to_sglang_mapper" if engine == "sglang" else "hf_to_vllm_mapper"
+    assign = next(s for s in node.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == name)
+    return {k.arg: ast.literal_eval(k.value) for k in assign.value.keywords}
+
+
+def engine_exclude(entries: list[str], mapper: dict, engine: str) -> list[str]:
+    """The exclude list after the loader applied the mapper (WeightsMapper.apply_list: substrings,
+    then prefixes); sglang's QuarkConfig.apply_weight_name_mapper also adds each language_model.*
+    entry without that prefix."""
+    out = []
+    for entry in entries:
+        for old, new in mapper.get("orig_to_new_substr", {}).items():
+            entry = entry.replace(old, new)
+        for old, new in mapper.get("orig_to_new_prefix", {}).items():
+            if entry.startswith(old):
+                entry = new + entry[len(old):]
+        out.append(entry)
+        if engine == "sglang" and entry.startswith("language_model."):
+            out.append(entry.removeprefix("language_model."))
+    return out
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_packed_mapping_is_the_wheels(rules, release):
+    whl = engine_wheel(rules, release)
+    assert wheel_mapping(whl, rules.engine, "quark") == rules["quark_fused"]
+    assert wheel_mapping(whl, rules.engine, "fp8") == rules["fp8_skip"]["fused"]
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_module_names_are_the_class_mapper(rules, release):
+    """sglang's mapper renames block_sparse_moe to mlp (and _load_llm_weight does the same to the
+    weights); vLLM's renames the projector and patch merger under vision_tower and the tower's
+    .mlp.fc1./.mlp.fc2.: the replay's module_names give each checkpoint module the mapper's name."""
+    mapper = wheel_mapper(engine_wheel(rules, release), rules.engine)
+    for module in ("language_model.model.layers.1.block_sparse_moe.gate",
+                   "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj",
+                   "language_model.model.layers.0.mlp.gate_proj", "multi_modal_projector.linear_1",
+                   "patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"):
+        assert class_name(module, rules) == engine_exclude([module], mapper, "vllm")[0]
+    for module in ("vision_tower.vision_model.encoder.layers.0.mlp.fc1",
+                   "vision_tower.vision_model.encoder.layers.3.mlp.fc2"):  # weights carry the trailing dot
+        assert class_name(module, rules) + ".weight" == engine_exclude([module + ".weight"], mapper, "vllm")[0]
+
+
+LAYERS = ["language_model.model.layers.0.", "language_model.model.layers.1."]
+# the modules each engine builds (sglang: the MoE block as mlp, the indexer as index_qkv_proj; vLLM:
+# block_sparse_moe, the indexer inside qkv_proj)
+BUILT = {"sglang": ["self_attn.qkv_proj", "self_attn.o_proj", "self_attn.index_qkv_proj", "mlp.gate_up_proj",
+                    "mlp.down_proj", "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts",
+                    "mlp.gate"],
+         "vllm": ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+                  "block_sparse_moe.shared_experts.gate_up_proj", "block_sparse_moe.shared_experts.down_proj",
+                  "block_sparse_moe.experts", "block_sparse_moe.gate"]}
+STORED = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.index_q_proj",
+          "self_attn.index_k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+          "block_sparse_moe.shared_experts.gate_proj", "block_sparse_moe.shared_experts.up_proj",
+          "block_sparse_moe.shared_experts.down_proj", "block_sparse_moe.experts", "block_sparse_moe.gate",
+          "block_sparse_moe.experts.0.w1", "mlp.experts"]
+VISION = ["vision_tower.vision_model.encoder.layers.0.self_attn.qkv_proj",
+          "vision_tower.vision_model.encoder.layers.0.self_attn.out_proj",
+          "vision_tower.vision_model.encoder.layers.0.fc1", "vision_tower.multi_modal_projector.linear_1",
+          "vision_tower.patch_merge_mlp.linear_2"]
+VISION_STORED = ["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+                 "vision_tower.vision_model.encoder.layers.0.self_attn.k_proj",
+                 "vision_tower.vision_model.encoder.layers.0.self_attn.v_proj",
+                 "vision_tower.vision_model.encoder.layers.0.self_attn.out_proj",
+                 "vision_tower.vision_model.encoder.layers.0.mlp.fc1", "vision_tower.vision_model.encoder.layers.0.fc1",
+                 "multi_modal_projector.linear_1", "patch_merge_mlp.linear_2"]
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_quark_exclude_decisions_equal_the_engines(rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
+    fused = wheel_mapping(whl, rules.engine, "quark")
+    mapper = wheel_mapper(whl, rules.engine)
+    modules = [p + m for p in LAYERS for m in BUILT[rules.engine]] + VISION
+    entries = [p + m for p in LAYERS for m in STORED] + VISION_STORED + \
+        ["re:.*shared_experts.*", "re:.*vision_tower.*", "re:.*index_.*", "language_model.lm_head", "mlp.gate"]
+    rng = random.Random(f"minimax_m3{rules.id}{release}")
+    disagree, seen = [], 0
+    for _ in range(200):
+        exclude = rng.sample(entries, rng.randint(0, 22))
+        for name in rng.sample(modules, 5):
+            moe = name.endswith(".experts")
+            # the writer lists each entry in the mapper's names too (quant/serving.py); the engine sees
+            # that list after its mapper
+            written = exclude + [class_name(e, rules) for e in exclude]
+            ours = _outcome(excluded, name, Exclude(written), rules, "quark", moe)
+            theirs = _outcome(engine, name, engine_exclude(written, mapper, rules.engine), fused, moe)
+            seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, exclude, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert seen > 30
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_fp8_skip_decisions_equal_the_engines(rules, release):
+    """Entries in the engine's own names (the FP8 configs' mappers are not modelled: the writer lists
+    both names), FP8's own is_layer_skipped on the class's mapping."""
+    whl = engine_wheel(rules, release)
+    engine = _fp8_engine(rules, whl)
+    fused = wheel_mapping(whl, rules.engine, "fp8")
+    modules = [p + m for p in LAYERS for m in BUILT[rules.engine]] + VISION
+    entries = [p + m for p in LAYERS for m in STORED + BUILT[rules.engine]] + VISION + VISION_STORED + \
+        ["language_model.lm_head"]
+    skip = rules["fp8_skip"]
+    rng = random.Random(f"fp8minimax_m3{rules.id}{release}")
+    disagree, seen = [], 0
+    for _ in range(200):
+        listed = rng.sample(entries, rng.randint(0, 16))
+        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
+        for name in rng.sample(modules, 4):
+            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
+                            fallback_fused=skip["fallback_fused"])
+            theirs = _outcome(engine, name, qconfig, fused)
+            seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, qconfig, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert seen > 30
+
+
+def _fusion_engine(whl):
+    """(text config, kind, serving) -> whether the release fuses MiniMax-M3's shared expert: the VL
+    class's own shared_experts_fusion_disable_reason, then its count (0.5.23) or its
+    _determine_num_fused_shared_experts (0.5.21, 0.5.22), as layers/moe/utils.py calls them."""
+    names = ["shared_experts_fusion_disable_reason", "num_fusable_shared_experts", "_determine_num_fused_shared_experts"]
+    holder = methods(whl, MAIN["sglang"], VL, names)["cls"]
+    gate = holder.__dict__["shared_experts_fusion_disable_reason"].__func__
+    count = holder.__dict__.get("num_fusable_shared_experts")
+
+    def decide(text, kind, setup) -> bool:
+        cap = setup.capability
+        gate.__globals__.update(_stubs(whl, setup, None), _device_sm=cap[0] * 10 + cap[1] if setup.platform == "cuda"
+                                else None, _is_gfx95_supported=setup.platform == "rocm" and cap >= (9, 5))
+        hf = types.SimpleNamespace(text_config=types.SimpleNamespace(**text))
+        disabled = setup.disable_shared_experts_fusion or \
+            gate(holder, hf, types.SimpleNamespace(get_name=lambda: kind)) is not None
+        if count is not None:  # 0.5.23: resolve_shared_experts_config
+            return not disabled and count.__func__(holder, hf) > 0
+        fn = holder.__dict__["_determine_num_fused_shared_experts"]
+        fn.__globals__.update(is_shared_experts_fusion_disabled=lambda: disabled)
+        model = types.SimpleNamespace(config=hf, num_fused_shared_experts=0)
+        fn(model)
+        return bool(model.num_fused_shared_experts)
+    return decide
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_shared_expert_fusion_decisions_are_the_engines(rules, release):
+    engine = _fusion_engine(engine_wheel(rules, release))
+    rng = random.Random(f"m3-fusion{release}")
+    disagree, fused = [], 0
+    for _ in range(150):
+        text = {"num_hidden_layers": 60, "num_local_experts": rng.choice([128, 256, 4]),
+                "n_shared_experts": rng.choice([1, 1, 1, None, 0]), "num_mtp_modules": 1}
+        exclude = rng.sample(["language_model.model.layers.3.block_sparse_moe.shared_experts.gate_proj",
+                              "re:.*shared_experts.*", "language_model.lm_head"], rng.randint(0, 2))
+        kind = rng.choice(["quark", "quark", "fp8"])
+        platform, arch = rng.choice(GPUS)
+        setup = serving(platform, arch, tp=8, ep=rng.choice([1, 1, 8]), disable_shared_experts_fusion=rng.random() < 0.15)
+        theirs = engine(text, kind, setup)
+        ours = no_fusion_reason(rules, FAMILY, text, kind, exclude, setup, False) is None
+        fused += theirs
+        if theirs != ours:
+            disagree.append((text, kind, setup.label(), theirs, ours))
+    assert not disagree, disagree[:3]
+    assert 0 < fused < 150
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_mtp_modules_are_skipped_as_the_wheel_skips_them(rules, release):
+    """sglang's own get_spec_layer_idx_from_weight_name (applied by _load_llm_weight after stripping
+    language_model.) names the MTP modules the main model skips: the replay builds nothing from exactly
+    those, and builds every decoder layer."""
+    whl = engine_wheel(rules, release)
+    load_llm = ast.unparse(method_def(class_def(whl, MAIN["sglang"], VL), "_load_llm_weight"))
+    assert "get_spec_layer_idx_from_weight_name(self.config.text_config, name)" in load_llm
+    spec = load(whl, TEXT_PATH["sglang"], ["get_spec_layer_idx_from_weight_name"],
+                {"PretrainedConfig": object})["get_spec_layer_idx_from_weight_name"]
+    config = types.SimpleNamespace(num_hidden_layers=60, num_mtp_modules=2)
+    for name in ("language_model.model.layers.0.block_sparse_moe.experts.3.w1",
+                 "language_model.model.layers.59.self_attn.q_proj", "language_model.model.mtp.layers.0.eh_proj",
+                 "language_model.model.mtp.layers.1.block_sparse_moe.experts.0.w2"):
+        skipped = spec(config, name.removeprefix("language_model.") + ".weight") is not None
+        assert skipped == (draft_name(name, rules, 60) is None), name
+
+
+def test_vllm_main_model_skips_the_mtp_modules():
+    rules, release = next(c for c in CASES if c[0].engine == "vllm")
+    whl = engine_wheel(rules, release)
+    load_weights = ast.unparse(method_def(class_def(whl, MAIN["vllm"], "MiniMaxM3Model"), "load_weights"))
+    assert "if 'mtp.' in name:\n            continue" in load_weights.replace('"', "'")
+    assert draft_name("language_model.model.mtp.layers.0.self_attn.q_proj", rules, 60) is None
+    assert draft_name("language_model.model.layers.0.self_attn.q_proj", rules, 60) is not None
+    # the draft class exists (built only under --speculative-config); its eh_proj takes the quant config
+    mtp = class_def(whl, "vllm/models/minimax_m3/nvidia/mtp.py", "MiniMaxM3MultiTokenPredictorLayer")
+    eh = attribute_builds(method_def(mtp, "__init__"), "eh_proj")
+    assert rules["eh_proj"] == ("quant_config" if eh and eh[0].keywords.get("quant_config") == "quant_config" else "plain")
+
+
+def _stacked(whl, engine: str) -> dict[str, list[str]]:
+    """The fused modules the loader stacks checkpoint shards into (stacked_params_mapping of the
+    class's load_weights), leading dots dropped."""
+    if engine == "sglang":
+        fn = method_def(class_def(whl, MAIN["sglang"], VL), "load_weights")
+    else:
+        fn = method_def(class_def(whl, MAIN["vllm"], "MiniMaxM3Model"), "load_weights")
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 3 and all(isinstance(e, ast.Constant) for e in node.elts[:2]):
+            fused, shard = (e.value.lstrip(".") for e in node.elts[:2])
+            if fused.endswith("_proj") and shard.endswith("_proj"):
+                out.setdefault(fused, []).append(shard)
+    return out
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_fused_modules_are_the_loaders_stacking(rules, release):
+    """built_fused is what load_weights stacks: sglang index_qkv_proj (index_v_proj is never stored: no
+    layer of the release builds it), vLLM one qkv_proj of q, k, v, index_q, index_k."""
+    stacked = _stacked(engine_wheel(rules, release), rules.engine)
+    if rules.engine == "sglang":
+        assert stacked.pop("index_qkv_proj") == ["index_q_proj", "index_k_proj", "index_v_proj"]
+        assert rules["built_fused"]["index_qkv_proj"] == ["index_q_proj", "index_k_proj"]
+    assert stacked == {k: v for k, v in rules["built_fused"].items() if k != "index_qkv_proj"}
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release):
+    whl = engine_wheel(rules, release)
+    text = source(whl, TEXT_PATH[rules.engine])
+    moe = method_def(class_def(whl, TEXT_PATH[rules.engine], "MiniMaxM3MoE"), "__init__")
+    gates = attribute_builds(moe, "gate")
+    vl_init = method_def(class_def(whl, MAIN[rules.engine], VL), "__init__")
+    vision = attribute_builds(vl_init, "vision_tower")
+    if rules.engine == "sglang":
+        router_plain = bool(gates) and all(b.keywords.get("quant_config") == "None" for b in gates)
+        vision_plain = bool(vision) and all(b.keywords.get("quant_config") == "None" for b in vision)
+        layer = method_def(class_def(whl, TEXT_PATH["sglang"], "MiniMaxM3DecoderLayer"), "__init__")
+        moe_prefix = attribute_builds(layer, "mlp")[0].keywords["prefix"]
+        assert "name.replace('block_sparse_moe', 'mlp')" in ast.unparse(
+            method_def(class_def(whl, MAIN["sglang"], VL), "_load_llm_weight"))
+        assert "scoring_func=config.scoring_func" in ast.unparse(moe)
+    else:
+        router_plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
+        vision_plain = not (vision and all(b.keywords.get("quant_config") == "self.quant_config" for b in vision))
+        layer = method_def(class_def(whl, TEXT_PATH["vllm"], "MiniMaxM3DecoderLayer"), "__init__")
+        moe_prefix = attribute_builds(layer, "block_sparse_moe")[0].keywords["prefix"]
+    assert router_plain == ("router" in rules["unquantized_roles"])
+    assert vision_plain == ({"vision", "projector"} <= set(rules["unquantized_roles"]))
+    renamed = moe_prefix == "add_prefix('mlp', prefix)"
+    assert renamed or moe_prefix == "f'{prefix}.block_sparse_moe'"
+    assert (".block_sparse_moe." in (rules.values.get("module_names") or {})) == renamed
+    biases = attribute_builds(moe, "e_score_correction_bias")
+    assert {u for b in biases for u in b.under} == {"self.use_routing_bias"}
+    assert rules["router"]["bias_when"] == "config:use_routing_bias"
+    assert "getattr(config, 'use_routing_bias', False)" in ast.unparse(moe)
+    assert "def get_spec_layer_idx_from_weight_name" in text or rules.engine == "vllm"
+
+
+def test_every_required_release_is_read_and_has_one_rule_set():
+    for engine, required in {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}.items():
+        read = releases_read(engine, FAMILY)
+        assert set(required) <= set(read), (engine, sorted(read))
+        for release in required:
+            assert sum(r.covers(read[release]) for r in rule_sets(engine, FAMILY)) == 1
