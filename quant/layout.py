@@ -31,7 +31,7 @@ class TensorRole:
     linear: bool
     quantizable: bool
     layer: int | None  # index in model.layers, None outside the decoder stack
-    mtp: bool  # a next-n (MTP) layer: index >= num_hidden_layers
+    mtp: bool  # a next-n (MTP) layer: index >= num_hidden_layers (a module under mtp_prefix counts as one)
 
 
 AXES = {("experts", "out", "in"), ("experts", "in", "out")}  # Qwen3.5: [E, 2I, H]; Llama-4, gpt-oss: [E, H, 2I]
@@ -132,9 +132,14 @@ class Family:
     text_config_key: str | None = None
     layers_prefix: str = "model.layers"
     fused_experts: FusedExperts | None = None  # routed experts stored as 3-D tensors (Qwen3.5, Llama-4)
-    # MTP modules stored outside the decoder stack (MiniMax-M3: language_model.model.mtp.layers.i):
-    # module i is MTP layer num_hidden_layers + i; None: they follow the decoder layers (model.layers.N)
+    # MTP modules stored outside the decoder stack (MiniMax-M3: language_model.model.mtp.layers.i,
+    # Qwen3-Next: mtp.layers.i beside mtp.fc): module i is MTP layer num_hidden_layers + i; None: they
+    # follow the decoder layers (model.layers.N)
     mtp_prefix: str | None = None
+    mtp_layers_default: int = 0  # the draft layers the engines build when the config omits mtp_layers_key
+    # Which attention each decoder layer has (Qwen3-Next: linear_attention | full_attention), as the
+    # role its tensors play: kind -> role. How each engine computes the kinds is its rule layer_kinds.
+    layer_kinds: tuple[tuple[str, str], ...] = ()
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -206,6 +211,8 @@ def load_family(path: Path) -> Family:
             layers_prefix=data.get("layers_prefix", "model.layers"),
             fused_experts=_load_fused(data.get("fused_experts")),
             mtp_prefix=data.get("mtp_prefix"),
+            mtp_layers_default=int(data.get("mtp_layers_default", 0)),
+            layer_kinds=tuple((str(k), str(r)) for k, r in (data.get("layer_kinds") or {}).items()),
         )
     except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

@@ -153,7 +153,8 @@ class Plan:
             "family": self.family.name,
             "recipe": self.recipe.to_dict(),
             "num_hidden_layers": self.num_hidden_layers,
-            "mtp_layers": sorted({t.source.name.split(".")[2] for t in self.tensors if t.mtp}),
+            "mtp_layers": sorted({str(layer) for t in self.tensors if t.mtp and (
+                layer := self.family.classify(t.source.name, self.num_hidden_layers).layer) is not None}),
             "tensors": len(self.tensors),
             "tensors_quantized": len(quantized),
             "tensors_kept": len(self.tensors) - len(quantized),

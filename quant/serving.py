@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
+from quant.engines.replay import is_draft
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -83,11 +84,30 @@ def check_expert_agreement(kept: set[str], quantized: set[str]) -> None:
             f"FusedMoE module with one scheme. Quantize all routed experts of the layer or none.")
 
 
+def check_draft_collisions(kept: set[str], quantized: set[str], num_hidden_layers: int, family=DEFAULT_FAMILY) -> None:
+    """Refuse a draft module quantized otherwise than the main-model module its engine name is
+    (sglang builds Qwen3-Next's mtp.layers.0.* as model.layers.0.*): one exclude list decides both."""
+    present = kept | quantized
+    for rules in _all_rule_sets(family):
+        if rules["mtp_naming"]["style"] != "renames":
+            continue
+        for module in sorted(present):
+            alias = draft_name(module, rules, num_hidden_layers) if is_draft(module, rules, num_hidden_layers) else None
+            if alias in present and alias != module and (module in kept) != (alias in kept):
+                raise NamingError(
+                    f"{module}: {rules.engine} builds the draft's module as {alias}, the main model's module of that "
+                    f"name, and looks both up in one exclude list; the recipe quantizes one of them only "
+                    f"({'the draft' if alias in kept else 'the main model'}'s). Quantize the draft's "
+                    f"{module.split('.')[-1]} as the main model's (or serve without the MTP draft from a checkpoint "
+                    "without mtp.* tensors).")
+
+
 def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, family=DEFAULT_FAMILY) -> list[str]:
     """The sorted, exact exclude list for modules left unquantized (``kept``), in the names every
     release read for the family's model classes looks up."""
     check_fused_agreement(kept, quantized, family)
     check_expert_agreement(kept, quantized)
+    check_draft_collisions(kept, quantized, num_hidden_layers, family)
     names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family)
     aliases = {draft_name(name, rules, num_hidden_layers) for rules in _all_rule_sets(family) for name in names}
     return sorted(names | {alias for alias in aliases if alias})

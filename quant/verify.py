@@ -16,7 +16,7 @@ from safetensors import safe_open
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, Checkpoint, config_int
 from quant.engines import Finding, Module, UnknownEngine, replay, select
-from quant.engines.config import model_findings, quark_findings, router_tensors
+from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.replay import loads_under
 from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
@@ -294,12 +294,16 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     modules: dict[str, Module] = {}
     mtp_layers: set[int] = set()
     moe_layers: set[int] = set()  # the decoder layers holding routed experts
+    kind_roles = {role for _, role in family.layer_kinds}
+    roles_by_layer: dict[int, set[str]] = {}  # decoder layer -> its attention roles (hybrid families)
     for name, info in tensors.items():
         role = family.classify(name, num_hidden_layers)
         if role.mtp:
             mtp_layers.add(role.layer)
         elif role.role == "routed_expert" and role.layer is not None:
             moe_layers.add(role.layer)
+        if role.role in kind_roles and role.layer is not None and not role.mtp:
+            roles_by_layer.setdefault(role.layer, set()).add(role.role)
         if family.fused_experts and (fused := _fused_module(name, info, tensors, family, num_hidden_layers)):
             modules[fused[0]] = fused[1]
         elif role.linear and name.endswith(".weight") and len(info.shape) == 2:
@@ -325,7 +329,8 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
         report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
-                                          moe_layers)
+                                          moe_layers, family.mtp_layers_default)
+        report.findings += layer_kind_findings(rules, text, family, roles_by_layer, num_hidden_layers)
         if kind == "quark":
             report.findings += quark_findings(rules, qconfig)
         if kind == "mxfp4" and not rules.values.get("mxfp4_native"):

@@ -41,7 +41,7 @@ def router_tensors(tensors, family, num_hidden_layers: int) -> tuple[list[str], 
 
 def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,
                    mtp_layers: set[int], mtp_key: str = "num_nextn_predict_layers",
-                   moe_present: set[int] | None = None) -> list[Finding]:
+                   moe_present: set[int] | None = None, mtp_default: int = 0) -> list[Finding]:
     """Router keys and the tensors they imply (``routers`` from ``router_tensors``); the MTP layers
     the config promises."""
     findings = []
@@ -79,10 +79,10 @@ def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[
                 f"{len(routers)} routers have a bias tensor: the rest stay uninitialised (loads silently wrong)",
                 "copy the source checkpoint's e_score_correction_bias tensors")
     findings += layer_findings(rules, config, moe_present)
-    declared = int(config.get(mtp_key) or 0)
+    declared = int(config.get(mtp_key) or 0) if mtp_key in config else mtp_default
     if declared != len(mtp_layers):
-        finding(f"config.json {mtp_key}", f"declares {declared} MTP layer(s); the checkpoint holds "
-                f"{len(mtp_layers)} (layers {sorted(mtp_layers)} at or after num_hidden_layers {num_hidden_layers}): "
+        finding(f"config.json {mtp_key}", f"declares {declared} MTP layer(s){'' if mtp_key in config else ' (absent)'}; "
+                f"the checkpoint holds {len(mtp_layers)} (draft layers {sorted(mtp_layers)}): "
                 "speculative decoding loads a draft that is not there or ignores one that is",
                 "make the count match the model.layers.N.* tensors")
     limit = rules["mtp_naming"]["max_layers"]
@@ -140,3 +140,44 @@ def layer_findings(rules: RuleSet, config: dict, moe_present: set[int] | None = 
                     f"builds every layer MoE ({rules.cites['moe_layers'].split(' (')[0]}): the dense layers' MLP weights "
                     "are skipped and their experts never loaded (loads silently wrong)",
                     "serve with vLLM, which honours mlp_only_layers and decoder_sparse_step")]
+
+
+def engine_layer_kinds(rules: RuleSet, config: dict, num_hidden_layers: int) -> tuple[list[str] | None, str]:
+    """The attention kind the release builds each decoder layer with (``layer_kinds``: from an
+    interval key, or a per-layer list falling back to the interval), or None and why it cannot."""
+    rule = rules["layer_kinds"]
+    listed = config.get(rule["key"]) if rule["from"] == "list" else None
+    if isinstance(listed, list):
+        return [str(k) for k in listed], f"config.{rule['key']}"
+    key = rule["key"] if rule["from"] == "interval" else rule["interval_key"]
+    interval = config.get(key, rule.get("interval_default"))
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        return None, f"config.{key} is {interval!r}"
+    return [rule["full"] if (layer + 1) % interval == 0 else rule["linear"] for layer in range(num_hidden_layers)], \
+        f"config.{key} {interval}"
+
+
+def layer_kind_findings(rules: RuleSet, config: dict, family, roles_by_layer: dict[int, set[str]],
+                        num_hidden_layers: int) -> list[Finding]:
+    """Decoder layers whose attention tensors are not the kind this release builds them as (a hybrid
+    family: Qwen3-Next's linear_attn / self_attn layers), ``roles_by_layer`` from the checkpoint."""
+    if not family.layer_kinds or not rules.values.get("layer_kinds"):
+        return []
+    role_of = dict(family.layer_kinds)
+    kinds, source = engine_layer_kinds(rules, config, num_hidden_layers)
+    if kinds is None:
+        return [Finding("config", rules.id, f"config.json {source.split()[0].removeprefix('config.')}",
+                        f"{source}: {rules.engine} computes each layer's attention kind from it "
+                        f"({rules.cites['layer_kinds'].split(' (')[0]}; AttributeError or a wrong layout at load)",
+                        "write the release's value (Qwen3-Next: full_attention_interval 4)")]
+    if len(kinds) < num_hidden_layers:
+        return [Finding("config", rules.id, "config.json layer_types", f"{len(kinds)} entries for {num_hidden_layers} "
+                        "layers: the engine indexes it per layer (IndexError at load)", "list one kind per layer")]
+    wrong = [(layer, kinds[layer], sorted(have)) for layer, have in sorted(roles_by_layer.items())
+             if layer < num_hidden_layers and have and role_of.get(kinds[layer]) not in have]
+    if not wrong:
+        return []
+    layer, kind, have = wrong[0]
+    return [Finding("config", rules.id, f"model.layers.{layer}", f"{rules.engine} builds it as {kind} ({source}) but its "
+                    f"attention tensors are {', '.join(have)}: they would not load ({len(wrong)} layer(s))",
+                    f"make config.json's layer kinds ({rules['layer_kinds']['key']}) match the checkpoint's layers")]

@@ -56,6 +56,8 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
     rule = rules["shared_experts_fusion"]
     if serving.disable_shared_experts_fusion:
         return "--disable-shared-experts-fusion"
+    if rule["decided_by"] == "can_fuse_shared_expert":
+        return _qwen2_moe_reason(rules, config, kind, entries, serving)
     vetoes = _vetoes(rules, entries, config) if rule["decided_by"] == "shared_experts_fusion_disable_reason" and \
         kind == "quark" else []
     if vetoes:
@@ -84,6 +86,26 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
     ep_least = rule["ep_min_capability"].get(serving.platform)
     if serving.ep > 1 and (ep_least is None or serving.capability < tuple(ep_least)):
         return f"expert parallelism on {serving.platform} {serving.gpu_arch}"
+    return None
+
+
+def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str], serving: Serving) -> str | None:
+    """sglang's Qwen2-MoE block decision (Qwen3-Next): on the platforms the class fuses on, one
+    shared expert (get_num_shared_experts) of the routed experts' size, and a quant config whose
+    can_fuse_shared_expert does not veto (Quark: no excluded shared expert; FP8 has no such hook)."""
+    rule = rules["shared_experts_fusion"]
+    if serving.platform not in rule["platforms"]:
+        return f"the class fuses only on {', '.join(rule['platforms'])}"
+    size, moe = config.get("shared_expert_intermediate_size") or 0, config.get("moe_intermediate_size")
+    shared = config.get("n_shared_experts")
+    if (shared if shared is not None else int(size > 0)) <= 0 or size <= 0:
+        return "the model has no shared expert"
+    if size != moe:
+        return f"shared_expert_intermediate_size {size} is not moe_intermediate_size {moe}"
+    vetoes = _vetoes(rules, entries, config) if kind == "quark" else []
+    if vetoes:
+        return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
+                "can_fuse_shared_expert)")
     return None
 
 

@@ -64,9 +64,43 @@ def class_name(module: str, rules: RuleSet) -> str:
     return module
 
 
+def is_draft(module: str, rules: RuleSet, num_hidden_layers: int) -> bool:
+    """Whether a checkpoint module belongs to the MTP draft: under the draft's own prefix where the
+    class reads one (``mtp_naming.prefix``, Qwen3-Next's mtp.*), else a layer at or after num_hidden_layers."""
+    prefix = rules["mtp_naming"].get("prefix")
+    if prefix:
+        return module.startswith(prefix)
+    match = _LAYER.match(module)
+    return bool(match) and int(match.group(1)) >= num_hidden_layers
+
+
+def _draft_layer(module: str, rules: RuleSet, num_hidden_layers: int) -> int | None:
+    """The draft layer's index among the draft's layers (None: not a draft layer's module)."""
+    prefix = rules["mtp_naming"].get("prefix")
+    if prefix:
+        index = module[len(prefix + "layers."):].partition(".")[0] if module.startswith(prefix + "layers.") else ""
+        return int(index) if index.isdigit() else None
+    match = _LAYER.match(module)
+    return int(match.group(1)) - num_hidden_layers if match and int(match.group(1)) >= num_hidden_layers else None
+
+
+def _renamed(module: str, renames: dict[str, str]) -> str:
+    """The first of ``renames`` that applies (a ``^`` key renames that prefix, any other key the
+    first occurrence of that text)."""
+    for old, new in renames.items():
+        if old.startswith("^") and module.startswith(old[1:]):
+            return new + module[len(old) - 1:]
+        if not old.startswith("^") and old in module:
+            return module.replace(old, new, 1)
+    return module
+
+
 def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:
     """The engine's name for a checkpoint module (None: the engine does not load it)."""
     naming = rules["mtp_naming"]
+    if naming["style"] == "renames":  # the draft under its own prefix, renamed by the class's loader
+        return _renamed(module, naming["renames"]) if is_draft(module, rules, num_hidden_layers) \
+            else class_name(module, rules)
     match = _LAYER.match(module)
     if match and int(match.group(1)) >= num_hidden_layers and naming["style"] == "dropped":
         return None  # the class skips the MTP layers' weights and builds no draft from them
@@ -117,9 +151,9 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
             if group is not None:
                 group.members.append(module)
                 continue
-        match = _LAYER.match(module)
-        draft = bool(match) and int(match.group(1)) >= num_hidden_layers
-        if draft and max_draft is not None and int(match.group(1)) >= num_hidden_layers + max_draft:
+        draft = is_draft(module, rules, num_hidden_layers)
+        index = _draft_layer(module, rules, num_hidden_layers) if draft else None
+        if index is not None and max_draft is not None and index >= max_draft:
             continue  # not loaded (the config check reports the count)
         name = draft_name(module, rules, num_hidden_layers)
         if name is None:
@@ -156,8 +190,9 @@ def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> froze
 def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, indexer_bf16: frozenset[str]) -> str:
     if draft_bf16 or role in rules["unquantized_roles"]:
         return "bf16"
-    if role == "mtp_proj":
-        return "governed" if rules["eh_proj"] == "quant_config" and kind == "quark" else "bf16"
+    if role == "mtp_proj":  # quant_config: built with a Quark config only; any_quant_config: with any
+        governed = rules["eh_proj"] == "any_quant_config" or (rules["eh_proj"] == "quant_config" and kind == "quark")
+        return "governed" if governed else "bf16"
     if role == "indexer":
         return "bf16" if leaf in indexer_bf16 else "governed"
     return "governed"
@@ -277,9 +312,10 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
 def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int) -> dict[str, list[str]]:
     """Each FusedMoE's engine name -> the checkpoint's shared-expert modules of that layer."""
     out: dict[str, list[str]] = {}
+    shared = f".{rules['shared_experts_fusion'].get('shared', 'shared_experts')}."  # Qwen3-Next: shared_expert
     for module, info in modules.items():
-        if info.role == "shared_expert" and ".shared_experts." in module:
-            block = module[:module.index(".shared_experts.")]  # <layer>.mlp, or <layer>.block_sparse_moe
+        if info.role == "shared_expert" and shared in module:
+            block = module[:module.index(shared)]  # <layer>.mlp, or <layer>.block_sparse_moe
             name = draft_name(f"{block}.experts.0.gate_proj", rules, num_hidden_layers)
             if name is not None:
                 out.setdefault(name[:name.rindex(".experts.") + len(".experts")], []).append(module)
@@ -298,7 +334,7 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
     for moe, shared in sorted(_shared_by_moe(modules, rules, num_hidden_layers).items(), key=by_layer):
         if moe not in slots:
             continue
-        draft = bool(m := _LAYER.match(shared[0])) and int(m.group(1)) >= num_hidden_layers
+        draft = is_draft(shared[0], rules, num_hidden_layers)
         bad = [s for s in shared if modules[s].quantized != slots[moe]]
         if bad:
             clashes.setdefault(draft, []).append((moe, bad[0]))
@@ -316,7 +352,7 @@ def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[st
         findings.append(Finding(
             "fusion", rules.id, moe,
             f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert "
-            f"{config.get('n_routed_experts', config.get('num_local_experts'))} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
+            f"{config.get(rules['shared_experts_fusion'].get('experts_key', 'n_routed_experts'), config.get('num_local_experts'))} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
             f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
             (f"serve with {release_spans(ok, family)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
