@@ -158,6 +158,21 @@ def _m3_mtp(tensors: dict, config, layer: int) -> dict:
     return out
 
 
+def _qwen3_next(num_hidden_layers: int, **overrides):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # Gated DeltaNet heads scaled down; full_attention_interval 2 (the release: 4), so that three layers
+    # hold both kinds (linear, full, linear) and the extra layer built for the draft is a full-attention one
+    interval = overrides.pop("full_attention_interval", 2)
+    config = Qwen3NextConfig(**{**TINY, "num_hidden_layers": num_hidden_layers, "num_experts": 4,
+                                "num_experts_per_tok": 2, "shared_expert_intermediate_size": TINY["moe_intermediate_size"],
+                                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                                "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                                "full_attention_interval": interval, **overrides})
+    config.full_attention_interval = interval  # config.json carries it (sglang reads it; transformers pops it)
+    return config, Qwen3NextForCausalLM
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
@@ -177,7 +192,16 @@ def _mtp_extras(config, layer: int) -> dict[str, tuple[int, ...]]:
             p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h), p + "embed_tokens.weight": (v, h)}
 
 
+def _mtp_prefix_extras(config) -> dict[str, tuple[int, ...]]:
+    """The draft's own tensors as Qwen3-Next stores them beside mtp.layers.0 (sglang qwen3_next.py load_weights)."""
+    h = config.hidden_size
+    return {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+
+
 BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False),
+            # Qwen3-Next's draft: the extra decoder layer moved under mtp.layers.0, plus mtp.fc and norms
+            "qwen3_next": (_qwen3_next, "prefix"),
             # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
             "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False),
             # Llama-4: routed experts stored fused ([E, H, 2I] gate_up_proj, [E, I, H] down_proj)
@@ -209,10 +233,14 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
             tensors = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
         if has_mtp == "mtp_module":
             tensors = _m3_mtp(tensors, config, num_hidden_layers)
-        if has_mtp is True:
-            gen = torch.Generator().manual_seed(seed + 1)
-            for name, shape in _mtp_extras(config, num_hidden_layers).items():
-                tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        extras = _mtp_extras(config, num_hidden_layers) if has_mtp is True else \
+            _mtp_prefix_extras(config) if has_mtp == "prefix" else {}
+        if has_mtp == "prefix":
+            last = f"model.layers.{num_hidden_layers}."
+            tensors = {("mtp.layers.0." + n[len(last):] if n.startswith(last) else n): t for n, t in tensors.items()}
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, shape in extras.items():
+            tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
     dst.mkdir(parents=True, exist_ok=True)
     names = sorted(tensors)
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
@@ -232,6 +260,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
         saved["text_config"].update(RELEASE_TEXT.get(family, {}))
     else:
         saved.update(num_hidden_layers=num_hidden_layers)
+        if "layer_types" in saved:  # one kind per decoder layer (the draft's layer was built beside them)
+            saved["layer_types"] = saved["layer_types"][:num_hidden_layers]
     (dst / "config.json").write_text(json.dumps(saved, indent=2))
     text = getattr(config, "text_config", config)
     write_tokenizer(dst, text.vocab_size, text.max_position_embeddings)

@@ -53,6 +53,11 @@ EXPECT = {
                                "language_model.model.layers.1.mlp.gate", "vision_tower.multi_modal_projector.linear_1",
                                "vision_tower.patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.fc1"],
                    "sglang_default_loads": False, "fused_moe": "language_model.model.layers.1.mlp.experts"},
+    # the MTP draft under both engines' names (vLLM mtp.*, sglang model.layers.0.*: main layer 0's),
+    # vLLM's draft fc; sglang does not fuse the excluded shared expert (quark.py: can_fuse_shared_expert)
+    "qwen3_next": {"aliases": ["model.layers.1.self_attn.qkv_proj", "mtp.layers.0.self_attn.qkv_proj",
+                               "model.layers.0.self_attn.qkv_proj", "mtp.fc",
+                               "model.layers.0.mlp.shared_expert.gate_up_proj"], "sglang_default_loads": True},
 }
 
 
@@ -263,3 +268,58 @@ def test_mxfp6_and_back_to_bf16(converted, tmp_path):
     back, source = dtypes(tmp_path / "back"), dtypes(src)
     assert back == source
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def _qwen3_next_without(tmp_path, drop, **edit) -> object:
+    src = write_family_checkpoint(tmp_path / "bf16", "qwen3_next")
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if not drop(e)]
+    config.update({k: v for k, v in edit.items() if v is not None})
+    for key in [k for k, v in edit.items() if v is None]:
+        del config[key]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "mxfp4"
+
+
+def test_qwen3_next_draft_needs_each_engines_names(tmp_path, capsys):
+    """sglang builds the mtp.* draft as model.layers.0.* (qwen3_next_mtp.py) and never looks up
+    mtp.*; vLLM builds it under mtp.*, fc with the quant config. Without the model.layers.0.self_attn
+    entries sglang builds the draft's attention MXFP4 over bf16 weights; without mtp.fc vLLM does the
+    same to the fc; each other engine still loads."""
+    out = _qwen3_next_without(tmp_path, lambda e: e.startswith("model.layers.0.self_attn.") or e == "mtp.fc")
+    code, text = run_gate(capsys, out, "--engine", "sglang==0.5.23")
+    assert code == 1 and "model.layers.0.self_attn.qkv_proj" in text and "meets an MXFP4 slot" in text, text
+    assert "mtp.fc" not in text
+    code, text = run_gate(capsys, out, "--engine", "vllm")
+    assert code == 1 and "mtp.fc" in text and "self_attn" not in text, text
+
+
+def test_qwen3_next_draft_experts_kept_otherwise_than_layer_0_are_refused(tmp_path, capsys):
+    """--mtp-experts bf16 with MXFP4 main experts: sglang's draft experts are main layer 0's names in
+    one exclude list, so no list loads both: refused before writing, exit 2, naming both."""
+    src = write_family_checkpoint(tmp_path / "bf16", "qwen3_next")
+    capsys.readouterr()  # transformers' save progress
+    code = quantize(["--to", "mxfp4", "--mtp-experts", "bf16", "--dry-run", str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "mtp.layers.0.mlp.experts." in err and "model.layers.0.mlp.experts." in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("edit", "fails", "expect"), [
+    ({"full_attention_interval": None}, "sglang==0.5.22", "config.full_attention_interval is None"),
+    ({"layer_types": ["full_attention", "linear_attention", "linear_attention"]}, "vllm",
+     "model.layers.0"),
+], ids=["no-interval", "layer_types-contradict"])
+def test_qwen3_next_layer_kinds_each_engine_computes(tmp_path, capsys, edit, fails, expect):
+    """sglang builds each layer linear or full attention from full_attention_interval (an attribute:
+    a config.json without it fails), vLLM from layer_types: a config whose kinds are not the
+    checkpoint's layers fails the engine that reads it, and only that one."""
+    out = _qwen3_next_without(tmp_path, lambda e: False, **edit)
+    for engine in ("sglang==0.5.22", "vllm"):
+        code, text = run_gate(capsys, out, "--engine", engine)
+        if engine == fails:
+            assert code == 1 and expect in text, text
+        else:
+            assert code == 0, text
