@@ -154,7 +154,7 @@ def text(plan: dict, out: Path | None) -> str:
         lines.append(f"\n{bench}: {d['items']} items x {d['repeats']} repeats (of {d['benchmark_items']} x "
                      f"{d['max_repeats']} allowed), margin {d['margin']}, plausible drop {d['drop']}")
         how = ("exact: the gate's rule summed over every outcome" if d["repeats"] == 1 and bench != "tau2"
-               else "normal approximation of the sequential rule")
+               else "normal approximation of the sequential rule at the gate's bound distances")
         lines.append(f"  power {d['power']:.1%} at the drop ({how}); certifies a margin of "
                      f"{_rounded_up(d['certifiable_margin']):.3f} with {plan['power']:.0%} power; expected repeats at the "
                      f"drop {d['expected_repeats']:.2f}")

@@ -12,9 +12,11 @@ two or more repeats gives ``within``), or from stated assumptions (``DEFAULT_ASS
 Power is that of the gate's rule at the plausible drop ``d`` (true delta ``-d``). For one 0/1
 outcome per item (one repeat, no domains) it is exact: ``stats.exact_power`` sums the trinomial
 probability of every outcome the gate's exact rule passes, which holds under any item model. Else
-it is the normal approximation of the sequential rule: the non-inferiority statistic
-``(delta + margin) / se`` drifts to ``(margin - d) / se_K`` at the last look, and
-``sequential.operating`` integrates the looks' boundaries exactly; tests/benchmarks/sim_gate.py
+it is the normal approximation of the sequential rule at the gate's own distances: the
+non-inferiority statistic ``(delta + margin) / se`` drifts to ``(margin - d) / se_K`` at the last
+look, and passes look k where it clears the distance the gate's bound lies from the delta at the
+look's level (``gate_looks``: ``stats.bound_distance``, a t quantile expanded, not the normal one);
+``sequential.operating`` integrates the looks exactly; tests/benchmarks/sim_gate.py
 prints it beside the simulated power. A design never has more items than the benchmark
 (``gate.BENCHMARK_ITEMS``) nor more repeats than allowed, and tau2 designs have every task; when
 none reaches the power the plan says so and gives the margin the largest design can certify.
@@ -41,6 +43,7 @@ from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
 from evals.judge.plan_file import PLAN_VERSION
 from evals.judge.policy import finite_number
+from evals.judge import stats
 from evals.judge.stats import exact_power, variance_components
 from quant.outputs import write_atomic
 
@@ -167,6 +170,27 @@ def operating(looks: list[dict], drift: float) -> dict:
     return sequential.operating([lk["information_fraction"] for lk in looks], [lk["z"] for lk in looks], drift)
 
 
+def expected_df(benchmark: str, assumptions: Assumptions, items: int, repeats: int, drop: float) -> float:
+    """The degrees of freedom the gate's bound will have (``stats.pooled_df``: the items that differ, less
+    one, pooled over tau2's domains), expected under the plan's item model: an (item, repeat) is
+    discordant with probability ``between + within + drop^2`` (``outcome_rates``), an item differs once
+    one of its repeats is (independent repeats: an upper estimate, which moves the t quantile little)."""
+    discordant = sum(outcome_rates(assumptions, drop))
+    differ = 1 - (1 - min(discordant, 1.0)) ** repeats
+    if benchmark != "tau2":
+        return stats.pooled_df([1.0], [items * differ])
+    sizes = [items * t / sum(TAU2_DOMAIN_TASKS.values()) for t in TAU2_DOMAIN_TASKS.values()]
+    return stats.pooled_df([1 / n for n in sizes], [n * differ for n in sizes])  # equal spread, shares 1 / n_d
+
+
+def gate_looks(benchmark: str, assumptions: Assumptions, items: int, looks: list[dict], drop: float) -> list[dict]:
+    """The looks with the distance at which the gate decides (``z``): its bound for averaged items lies
+    ``stats.bound_distance`` standard errors from the delta at the look's level, not the normal quantile
+    (e.g. 1.70, not 1.645, for GPQA 198 x 2 at 95%), so power computed on the normal boundary overstated it."""
+    return [{**lk, "z": stats.bound_distance(lk["confidence"], expected_df(benchmark, assumptions, items,
+                                                                             lk["repeats"], drop))} for lk in looks]
+
+
 def one_outcome(benchmark: str, repeats: int) -> bool:
     """A design the gate judges by its exact rule for paired 0/1 items: one repeat, no strata (not tau2)."""
     return repeats == 1 and benchmark != "tau2"
@@ -182,12 +206,14 @@ def outcome_rates(assumptions: Assumptions, drop: float) -> tuple[float, float]:
 def _power(benchmark, assumptions, items, repeats, margin, drop, looks) -> float:
     """The gate's power at the drop: for one-outcome designs exact (``stats.exact_power``: the sum over
     the trinomial outcomes the exact rule passes); otherwise the normal approximation of the
-    sequential rule (``sequential.operating``)."""
+    sequential rule at the distances the gate's bound lies from the delta (``gate_looks``,
+    ``sequential.operating``)."""
     if margin <= drop:
         return 0.0
     if one_outcome(benchmark, repeats):
         return exact_power(items, *outcome_rates(assumptions, drop), margin, looks[-1]["confidence"])
-    return operating(looks, (margin - drop) / se_of(benchmark, assumptions, items, repeats))["pass"]
+    return operating(gate_looks(benchmark, assumptions, items, looks, drop),
+                     (margin - drop) / se_of(benchmark, assumptions, items, repeats))["pass"]
 
 
 def certifiable_margin(benchmark: str, assumptions: Assumptions, items: int, repeats: int, drop: float,
@@ -195,7 +221,8 @@ def certifiable_margin(benchmark: str, assumptions: Assumptions, items: int, rep
     """The smallest margin this design passes with ``power`` when the true drop is ``drop`` (one-outcome
     designs: by bisection on the exact power, to 0.0005)."""
     se = se_of(benchmark, assumptions, items, repeats)
-    drift = optimize.brentq(lambda th: operating(looks, th)["pass"] - power, 0.0, 20.0, xtol=1e-6)
+    decided = gate_looks(benchmark, assumptions, items, looks, drop)
+    drift = optimize.brentq(lambda th: operating(decided, th)["pass"] - power, 0.0, 20.0, xtol=1e-6)
     if not one_outcome(benchmark, repeats):
         return drop + drift * se
     lo, hi = drop, drop + 2 * drift * se  # the exact bound lies further below the delta than the normal one
@@ -256,7 +283,7 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
         best = (benchmark_items, repeats, plan_looks(assumptions, repeats, alpha, sequential_looks))
     items, repeats, looks = best
     se = se_of(benchmark, assumptions, items, repeats)
-    ops = operating(looks, (margin - drop) / se) if margin > drop else None
+    ops = operating(gate_looks(benchmark, assumptions, items, looks, drop), (margin - drop) / se) if margin > drop else None
     p = _power(benchmark, assumptions, items, repeats, margin, drop, looks)  # exact for one-outcome designs
     stop = ops["stop_by_look"] if ops else [0.0] * len(looks)
     expected = sum(s * lk["repeats"] for s, lk in zip(stop, looks)) + (1 - sum(stop)) * repeats

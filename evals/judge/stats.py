@@ -12,6 +12,7 @@ for 7 vs 1 it is 0.070; 200 items with 4 + 4 discordant have a paired se of 0.01
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -152,6 +153,21 @@ def _bootstrap_means(groups: list[np.ndarray], resamples: int, rng: np.random.Ge
     return total / len(groups)
 
 
+def pooled_df(shares: Sequence[float], differing: Sequence[float]) -> float:
+    """The degrees of freedom of an averaged-items bound: the items that differ, less one, per stratum
+    (the spread is theirs), pooled by Welch-Satterthwaite over the strata's shares of the variance."""
+    dfs = [max(1.0, k - 1) for k in differing]
+    total = sum(shares)
+    return total ** 2 / sum(v * v / k for v, k in zip(shares, dfs)) if total > 0 else 1.0
+
+
+def bound_distance(confidence: float, df: float) -> float:
+    """How many standard errors an averaged-items bound lies from the delta at ``confidence`` (before
+    BCa's bias and skew corrections): the t quantile at ``df``, expanded by sqrt((df + 1) / df)
+    (``_bca``); ``gate plan`` computes power with the same distance (``design.gate_looks``)."""
+    return float(math.sqrt((df + 1) / df) * sps.t.ppf(confidence, df))
+
+
 def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: int, seed: int) -> tuple[float, float]:
     """One-sided BCa bounds (Efron 1987): percentile bounds moved for the bootstrap's bias (``z0``,
     with ties counted half) and skew (``a``, the jackknife acceleration of a stratified mean), at
@@ -170,9 +186,7 @@ def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: i
     # one (the spread is theirs: 198 GPQA questions of which 50 differ estimate it like 50 items); with
     # strata, Welch-Satterthwaite's over the strata's shares of the variance (airline's 50 tasks weigh most).
     shares = [float(g.var(ddof=1)) / len(g) if len(g) > 1 else 0.0 for g in groups]
-    dfs = [max(1, int(np.count_nonzero(g)) - 1) for g in groups]
-    df = sum(shares) ** 2 / sum(v * v / k for v, k in zip(shares, dfs)) if sum(shares) > 0 else 1.0
-    z = float(math.sqrt((df + 1) / df) * sps.t.ppf(confidence, df))
+    z = bound_distance(confidence, pooled_df(shares, [int(np.count_nonzero(g)) for g in groups]))
     level = lambda zq: float(sps.norm.cdf(z0 + (z0 + zq) / (1 - a * (z0 + zq))))  # noqa: E731
     return (float(np.quantile(boot, level(-z))),
             float(np.quantile(boot, level(z))))

@@ -309,14 +309,16 @@ def report(name: str, label: str, delta: float, margin: float, c: Counter, as_js
     if as_json:
         print(json.dumps({"cell": name, "margin": margin, "delta": delta, "sims": total, **rates,
                           "pass_se": (rates["PASS"] * (1 - rates["PASS"]) / total) ** 0.5, "mean_repeats": used,
-                          "plan_power": planned}),
+                          "plan_power": planned,
+                          "simulated_minus_plan": None if planned is None else rates["PASS"] - planned}),
               flush=True)
         return
     flag = "  <- false pass above 5.5%" if label == "-margin" and rates["PASS"] > 0.055 else ""
     pm = (rates["PASS"] * (1 - rates["PASS"]) / total) ** 0.5  # the binomial standard error of the PASS rate
     print(f"{name:<39} {margin:>6} {delta:>+10.3f} {rates['PASS']:>6.3f}+-{pm:.3f} {rates['INCONCLUSIVE']:>7.3f} "
           f"{rates['FAIL']:>6.3f} {total:>5}" + (f"  mean repeats {used:.2f}" if used else "")
-          + (f"  plan power {planned:.3f}" if planned is not None else "") + flag, flush=True)
+          + (f"  plan power {planned:.3f} (simulated - plan {rates['PASS'] - planned:+.3f}, "
+             f"{(rates['PASS'] - planned) / pm if pm else 0:+.1f} SE)" if planned is not None else "") + flag, flush=True)
 
 
 if __name__ == "__main__":

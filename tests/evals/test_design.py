@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import yaml
+from scipy import stats as sps
 
 from evals.judge import sequential
 from evals.cli import main as gate
@@ -17,6 +18,8 @@ from evals.judge.design import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     design,
+    expected_df,
+    gate_looks,
     observed_levels,
     operating,
     outcome_rates,
@@ -61,6 +64,23 @@ def test_designs_stay_within_the_benchmark_and_say_when_none_certifies():
     gpqa = design("gpqa_diamond", Assumptions(0.005, 0.05, "stated"), 0.03, 0.01, 0.05, 0.8, 198, 8, 100)
     assert gpqa.feasible and gpqa.items <= 198 and 1 < gpqa.repeats <= 8 and len(gpqa.looks) == gpqa.repeats
     assert 1 <= gpqa.expected_repeats < gpqa.repeats  # looks stop early at the drop on average
+
+
+def test_power_is_computed_at_the_distance_the_gate_decides_by():
+    """Averaged items: the gate's bound lies stats.bound_distance standard errors below the delta (an
+    expanded t quantile over the items that differ), not 1.645; the plan's power and certified margin
+    use that distance, so they are below what the normal boundary gives."""
+    stated = DEFAULT_ASSUMPTIONS["gpqa_diamond"]
+    looks = plan_looks(stated, 2, 0.05, sequential_looks=False)
+    decided = gate_looks("gpqa_diamond", stated, 198, looks, 0.01)
+    df = expected_df("gpqa_diamond", stated, 198, 2, 0.01)
+    assert 30 < df < 60  # about 40 of 198 questions differ after two repeats
+    assert decided[0]["z"] == pytest.approx(np.sqrt((df + 1) / df) * sps.t.ppf(0.95, df)) and decided[0]["z"] > 1.69
+    drift = 0.03 / se_of("gpqa_diamond", stated, 198, 2)
+    d = design("gpqa_diamond", stated, 0.04, 0.01, 0.05, 0.8, 198, 2, 100, sequential_looks=False)
+    assert d.power == pytest.approx(operating(decided, drift)["pass"]) and d.power < operating(looks, drift)["pass"] - 0.02
+    # tau2: the domains' degrees of freedom pooled as the gate pools them (airline's 50 tasks weigh most)
+    assert expected_df("tau2", DEFAULT_ASSUMPTIONS["tau2"], 278, 4, 0.01) < 0.5 * 278
 
 
 def _policy(margin: float, confidence: float = 0.95) -> GatePolicy:
@@ -181,7 +201,7 @@ def test_gate_plan_cli_prints_writes_and_refuses_bad_flags(tmp_path, capsys):
     assert printed == yaml.safe_load(out.read_text()) == read_plan(out)
     gpqa = printed["benchmarks"]["gpqa_diamond"]
     assert gpqa["feasible"] and gpqa["seeds"] == list(range(gpqa["repeats"]))
-    assert gpqa["gpu_hours"]["max"] == pytest.approx(198 * gpqa["repeats"] / 1000)
+    assert gpqa["gpu_hours"]["max"] == pytest.approx(gpqa["items"] * gpqa["repeats"] / 1000)
     assert gate(["plan", "--benchmarks", "gpqa_diamond", "--drop", "0.005", *small_shifts]) == 0
     text = capsys.readouterr().out
     assert "gpqa_diamond: " in text and "looks: 1 rep at 0.99" in text and "stated: --between/--within" in text
