@@ -67,6 +67,14 @@ def layout_problem(blocks: TensorInfo, scales: TensorInfo | None, expected: tupl
     return None
 
 
+def is_native(config: dict, family) -> bool:
+    """Whether ``config.json`` declares the family's own blocks layout (its ``blocks_config``'s quant_method)."""
+    fused = family.fused_experts if family else None
+    qconfig = config.get("quantization_config")
+    return bool(fused) and fused.writes == "blocks" and isinstance(qconfig, dict) and \
+        qconfig.get("quant_method") == fused.blocks_config.get("quant_method")
+
+
 def native_config(blocks_config: dict) -> dict:
     """config.json's quantization_config for the blocks layout: the release's own (a copy)."""
     return {k: (list(v) if isinstance(v, list) else v) for k, v in blocks_config.items()}

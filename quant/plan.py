@@ -19,6 +19,7 @@ from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.replay import release_spans
 from quant.formats.codecs import Codec, codec_for_config, get_codec
+from quant.formats.constants import BLOCK
 from quant.fused import Piece, name_pattern, pieces
 from quant.layout import Family, FusedTensor, UnknownFamilyError, family_for
 from quant.outputs import INDEX_NAME, aux_files
@@ -451,22 +452,55 @@ def _fused_back(checkpoint: Checkpoint, family: Family | None, codec: Codec) -> 
     return by_file
 
 
+def _blocks_back(checkpoint: Checkpoint, family: Family) -> dict[str, list[TensorPlan]]:
+    """``--to bf16`` of the release's own MXFP4 layout (``quant.blocks``): each ``<fused>_blocks`` with
+    its ``_scales`` planned as one ASSEMBLE writing ``<fused>`` in the release's bf16 axes, expert
+    by expert (each expert's slice of the two tensors is one weight and its scale)."""
+    fused = family.fused_experts
+    text_config = family.text_config(checkpoint.config)
+    by_file: dict[str, list[TensorPlan]] = {}
+    for file, header in checkpoint.headers.items():
+        for name, info in sorted(header.tensors.items()):
+            target = blocks.fused_name(name)
+            spec = fused.match(target) if target else None
+            if spec is None:
+                continue
+            experts, out, inner = (config_int(text_config, key, checkpoint.config_path)
+                                   for key in (fused.experts_key, spec.out_key, spec.in_key))
+            rows = out * len(spec.projections)
+            scales = header.tensors.get(target + blocks.SCALES)
+            if problem := blocks.layout_problem(info, scales, (experts, rows, inner)):
+                raise PlanError(f"{header.path}: {name}: {problem}; cannot decode it (gate checkpoint lists every "
+                                "problem)")
+            shape = spec.expected_shape(experts, out, inner)
+            layout = blocks.expert_matrices(TensorInfo(target, "BF16", shape, 0, 2 * numel(shape)), spec, out, inner)
+            weight_bytes, scale_bytes = rows * inner // 2, rows * inner // BLOCK
+            members = tuple((TensorInfo(name, "U8", (rows, inner // 2), info.begin + e * weight_bytes,
+                                        info.begin + (e + 1) * weight_bytes),
+                             TensorInfo(scales.name, "U8", (rows, inner // BLOCK), scales.begin + e * scale_bytes,
+                                        scales.begin + (e + 1) * scale_bytes)) for e in range(experts))
+            by_file.setdefault(file, []).append(
+                TensorPlan(members[0][0], ASSEMBLE, ((target, "BF16", shape),), pieces=layout, members=members))
+    return by_file
+
+
 def make_decode_plan(source: Path | Checkpoint, family: Family | None = None) -> Plan:
     """``--to bf16``: every weight stored in the checkpoint's declared format decoded exactly to bf16;
     a family whose release stores its experts fused (``family``, else the config's, if any) gets
     them back in that release's fused tensors."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
-    try:
-        codec = codec_for_config(checkpoint.config)
-    except ValueError as exc:
-        raise PlanError(f"{checkpoint.config_path}: {exc}") from None
     if family is None:
         try:
             family = family_for(checkpoint.config)
         except UnknownFamilyError:  # decoding needs no family: only fused experts are put back by one
             family = None
+    native = blocks.is_native(checkpoint.config, family)  # the release's own MXFP4 (gpt-oss's *_blocks)
+    try:
+        codec = get_codec("mxfp4") if native else codec_for_config(checkpoint.config)
+    except ValueError as exc:
+        raise PlanError(f"{checkpoint.config_path}: {exc}") from None
     warnings = _index_warnings(checkpoint)
-    assembled = _fused_back(checkpoint, family, codec)
+    assembled = _blocks_back(checkpoint, family) if native else _fused_back(checkpoint, family, codec)
     shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec, assembled.get(file, [])),
                              header.identity, header.header_sha256) for file, header in checkpoint.headers.items())
     if not any(t.action in (DECODE, ASSEMBLE) for s in shards for t in s.tensors):

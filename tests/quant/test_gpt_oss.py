@@ -148,11 +148,13 @@ def test_a_layer_whose_experts_stayed_bf16_does_not_load(converted, tmp_path, ca
     tensors[name] = source[name]
     index["weight_map"][name] = file
     save_file(tensors, str(broken / file), metadata={"format": "pt"})
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for t in _all(broken).values())
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     for engine in ("sglang==0.5.23", "vllm"):
         code = gate(["checkpoint", str(broken), "--engine", engine])
         text = capsys.readouterr().out
-        assert code == 1 and "model.layers.1.mlp.experts" in text and "bf16" in text, text
+        assert code == 1 and "1 problem(s)" in text and "[engine] model.layers.1.mlp.experts" in text, text
+        assert "partly MXFP4, partly bf16" in text and "down_proj" in text, text
 
 
 @pytest.mark.parametrize("to", ["fp8", "mxfp6_e2m3"])
@@ -164,3 +166,64 @@ def test_a_format_gpt_oss_loaders_do_not_take_is_refused(converted, tmp_path, to
     assert "gate_up_proj" in err or "down_proj" in err
     assert "--to mxfp4" in err and "_load_weights_other" in err
     assert not (tmp_path / to).exists() or not any((tmp_path / to).iterdir())
+
+
+def _edit_tensor(folder, name: str, edit) -> None:
+    """Rewrite one tensor of a checkpoint in place (its shard re-saved, the index kept)."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    path = folder / index["weight_map"][name]
+    tensors = load_file(str(path))
+    tensors[name] = edit(tensors[name].clone())
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for t in _all(folder).values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_deep_decodes_the_blocks(converted, tmp_path, capsys):
+    """--deep reads every expert's blocks with its scales: an E8M0 0xFF (NaN) scale is named; the
+    header-only check cannot see it. A scale tensor of the wrong shape is named without --deep."""
+    import shutil
+
+    _, out = converted
+    bad = tmp_path / "nan_scale"
+    shutil.copytree(out, bad)
+    name = EXPERTS.format(layer=1) + "gate_up_proj_scales"
+
+    def poison(t):
+        t[2, 5, 1] = 0xFF
+        return t
+    _edit_tensor(bad, name, poison)
+    assert gate(["checkpoint", str(bad), "--engine", "vllm"]) == 0
+    capsys.readouterr()
+    assert gate(["checkpoint", str(bad), "--engine", "vllm", "--deep"]) == 1
+    text = capsys.readouterr().out
+    assert name in text and "0xFF" in text, text
+    assert quantize(["-q", "--to", "bf16", str(bad), str(tmp_path / "back")]) != 0  # the decoder refuses it too
+    assert name in capsys.readouterr().err
+
+    short = tmp_path / "short_scales"
+    shutil.copytree(out, short)
+    _edit_tensor(short, name, lambda t: t[:, :, :1].contiguous())
+    assert gate(["checkpoint", str(short), "--engine", "sglang==0.5.22"]) == 1
+    text = capsys.readouterr().out
+    assert EXPERTS.format(layer=1) + "gate_up_proj_blocks" in text and "its scales are U8[4, 192, 1]" in text, text
+
+
+def test_to_bf16_gives_the_release_layout_back(converted, tmp_path):
+    """--to bf16 writes the fused [E, in, out] tensors (gate and up interleaved) again: every other
+    tensor bit for bit, the experts exactly what transformers' own dequantize makes of the blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, out = converted
+    assert quantize(["-q", "--to", "bf16", str(out), str(tmp_path / "bf16")]) == 0
+    source, back = load_tensors(src), load_tensors(tmp_path / "bf16")
+    assert {n: v[:2] for n, v in back.items()} == {n: v[:2] for n, v in source.items()}  # names, dtypes, shapes
+    stored, decoded = _all(out), _all(tmp_path / "bf16")
+    for name in source:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            oracle = convert_moe_packed_tensors(stored[name + "_blocks"], stored[name + "_scales"], dtype=torch.bfloat16)
+            assert torch.equal(decoded[name], oracle), name
+        else:
+            assert back[name] == source[name], name
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in config or config["quantization_config"] is None
