@@ -28,10 +28,26 @@ from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import UnknownEngine, releases_read
 from quant.engines.serving import serving
-from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
-                                        parsed, sglang_quark_loader_additions, source)
-from tests.quant.test_engine_sources import (GPUS, _draft_config_arch, _fp8_engine, _outcome, _quark_engine, _stubs,
-                                             engine_wheel)
+from tests.quant.engine_sources import (
+    attribute_builds,
+    class_constant,
+    class_def,
+    load,
+    method_def,
+    methods,
+    parsed,
+    sglang_quark_loader_additions,
+    source,
+)
+from tests.quant.test_engine_sources import (
+    GPUS,
+    _draft_config_arch,
+    _fp8_engine,
+    _outcome,
+    _quark_engine,
+    _stubs,
+    engine_wheel,
+)
 
 FAMILY = "qwen3_next"
 MAIN = {"sglang": "sglang/srt/models/qwen3_next.py", "vllm": "vllm/model_executor/models/qwen3_next.py"}
@@ -197,6 +213,7 @@ def test_vllm_draft_is_built_under_the_checkpoints_names(rules, release):
     for module in DRAFT_MODULES:
         assert is_draft(module, rules, L) and draft_name(module, rules, L) == module
     assert "hf_to_vllm_mapper" not in ast.unparse(class_def(whl, DRAFT["vllm"], "Qwen3NextMTP"))
+    assert rules["draft_exclude"][FAMILY] == "none"
     spec = source(whl, "vllm/config/speculative.py")
     assert "hf_config.model_type = 'qwen3_next_mtp'" in spec.replace('"', "'") and "'architectures': ['Qwen3NextMTP']" in \
         spec.replace('"', "'")
@@ -311,13 +328,13 @@ def test_layer_kinds_are_the_engines(rules, release):
         ns = methods(whl, "sglang/srt/configs/qwen3_next.py", "Qwen3NextConfig", ["layers_block_type"])
         ns["ns"]["HybridLayerType"] = load(whl, "sglang/srt/configs/qwen3_next.py", ["HybridLayerType"],
                                            {"enum": __import__("enum")})["HybridLayerType"]
-        theirs = lambda cfg: ns["cls"].__dict__["layers_block_type"].fget(types.SimpleNamespace(**cfg))  # noqa: E731
+        theirs = lambda cfg: ns["cls"].__dict__["layers_block_type"].fget(types.SimpleNamespace(**cfg))
         get_layer = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3NextModel"), "__init__"))
         assert "ALL_DECODER_LAYER_TYPES[config.layers_block_type[idx]]" in get_layer
     else:
         from transformers import Qwen3NextConfig
 
-        theirs = lambda cfg: Qwen3NextConfig(**cfg).layer_types  # noqa: E731 (the config vLLM reads)
+        theirs = lambda cfg: Qwen3NextConfig(**cfg).layer_types  # the config vLLM reads
         model = ast.unparse(method_def(class_def(whl, MAIN["vllm"], "Qwen3NextModel"), "__init__"))
         assert "layer_type=config.layer_types[extract_layer_index(prefix)]" in model
     checked = 0
