@@ -83,10 +83,12 @@ def check_declared_counts(config_path: Path, config: dict, tensors: int) -> None
     """A config declaring more layers or experts than the shards hold tensors is refused, in
     constant memory: each one has at least one tensor, so the output would lack them (``quantize``
     calls this; ``gate checkpoint`` lists the missing ones instead, in memory bounded by the files)."""
-    for key in DECLARED_COUNTS:
-        value = config.get(key)
+    # a multimodal release nests the language model's counts (Kimi-K2.5, Llama-4: text_config)
+    nested = [(f"{name}.", sub) for name, sub in config.items() if isinstance(sub, dict)]
+    for where, key in ((where, key) for where, sub in [("", config), *nested] for key in DECLARED_COUNTS):
+        value = (config if not where else config[where[:-1]]).get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > tensors:
-            raise CheckpointError(f"{config_path}: {key} is {value}, but the shards hold only {tensors} tensors (each "
+            raise CheckpointError(f"{config_path}: {where}{key} is {value}, but the shards hold only {tensors} tensors (each "
                                   "layer or expert has at least one): this is not the checkpoint's config; restore "
                                   "config.json from the original checkpoint")
 

@@ -323,3 +323,15 @@ def test_qwen3_next_layer_kinds_each_engine_computes(tmp_path, capsys, edit, fai
             assert code == 1 and expect in text, text
         else:
             assert code == 0, text
+
+
+def test_a_nested_text_config_declaring_a_billion_layers_is_refused_in_one_line(tmp_path, capsys):
+    """The counts under text_config are checked like the top level's (quantize reads its layers there)."""
+    src = write_family_checkpoint(tmp_path / "bf16", "kimi_k25", num_hidden_layers=2)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 10**9
+    (src / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    code = quantize(["--to", "mxfp4", "--dry-run", str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"text_config.num_hidden_layers is {10**9}" in err and len(err.strip().splitlines()) == 1, err
