@@ -224,7 +224,8 @@ def _model_names(model: torch.nn.Module):
     return model_name
 
 
-def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, num_hidden_layers: int) -> dict:
+def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, num_hidden_layers: int,
+                                 mtp_prefix: str | None = None) -> dict:
     """Hook every module the checkpoint quantizes; returns which modules were hooked and which were not loaded."""
     named = dict(model.named_modules())
     linears, experts, not_loaded = [], {}, set()
@@ -236,8 +237,11 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
             experts.setdefault(match["experts"], set()).add(name)
         elif isinstance(named.get(loaded), torch.nn.Linear):
             linears.append(loaded)
-        elif (layer := LAYER.match(name)) and int(layer[1]) >= num_hidden_layers:
-            not_loaded.add(match["experts"] if match else loaded)  # the MTP (next-n) layer: transformers skips it
+        elif ((layer := LAYER.match(name)) and int(layer[1]) >= num_hidden_layers) or \
+                (mtp_prefix and name.startswith(mtp_prefix + ".")):
+            # the MTP (next-n) layer, or the draft under its own prefix (Qwen3-Next's mtp.layers.0):
+            # transformers builds no module for it
+            not_loaded.add(match["experts"] if match else loaded)
         else:
             raise EmulationRefused(f"the checkpoint quantizes {name}, which {type(model).__name__} has no Linear or "
                                    "experts module for: cannot emulate it")
@@ -272,14 +276,16 @@ def _register() -> None:
     from transformers.quantizers.quantizers_utils import get_module_from_name
 
     class EmulationConfig(QuantizationConfigMixin):
-        def __init__(self, emulation: dict, num_hidden_layers: int = 0, **_):
+        def __init__(self, emulation: dict, num_hidden_layers: int = 0, mtp_prefix: str | None = None, **_):
             self.quant_method = METHOD
             self.emulation = emulation
             self.num_hidden_layers = num_hidden_layers
+            self.mtp_prefix = mtp_prefix
             self.dequantize = True  # weights are decoded on load (HfQuantizer.get_weight_conversions)
 
         def to_dict(self) -> dict:
-            return {"quant_method": METHOD, "emulation": self.emulation, "num_hidden_layers": self.num_hidden_layers}
+            return {"quant_method": METHOD, "emulation": self.emulation, "num_hidden_layers": self.num_hidden_layers,
+                    "mtp_prefix": self.mtp_prefix}
 
     class DecodeWeights(ConversionOps):
         """Every (weight, scale) pair collected by a converter, decoded exactly into the model's dtype."""
@@ -320,7 +326,8 @@ def _register() -> None:
             return {"dequantize": DecodeWeights}
 
         def _process_model_before_weight_loading(self, model, **kwargs):
-            hooked = install_activation_emulation(model, self.emulation, self.quantization_config.num_hidden_layers)
+            hooked = install_activation_emulation(model, self.emulation, self.quantization_config.num_hidden_layers,
+                                                  self.quantization_config.mtp_prefix)
             record = {k: v for k, v in self.emulation.to_dict().items() if k != "modules"}
             model.quantgate_emulation = {**record, "scheme": self.emulation.scheme, "modules": hooked}
 
@@ -347,6 +354,16 @@ def _refuse_without_a_causal_lm_class(checkpoint: Checkpoint) -> None:
         raise EmulationRefused(f"{checkpoint.config_path}: model_type {model_type!r} has no transformers causal-LM "
                                "class (AutoModelForCausalLM), so it cannot be evaluated locally; serve it and use "
                                "evals run --base-url")
+
+
+def _mtp_prefix(config: dict) -> str | None:
+    """Where the family's manifest keeps a draft outside model.layers (Qwen3-Next: mtp.layers), if it does."""
+    from quant.layout import UnknownFamilyError, family_for
+
+    try:
+        return family_for(config).mtp_prefix
+    except UnknownFamilyError:
+        return None
 
 
 def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
@@ -377,7 +394,8 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
                                f"{fmt.weight_dtype} weight with its {fmt.scale_suffix}: nothing to emulate")
     config = AutoConfig.from_pretrained(checkpoint.folder)
     config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(),
-                                  "num_hidden_layers": checkpoint.config_int("num_hidden_layers")}
+                                  "num_hidden_layers": checkpoint.config_int("num_hidden_layers"),
+                                  "mtp_prefix": _mtp_prefix(checkpoint.config)}
     model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, config=config, dtype=dtype, device_map=device,
                                                  experts_implementation=EXPERTS_IMPLEMENTATION)
     return model.eval(), model.quantgate_emulation

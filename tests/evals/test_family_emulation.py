@@ -1,9 +1,10 @@
-"""Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Mixtral and
-MiniMax-M2 tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
+"""Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral
+and MiniMax-M2 tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
 evals.emulation and checked against a reference built without it: the conversion decoded by
 ``quantize --to bf16``, loaded by plain transformers (its own eager experts), with the activation
 QDQ applied by this file (Quark's own fake quantizer for MX, the e4m3 rule pinned in
-test_activation_codec for FP8) on the modules the checkpoint stores quantized."""
+test_activation_codec for FP8) on the modules the checkpoint stores quantized. The MTP draft, which
+transformers does not build (GLM-4.5's model.layers.N, Qwen3-Next's mtp.*), is neither emulated nor compared."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from tests.evals.test_run import data_dir, run_cli  # noqa: F401  (data_dir is a
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
-FAMILIES = ["glm4_moe", "qwen3_moe", "mixtral", "minimax_m2"]
+FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2"]
 # how each release names a layer's experts and their (gate, up, down) projections
 EXPERTS = {"glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+           "qwen3_next": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
            "minimax_m2": ("block_sparse_moe.experts", "w1", "w3", "w2")}
 TOKENS = torch.randint(3, 380, (2, 16), generator=torch.Generator().manual_seed(0))
