@@ -13,7 +13,7 @@ from scipy.special import gammaln, xlogy
 from evals.judge.gate import compare_benchmark
 from evals.judge.policy import load_policy
 from evals.judge.stats import (_score_z, exact_bounds, exact_loss_bound, exact_p, exact_passes, exact_power,
-                         paired_delta, score_bounds)
+                         bound_distance, paired_delta, score_bounds)
 from tests.evals.test_gate import binary_pair
 
 
@@ -118,9 +118,21 @@ def test_averaged_items_with_few_losses_still_take_the_loss_rates_exact_bound():
     """Two repeats per item (deltas in halves): the BCa bootstrap, and where at most 5 items lost the
     loss rate's Clopper-Pearson bound too, the more conservative of the two, named."""
     ref, cand = np.ones(300), np.ones(300)
-    cand[:2] = 0.5
+    cand[:5] = 0.5
     few = paired_delta(ref, cand, 0.95, 10000, 0)
-    assert few.lower == pytest.approx(-0.0208, abs=1e-4) and "2 of 300 items lost" in few.method
+    assert few.lower == pytest.approx(-0.0347, abs=1e-4) and "5 of 300 items lost" in few.method
+
+
+def test_bca_bounds_are_never_nearer_the_delta_than_the_expanded_t_bound():
+    """Two items of 300 lost half their repeats: the bootstrap sees 2 differing items, so its bound sits where
+    its resamples end; the t bound at 1 degree of freedom (the items that differ, less one) lies further
+    out (-0.0243, beyond the loss rate's exact -0.0208), and decides; the report says so."""
+    ref, cand = np.ones(300), np.ones(300)
+    cand[:2] = 0.5
+    p = paired_delta(ref, cand, 0.95, 10000, 0)
+    floor = p.delta - bound_distance(0.95, 1) * p.se
+    assert p.lower == pytest.approx(floor) and p.lower == pytest.approx(-0.0243, abs=1e-4)
+    assert "no nearer the delta than the expanded t bound" in p.method and p.upper == pytest.approx(p.delta + p.delta - floor)
 
 
 def test_score_bounds_take_the_variance_under_the_tested_delta():
