@@ -37,6 +37,16 @@ REAL = {
         "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
         "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "tie_word_embeddings": False}, ("gate_proj", "up_proj", "down_proj")),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: 48 layers (3 Gated DeltaNet + 1 full attention, repeated),
+    # 512 routed + 1 shared experts, top-10, one MTP draft layer under mtp.*
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+        "partial_rotary_factor": 0.25, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "tie_word_embeddings": False}, ("gate_proj", "up_proj", "down_proj")),
     # mistralai/Mixtral-8x22B-v0.1: 56 layers, 8 experts, top-2
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         "vocab_size": 32768, "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
@@ -50,6 +60,10 @@ REAL = {
         "use_qk_norm": True, "qk_norm_type": "per_layer", "tie_word_embeddings": False}, ("w1", "w3", "w2")),
 }
 MTP = {"glm4_moe": "num_nextn_predict_layers", "minimax_m2": "num_mtp_modules"}
+# Families whose layers repeat a pattern of kinds (Qwen3-Next: full_attention_interval) and whose draft
+# layer is stored under its own prefix (the release's config.json has no count: one draft layer)
+PERIOD = {"qwen3_next": "full_attention_interval"}
+MTP_PREFIX = {"qwen3_next": "mtp.layers.0."}
 # transformers' module names that its save_pretrained writes under the release's (its weight conversions)
 RELEASE_NAMES = {"mixtral": (".mlp.", ".block_sparse_moe."), "minimax_m2": (".mlp.", ".block_sparse_moe.")}
 ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
@@ -63,7 +77,8 @@ def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     config_cls, model_cls, sizes, (gate, up, down) = REAL[family]
     layers, mtp = sizes["num_hidden_layers"], sizes.get(MTP.get(family, ""), 0)
     dense = sizes.get("first_k_dense_replace", 0)
-    template_layers = dense + 1 + (1 if mtp else 0)  # one of each kind of layer
+    period = sizes.get(PERIOD.get(family, ""), 1)
+    template_layers = dense + period + (1 if mtp else 0)  # one of each kind of layer
     config = getattr(transformers, config_cls)(**{**sizes, "num_hidden_layers": template_layers})
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(config)
@@ -90,8 +105,13 @@ def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
             top.extend(entries)
     out = list(top)
     for i in range(layers + mtp):
-        kind = (0 if i < dense else dense) if i < layers else template_layers - 1
+        kind = (0 if i < dense else dense + (i - dense) % period) if i < layers else template_layers - 1
         out += [(f"model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[kind]]
+    if family in MTP_PREFIX:  # the draft: a full-attention MoE layer (the pattern's last) beside fc and norms
+        h, p = sizes["hidden_size"], MTP_PREFIX[family]
+        out += [(p + rest, d, s) for rest, d, s in per_layer[template_layers - 1]]
+        out += [("mtp.fc.weight", "BF16", (h, 2 * h))] + [(f"mtp.{n}.weight", "BF16", (h,)) for n in
+                                                          ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")]
     if family == "glm4_moe":  # the MTP layer's own tensors (transformers does not build them)
         h, v = sizes["hidden_size"], sizes["vocab_size"]
         p = f"model.layers.{layers}."
@@ -99,6 +119,8 @@ def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
                 (p + "hnorm.weight", "BF16", (h,)), (p + "shared_head.norm.weight", "BF16", (h,)),
                 (p + "shared_head.head.weight", "BF16", (v, h)), (p + "embed_tokens.weight", "BF16", (v, h))]
     saved = {**config.to_dict(), **sizes, "architectures": [model_cls], "torch_dtype": "bfloat16"}
+    if family in PERIOD:  # the release states the interval only (the template's layer_types are 4 layers')
+        saved.pop("layer_types", None)
     return saved, out
 
 

@@ -28,7 +28,7 @@ import quant.engines.rules as rules_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
-         "tests/quant/test_engine_kimi.py"]
+         "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py"]
 
 
 def data(engine, first, rule, path, value, why):
