@@ -219,12 +219,14 @@ def rows(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | Non
     return pairs
 
 
-def run(task: tuple[Cell, float, int, int, str]) -> Counter:
+def run(task: tuple[Cell, float, int, int, str, float | None]) -> Counter:
     """Verdicts of ``sims`` simulations: from ``evals.judge.gate.judge`` on the per-item scores (what
     ``compare_benchmark`` decides with), or, with infrastructure errors, from ``compare_benchmark``
     on the rows (dropping errored pairs happens there)."""
-    cell, delta, sims, seed, model = task
+    cell, delta, sims, seed, model, confidence = task
     policy, rng = load_policy(), np.random.default_rng(seed)
+    if confidence is not None:  # a fixed cell judged at another one-sided level (a look's, e.g. 0.99)
+        policy = replace(policy, confidence=confidence)
     rules = policy.of(cell.benchmark)
     out: Counter = Counter()
     for _ in range(sims):
@@ -262,13 +264,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
     parser.add_argument("--at", default="0,-0.01,-margin,-margin-0.01",
                         help="true deltas to simulate, of 0,-0.01,-margin,-margin-0.01 (default: all four)")
+    parser.add_argument("--confidence", type=float,
+                        help="judge the fixed cells at this one-sided level instead of the policy's (e.g. 0.99: how a "
+                             "look's bound holds a sequential look's level); false pass is then promised <= 1 - it")
     parser.add_argument("--models", default="heterogeneous,concentrated",
                         help=f"item models, of {','.join(MODELS)} (default: both)")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     if not models or any(m not in MODELS for m in models):
         parser.error(f"--models {args.models!r}: choose from {','.join(MODELS)}")
-    policy = load_policy()
+    if args.confidence is not None and not 0.5 < args.confidence < 1:
+        parser.error(f"--confidence {args.confidence}: a one-sided level in (0.5, 1), e.g. 0.99")
+    policy = load_policy() if args.confidence is None else replace(load_policy(), confidence=args.confidence)
     wanted = [f.lower() for f in args.cells.split(",") if f]  # "=NAME": that cell only
     cells = [c for c in CELLS if not wanted or any(c.name.lower() == f[1:] if f.startswith("=") else f in c.name.lower()
                                                    for f in wanted)]
@@ -281,7 +288,7 @@ def main() -> None:
                                                 ("-margin-0.01", -margin - 0.01))):
                 if label not in args.at.split(","):
                     continue
-                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model))
+                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model, args.confidence))
                 keys.append((f"{model[:5]}: {cell.name}", label, delta, margin, cell, model))
     order = sorted(range(len(tasks)), key=lambda i: keys[i][1] != "-margin")  # false pass first: it is the promise
     tasks, keys = [tasks[i] for i in order], [keys[i] for i in order]
@@ -294,14 +301,14 @@ def main() -> None:
         results = pool.imap(run, tasks, chunksize=1)
         for (name, label, delta, margin, cell, model), c in zip(keys, results):
             planned = plan_power(cell, policy, delta, model) if label == "-0.01" else None
-            report(name, label, delta, margin, c, args.json, planned)
+            report(name, label, delta, margin, c, args.json, planned, 1 - policy.confidence)
     if not args.json:
         print("\n".join(fixed_cases()))
         print(f"{len(tasks)} cells in {time.time() - start:.0f} s ({args.workers} workers)")
 
 
 def report(name: str, label: str, delta: float, margin: float, c: Counter, as_json: bool,
-           planned: float | None = None) -> None:
+           planned: float | None = None, promised: float = 0.05) -> None:
     """One cell's verdict rates, as a table row or a JSON object."""
     total = sum(c[v] for v in ("PASS", "INCONCLUSIVE", "FAIL"))
     rates = {v: c[v] / total for v in ("PASS", "INCONCLUSIVE", "FAIL")}
@@ -313,7 +320,7 @@ def report(name: str, label: str, delta: float, margin: float, c: Counter, as_js
                           "simulated_minus_plan": None if planned is None else rates["PASS"] - planned}),
               flush=True)
         return
-    flag = "  <- false pass above 5.5%" if label == "-margin" and rates["PASS"] > 0.055 else ""
+    flag = f"  <- false pass above {1.1 * promised:.2%}" if label == "-margin" and rates["PASS"] > 1.1 * promised else ""
     pm = (rates["PASS"] * (1 - rates["PASS"]) / total) ** 0.5  # the binomial standard error of the PASS rate
     print(f"{name:<39} {margin:>6} {delta:>+10.3f} {rates['PASS']:>6.3f}+-{pm:.3f} {rates['INCONCLUSIVE']:>7.3f} "
           f"{rates['FAIL']:>6.3f} {total:>5}" + (f"  mean repeats {used:.2f}" if used else "")
