@@ -159,6 +159,11 @@ def emulation_of(config: dict) -> Emulation | None:
         return _from_quark(qc)
     if method == "fp8":
         return _from_fp8(qc)
+    if method == "mxfp4":  # gpt-oss's own layout (quant.blocks): weight-only on disk, activations the backend's
+        raise EmulationRefused("quantization_config quant_method 'mxfp4' (gpt-oss's own *_blocks layout) is not "
+                               "emulated: its config names no activation scheme (each engine backend picks bf16 or "
+                               "MXFP4 activations), and the emulated experts carry no gpt-oss blocks loader; evaluate "
+                               "the bf16 source with --model, or serve this checkpoint and use evals run --base-url")
     raise EmulationRefused(f"quantization_config quant_method {method!r} is not emulated; covered: quark (MXFP4/MXFP6) "
                            "and fp8 (128x128 block, dynamic activations)")
 
@@ -201,11 +206,22 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         if expert_idx == self.num_experts:
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-        gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
-        current = torch.nn.functional.linear(qdq(self._apply_gate(gate_up)), self.down_proj[expert_idx])
+        gate_up = _expert_linear(self, hidden_states[token_idx], "gate_up_proj", expert_idx)
+        current = _expert_linear(self, qdq(self._apply_gate(gate_up)), "down_proj", expert_idx)
         current = current * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _expert_linear(self, x: torch.Tensor, projection: str, expert: int) -> torch.Tensor:
+    """One expert's projection as its experts class stores it: ``[out, in]`` (``linear``), or
+    transposed ``[in, out]`` with a bias beside it (gpt-oss's GptOssExperts: ``x @ W + b``, its own
+    eager forward's order of operations)."""
+    weight = getattr(self, projection)[expert]
+    out = x @ weight if getattr(self, "is_transposed", False) else torch.nn.functional.linear(x, weight)
+    if getattr(self, "has_bias", False):
+        out = out + getattr(self, projection + "_bias")[expert]
+    return out
 
 
 def _model_names(model: torch.nn.Module):
