@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from evals.errors import BadInput
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import Checkpoint, config_int
 from quant.errors import CheckpointError
 from quant.formats import fp8, mx
 from quant.formats.codecs import CODECS, Codec, get_codec
@@ -53,6 +53,8 @@ BAKED_ALGORITHMS = {"smooth", "autosmoothquant", "awq", "gptq", "gptaq", "autoro
 # a per-expert weight after transformers' renaming: merged into its experts module's fused tensors
 FUSED_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?:gate_up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# a per-expert weight transformers does not rename: its experts module is fused under another layout
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.\w+$")
 
 
 class EmulationRefused(BadInput):
@@ -240,12 +242,30 @@ def _model_names(model: torch.nn.Module):
     return model_name
 
 
+def _fused_experts_of(loaded: str, named: dict) -> str | None:
+    """The model's experts module a per-expert checkpoint weight belongs to, where transformers keeps
+    no per-expert name for it (the checkpoint's multimodal prefix dropped: language_model.)."""
+    match = PER_EXPERT.match(loaded)
+    if not match:
+        return None
+    experts = match["experts"]
+    return next((n for n in (experts, experts.partition(".")[2]) if n in named), None)
+
+
 def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, num_hidden_layers: int,
                                  mtp_prefix: str | None = None) -> dict:
     """Hook every module the checkpoint quantizes; returns which modules were hooked and which were not loaded."""
     named = dict(model.named_modules())
     linears, experts, not_loaded = [], {}, set()
     model_name = _model_names(model)
+    for name in emulation.modules:  # first: a layer's experts the loop cannot emulate at all
+        if fused := _fused_experts_of(model_name(name), named):
+            # Llama-4: Llama4TextExperts keeps gate_up_proj [E, H, 2I] and multiplies the router weight
+            # into the input before the experts; transformers has no per-expert names to load into it
+            raise EmulationRefused(f"the checkpoint quantizes {name}, but {type(model).__name__} builds "
+                                   f"{fused} as {type(named[fused]).__name__}, fused experts the emulated experts "
+                                   "loop does not cover: evaluate its bf16 conversion (quantize --to bf16) locally, "
+                                   "or serve it and use evals run --base-url")
     for name in emulation.modules:
         loaded = model_name(name)
         match = FUSED_EXPERT.match(loaded)
@@ -409,8 +429,11 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
         raise EmulationRefused(f"{checkpoint.config_path} declares {emulation.weights} but no shard holds a "
                                f"{fmt.weight_dtype} weight with its {fmt.scale_suffix}: nothing to emulate")
     config = AutoConfig.from_pretrained(checkpoint.folder)
-    config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(),
-                                  "num_hidden_layers": checkpoint.config_int("num_hidden_layers"),
+    # a multimodal release (Llama-4) keeps the text model's layer count under text_config
+    text = checkpoint.config.get("text_config")
+    layers = config_int(text, "num_hidden_layers", checkpoint.config_path) if isinstance(text, dict) else \
+        checkpoint.config_int("num_hidden_layers")
+    config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(), "num_hidden_layers": layers,
                                   "mtp_prefix": _mtp_prefix(checkpoint.config)}
     model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, config=config, dtype=dtype, device_map=device,
                                                  experts_implementation=EXPERTS_IMPLEMENTATION)
