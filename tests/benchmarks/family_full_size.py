@@ -6,7 +6,8 @@ followed by holes: no disk, no tensor data), with the published config sizes.
 
 Names and shapes come from transformers' own modeling class built on the meta device at the real
 sizes (a few layers; its fused 3-D expert tensors are split back into the release's per-expert
-names, as save_pretrained does) and repeated over every layer. Prints seconds and peak memory.
+names, as save_pretrained does; Llama-4's stay fused, as its release stores them) and repeated over
+every layer. Prints seconds and peak memory.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ REAL = {
         "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "num_mtp_modules": 3,
         "use_qk_norm": True, "qk_norm_type": "per_layer", "tie_word_embeddings": False}, ("w1", "w3", "w2")),
 }
+# meta-llama/Llama-4-Maverick-17B-128E-Instruct and Llama-4-Scout-17B-16E-Instruct: 48 layers, MoE every
+# interleave_moe_layer_step-th (Maverick 2: 128 routed experts, top-1, one shared expert, dense layers
+# between; Scout 1: 16 experts, every layer), routed experts fused as the release stores them
+# (experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]); a 34-layer vision tower and projector
+_LLAMA4_TEXT = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                "num_experts_per_tok": 1, "attention_chunk_size": 8192, "tie_word_embeddings": False}
+_LLAMA4_VISION = {"hidden_size": 1408, "intermediate_size": 5632, "num_hidden_layers": 34, "num_attention_heads": 16,
+                  "image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096,
+                  "projector_output_dim": 4096, "vision_output_dim": 4096}
+LLAMA4 = {"llama4_maverick": {**_LLAMA4_TEXT, "num_local_experts": 128, "interleave_moe_layer_step": 2},
+          "llama4_scout": {**_LLAMA4_TEXT, "num_local_experts": 16, "interleave_moe_layer_step": 1}}
 MTP = {"glm4_moe": "num_nextn_predict_layers", "minimax_m2": "num_mtp_modules"}
 # Families whose layers repeat a pattern of kinds (Qwen3-Next: full_attention_interval) and whose draft
 # layer is stored under its own prefix (the release's config.json has no count: one draft layer)
@@ -67,6 +80,30 @@ MTP_PREFIX = {"qwen3_next": "mtp.layers.0."}
 # transformers' module names that its save_pretrained writes under the release's (its weight conversions)
 RELEASE_NAMES = {"mixtral": (".mlp.", ".block_sparse_moe."), "minimax_m2": (".mlp.", ".block_sparse_moe.")}
 ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
+
+
+def llama4_layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    """Llama-4 at full size: transformers' Llama4ForConditionalGeneration on the meta device with one
+    layer of each kind (its state_dict names are the release's, experts fused), the decoder layers
+    repeated on the interleave_moe_layer_step grid."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = LLAMA4[family]
+    step = text["interleave_moe_layer_step"]
+    with torch.device("meta"):
+        model = Llama4ForConditionalGeneration(Llama4Config(text_config={**text, "num_hidden_layers": step},
+                                                            vision_config=_LLAMA4_VISION))
+    per_layer: dict[int, list] = {}
+    out = []
+    for name, t in model.state_dict().items():
+        m = re.match(r"language_model\.model\.layers\.(\d+)\.(.+)$", name)
+        (per_layer.setdefault(int(m.group(1)), []).append((m.group(2), "BF16", tuple(t.shape))) if m
+         else out.append((name, "BF16", tuple(t.shape))))
+    for i in range(text["num_hidden_layers"]):
+        out += [(f"language_model.model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[i % step]]
+    config = Llama4Config(text_config=text, vision_config=_LLAMA4_VISION, tie_word_embeddings=False).to_dict()
+    return {**config, "architectures": ["Llama4ForConditionalGeneration"], "torch_dtype": "bfloat16"}, out
 
 
 def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
@@ -171,7 +208,8 @@ def layout_minimax_m3() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     return saved, out
 
 
-LAYOUTS = {"minimax_m3": layout_minimax_m3}  # families whose release layout is not REAL's pattern
+LAYOUTS = {"minimax_m3": layout_minimax_m3,  # families whose release layout is not REAL's pattern
+           **{name: (lambda name=name: llama4_layout(name)) for name in LLAMA4}}
 
 
 def write_sparse(dst: Path, config: dict, entries, shard_bytes: int = 5 << 30) -> int:
