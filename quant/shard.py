@@ -34,6 +34,7 @@ from quant.outputs import output_mode
 from quant.fused import Piece
 from quant.plan import ASSEMBLE, CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
 from quant.safetensors_io import DTYPE_BYTES, MAX_HEADER_BYTES, ShardWriter, file_identity, numel, open_regular
+from quant.strided import WORDS, copy2d
 
 CHUNK_BYTES = 32 << 20  # source bytes per step
 # Mapped source left behind is dropped in steps this big (each drop also interrupts the other
@@ -293,36 +294,44 @@ class SourceReader:
             raise changed_error(self.path)
         return bytes(self._view(offset, offset + nbytes))
 
-    def gather(self, offset: int, rows: int, cols: int, row_stride: int, col_stride: int, item: int) -> np.ndarray:
+    def gather(self, offset: int, rows: int, cols: int, row_stride: int, col_stride: int, item: int,
+               threads: int | None = None) -> np.ndarray:
         """A copy of the ``rows x cols`` elements of ``item`` bytes at ``offset + r * row_stride + c *
         col_stride``, as contiguous rows (uint8 ``[rows, cols * item]``): one chunk of a fused expert's
-        projection that is not a run of whole rows in the file. Memory stays at the chunk: what it
-        touched of the mapping is dropped after (the pages stay in the page cache for the next
-        chunk's neighbouring columns), and without a lease it reads line by line. The read position
-        does not move (the chunks of an ``[E, H, 2I]`` tensor interleave in the file)."""
+        projection that is not a run of whole rows in the file, copied by tiles (``quant.strided``;
+        ``threads``: the cores it may use). A tensor's gathers start at increasing offsets (its
+        pieces in file order, each one's chunks in order), so the mapping is dropped up to the
+        first byte of each, as ``read`` drops it (in ``RELEASE_STEP`` s): what it spans stays mapped
+        for the next piece of the same expert (gate and up share every page of an ``[E, H, 2I]``
+        expert), and resident source stays under a step and one expert's span. Without a lease it
+        reads the runs along the smaller stride line by line. The read position does not move (the
+        chunks of an ``[E, H, 2I]`` tensor interleave in the file)."""
         end = offset + (rows - 1) * row_stride + (cols - 1) * col_stride + item
         if end > self.size:
             raise truncated_error(self.path, self.size)
         if self.guard.changed():
             raise changed_error(self.path)
         started = time.perf_counter()
-        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[item]
-        # the lines along the smaller stride are runs in the file: read those, transpose if needed
-        by_rows = row_stride >= col_stride
-        lines, length, line_stride, stride = (rows, cols, row_stride, col_stride) if by_rows else \
-            (cols, rows, col_stride, row_stride)
+        word = WORDS[item]
+        out = np.empty((rows, cols), word)
         if self.map:
-            view = np.ndarray((lines, length), word, self.map, offset, (line_stride, stride))
-            block = np.array(view)  # a copy, always (ascontiguousarray would return a contiguous view itself)
+            view = np.ndarray((rows, cols), word, self.map, offset, (row_stride, col_stride))
+            copy2d(view, out, threads)
             del view
-            self._drop(offset, end)
-        else:
+            self.released = release_mapped(self.map, self.released, offset)
+        else:  # the runs in the file are the lines along the smaller stride: read those
+            by_rows = row_stride >= col_stride
+            lines, length, line_stride, stride = (rows, cols, row_stride, col_stride) if by_rows else \
+                (cols, rows, col_stride, row_stride)
             block = np.empty((lines, length), word)
             span = (length - 1) * stride + item
             for line in range(lines):
                 run = np.frombuffer(pread_exactly(self.file.fileno(), offset + line * line_stride, span, self.path), word)
                 block[line] = run[::stride // item]
-        out = block if by_rows else transpose(block)
+            if by_rows:
+                out = block
+            else:
+                copy2d(block.T, out, threads)
         self.hash.allow(max(self.pos, end))
         self.read_s += time.perf_counter() - started
         return out.view(np.uint8).reshape(rows, cols * item)
@@ -376,13 +385,6 @@ class SourceReader:
         self.file.close()
 
 
-def transpose(block: np.ndarray) -> np.ndarray:
-    """A contiguous transpose of a 2-D array (torch's tiled copy: numpy's strided one is ~5x slower)."""
-    import torch
-
-    return torch.from_numpy(block).T.contiguous().numpy()
-
-
 def changed_error(path: Path) -> SourceError:
     return SourceError(f"{path}: changed while it was being converted; leave the source alone and rerun "
                        "(--resume keeps the finished shards)")
@@ -398,14 +400,14 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
     info = tensor.source
     if tensor.blocks:  # the release's own layout: every expert's matrix into one *_blocks, then one *_scales
         scales: list = []
-        errors = [_encode_rows(piece_rows(reader, piece), (piece.rows, piece.cols), tensor.outputs, info.dtype,
+        errors = [_encode_rows(piece_rows(reader, piece, job.kernel_threads), (piece.rows, piece.cols), tensor.outputs, info.dtype,
                                f"{info.name} expert {piece.expert}", writer, job, advance, timing,
                                weight_base=i * piece.rows * piece.cols // 2, scales_out=scales)
                   for i, piece in enumerate(tensor.pieces)]
         writer.write(tensor.outputs[1][0], 0, np.concatenate(scales).data)
         err_sq, ref_sq = sum(e for e, _ in errors), sum(r for _, r in errors)
     elif tensor.pieces:  # a fused expert tensor: each expert's projection encoded as its own weight
-        errors = [_encode_rows(piece_rows(reader, piece), (piece.rows, piece.cols), tensor.outputs[2 * i:2 * i + 2],
+        errors = [_encode_rows(piece_rows(reader, piece, job.kernel_threads), (piece.rows, piece.cols), tensor.outputs[2 * i:2 * i + 2],
                                info.dtype, piece.name, writer, job, advance, timing)
                   for i, piece in enumerate(tensor.pieces)]
         err_sq, ref_sq = sum(e for e, _ in errors), sum(r for _, r in errors)
@@ -417,14 +419,14 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
     return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
 
 
-def piece_rows(reader: SourceReader, piece: Piece) -> Callable[[int, int], memoryview | np.ndarray]:
+def piece_rows(reader: SourceReader, piece: Piece, threads: int | None = None) -> Callable[[int, int], memoryview | np.ndarray]:
     """Rows of one fused expert's projection: read as they lie where they follow each other, else
     gathered (every other row of an interleaved tensor, the transpose of an ``[E, H, 2I]`` slice)."""
     row_bytes = piece.cols * piece.item
     if piece.contiguous:
         return lambda start, count: reader.read(piece.offset + start * piece.row_stride, count * row_bytes)
     return lambda start, count: reader.gather(piece.offset + start * piece.row_stride, count, piece.cols,
-                                              piece.row_stride, piece.col_stride, piece.item)
+                                              piece.row_stride, piece.col_stride, piece.item, threads)
 
 
 def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], outputs, dtype: str, what: str,
@@ -514,31 +516,39 @@ def _assemble_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWrit
     and gate/up layout, as ``tensor.pieces`` place them) is filled from their decoded rows (or the
     rows of a weight kept bf16, copied) and written, so memory is one expert's block and a chunk,
     whatever the tensor's size. The weights are read in expert order (``SourceReader.fetch``)."""
-    import torch
-
     name, _, shape = tensor.outputs[0]
     experts = tensor.pieces[-1].expert + 1
     block_items = numel(shape) // experts  # one expert's [out, in] or [in, out] block, in bf16 items
+    # [E, 2I, H] with gate then up: each piece's rows follow the previous piece's in the output,
+    # so decoded rows are written as they come; any other layout fills an expert's block first.
+    direct = all(piece.contiguous for piece in tensor.pieces)
     block = None
     for piece, (weight, scale) in zip(tensor.pieces, tensor.members):
-        if block is None or piece.expert != expert:
+        if not direct and (block is None or piece.expert != expert):
             if block is not None:
-                writer.write(name, expert * block_items * 2, block.numpy())
-            expert, block = piece.expert, torch.empty(block_items, dtype=torch.int16)
-        item = piece.item
-        place = block.as_strided((piece.rows, piece.cols), (piece.row_stride // item, piece.col_stride // item),
-                                 piece.offset // item - expert * block_items)
+                writer.write(name, expert * block_items * 2, block)
+            expert, block = piece.expert, np.empty(block_items, np.uint16)  # a new one: the writer holds the last
+        item, row_bytes = piece.item, piece.cols * piece.item
         if scale is None:  # kept bf16: its rows as they are
-            rows = _kept_rows(reader, weight, piece.cols * item, advance)
+            rows = _kept_rows(reader, weight, row_bytes, advance)
         else:
             rows = _decoded_rows(job, weight, scale, bytes(reader.fetch(scale.begin, scale.nbytes)), reader.fetch,
                                  (piece.rows, piece.cols), timing, advance)
-        for start, out in rows:
-            count = out.shape[0]
-            place[start:start + count].copy_(torch.from_numpy(out.view(np.int16).reshape(count, piece.cols)))
+        if direct:
+            for start, out in rows:
+                writer.write(name, piece.offset + start * row_bytes, out.data)
+        else:
+            place = np.ndarray((piece.rows, piece.cols), np.uint16, block, piece.offset - expert * block_items * item,
+                               (piece.row_stride, piece.col_stride))
+            for start, out in rows:
+                count = out.shape[0]
+                started = time.perf_counter()
+                copy2d(out.view(np.uint16).reshape(count, piece.cols), place[start:start + count], job.kernel_threads)
+                timing["kernel"] += time.perf_counter() - started
         if scale is not None:
             advance(scale.nbytes)
-    writer.write(name, expert * block_items * 2, block.numpy())
+    if block is not None:
+        writer.write(name, expert * block_items * 2, block)
 
 
 def _kept_rows(reader: SourceReader, weight, row_bytes: int,
