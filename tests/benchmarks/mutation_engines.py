@@ -28,7 +28,7 @@ import quant.engines.rules as rules_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
-         "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py"]
+         "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -160,6 +160,32 @@ MUTATIONS = [
     top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
     top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",
                                  "0.5.17", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"], "0.5.18 not read"),
+    # Llama-4 (Llama4ForConditionalGeneration) rules: manifests/engines/{sglang,vllm}.llama4.yaml
+    # (killed by tests/quant/test_engine_llama4.py)
+    data("sglang.llama4", "0.5.21", "quark_fused", [], {}, "llama4 sglang Quark without the class mapping"),
+    data("sglang.llama4", "0.5.21", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
+         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]}, "llama4 sglang Quark without qkv_proj"),
+    data("sglang.llama4", "0.5.21", "built_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"]},
+         "llama4 sglang q/k/v not fused"),
+    data("sglang.llama4", "0.5.21", "fp8_skip", ["fused"], {}, "llama4 sglang FP8 without the class mapping"),
+    data("sglang.llama4", "0.5.21", "unquantized_roles", [], ["router", "lm_head", "projector"],
+         "llama4 sglang quantizes the vision attention"),
+    data("sglang.llama4", "0.5.21", "unquantized_roles", [], ["router", "lm_head", "vision", "vision_attention",
+         "projector"], "llama4 sglang never quantizes the vision MLPs"),
+    data("sglang.llama4", "0.5.21", "unquantized_roles", [], ["lm_head", "vision_attention", "projector"],
+         "llama4 sglang router quantized"),
+    data("sglang.llama4", "0.5.21", "router", ["bias_when"], "always", "llama4 sglang router bias"),
+    data("sglang.llama4", "0.5.21", "moe_layers", ["zero"], "none", "llama4 sglang step 0 builds no MoE layer"),
+    data("sglang.llama4", "0.5.21", "moe_layers", ["experts"], "n_routed_experts", "llama4 sglang counts another key"),
+    data("vllm.llama4", "0.33.0", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+         "llama4 vLLM without gate_up_proj"),
+    data("vllm.llama4", "0.33.0", "fp8_skip", ["fused"], {}, "llama4 vLLM FP8 without the class mapping"),
+    data("vllm.llama4", "0.33.0", "unquantized_roles", [], ["router", "lm_head"], "llama4 vLLM quantizes vision"),
+    data("vllm.llama4", "0.33.0", "unquantized_roles", [], ["lm_head", "vision", "vision_attention", "projector"],
+         "llama4 vLLM router quantized"),
+    data("vllm.llama4", "0.33.0", "moe_layers", ["zero"], "all", "llama4 vLLM step 0 builds every layer MoE"),
+    data("vllm.llama4", "0.33.0", "moe_layers", ["step"], "decoder_sparse_step", "llama4 vLLM reads another step"),
+    top("sglang.llama4", ("checked",), ["0.5.21", "0.5.23"], "llama4 0.5.22 not read"),
     # Qwen3-Next (Qwen3NextForCausalLM, drafts Qwen3NextForCausalLMMTP / Qwen3NextMTP) rules:
     # manifests/engines/{sglang,vllm}.qwen3_next.yaml (killed by tests/quant/test_engine_qwen3_next.py)
     data("sglang.qwen3_next", "0.5.21", "quark_fused", [], {}, "qwen3next sglang Quark without the class mapping"),

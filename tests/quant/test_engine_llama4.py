@@ -183,6 +183,25 @@ def test_which_modules_get_the_quant_config_is_the_constructors(rules, release):
         never = _quant_config_of(top, "vision_model") == "None" and _quant_config_of(top, "multi_modal_projector") == "None"
         assert never == ({"vision", "vision_attention", "projector"} <= unquantized)
     assert "lm_head" in unquantized
+    # the router has no bias in either class: no e_score_correction_bias is ever created
+    assert ("e_score_correction_bias" in source(whl, TEXT[rules.engine])) == (rules["router"]["bias_when"] != "never")
+    assert "bias=False" in ast.unparse(moe).split("self.router = ", 1)[1].split("\n", 1)[0] or rules.engine == "vllm"
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_fused_modules_are_the_ones_the_classes_build(rules, release):
+    """qkv_proj (Llama4Attention: QKVParallelLinear) and gate_up_proj (llama.py LlamaMLP:
+    MergedColumnParallelLinear, the dense layers and the shared expert), nothing else."""
+    whl = engine_wheel(rules, release)
+    llama = "sglang/srt/models/llama.py" if rules.engine == "sglang" else "vllm/model_executor/models/llama.py"
+    attention = ast.unparse(method_def(class_def(whl, TEXT[rules.engine], "Llama4Attention"), "__init__"))
+    mlp = ast.unparse(method_def(class_def(whl, llama, "LlamaMLP"), "__init__"))
+    built = {name for name, text, call in (("qkv_proj", attention, "QKVParallelLinear"),
+                                            ("gate_up_proj", mlp, "MergedColumnParallelLinear"))
+             if f"self.{name} = {call}(" in text}
+    assert built == set(rules["built_fused"])
+    assert all(shards == {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}[name]
+               for name, shards in rules["built_fused"].items())
 
 
 def _sglang_is_moe(whl):
