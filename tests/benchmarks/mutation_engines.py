@@ -28,7 +28,8 @@ import quant.engines.rules as rules_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
-         "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py"]
+         "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
+         "tests/quant/test_engine_gpt_oss.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -218,6 +219,27 @@ MUTATIONS = [
          "qwen3next fused slot n_routed_experts"),
     data("sglang.qwen3_next", "0.5.21", "shared_experts_fusion", [], None, "qwen3next sglang never fuses"),
     top("sglang.qwen3_next", ("checked",), ["0.5.21", "0.5.23"], "qwen3next 0.5.22 not read"),
+    # gpt-oss (GptOssForCausalLM) rules: manifests/engines/{sglang,vllm}.gpt_oss.yaml (killed by
+    # tests/quant/test_engine_gpt_oss.py and tests/quant/test_gpt_oss.py)
+    data("sglang.gpt_oss", "0.5.21", "unquantized_roles", [], ["router", "lm_head"], "gptoss sglang attention quantized"),
+    data("sglang.gpt_oss", "0.5.21", "unquantized_roles", [], ["attention", "lm_head"], "gptoss sglang router quantized"),
+    data("vllm.gpt_oss", "0.33.0", "unquantized_roles", [], ["router", "lm_head", "attention"],
+         "gptoss vLLM attention built without the config"),
+    data("vllm.gpt_oss", "0.33.0", "unquantized_roles", [], ["lm_head"], "gptoss vLLM router quantized"),
+    data("vllm.gpt_oss", "0.33.0", "module_names", [], {}, "gptoss vLLM keeps .self_attn."),
+    data("sglang.gpt_oss", "0.5.21", "mxfp4_native", ["linear"], "governed", "gptoss sglang native Linear quantized"),
+    data("vllm.gpt_oss", "0.33.0", "mxfp4_native", ["experts"], "bf16", "gptoss vLLM native experts bf16"),
+    data("vllm.gpt_oss", "0.33.0", "mxfp4_native", ["reads_exclude"], True, "gptoss vLLM reads the exclude"),
+    data("sglang.gpt_oss", "0.5.21", "mxfp4_native", ["tensors"], ["gate_up_proj_blocks", "down_proj_blocks"],
+         "gptoss sglang reads no scales"),
+    data("vllm.gpt_oss", "0.33.0", "mxfp4_native", ["tensors"], ["gate_up_proj_blocks", "gate_up_proj_scales",
+         "down_proj_blocks", "down_proj_scales"], "gptoss vLLM reads no biases"),
+    data("vllm.gpt_oss", "0.33.0", "quark_fused", [], {}, "gptoss vLLM Quark without qkv_proj"),
+    data("sglang.gpt_oss", "0.5.21", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+         "gptoss sglang with a class mapping"),
+    data("vllm.gpt_oss", "0.33.0", "fp8_skip", ["fused"], {}, "gptoss vLLM FP8 without qkv_proj"),
+    data("sglang.gpt_oss", "0.5.21", "moe_layers", [], "config", "gptoss sglang dense layers"),
+    top("sglang.gpt_oss", ("checked",), ["0.5.21", "0.5.23"], "gptoss 0.5.22 not read"),
     data("vllm.qwen3_next", "0.33.0", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
          "gate_up_proj": ["gate_proj", "up_proj"]}, "qwen3next vLLM Quark without the GDN entries"),
     data("vllm.qwen3_next", "0.33.0", "fp8_skip", ["fused"], {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
