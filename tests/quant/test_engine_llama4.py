@@ -177,6 +177,10 @@ def test_which_modules_get_the_quant_config_is_the_constructors(rules, release):
         assert projector[0].call == "Llama4MultiModalProjector" and "quant_config" not in projector[0].keywords
         assert "Llama4MultiModalProjector" in source(whl, TOP["sglang"]).split("from sglang", 1)[0]  # transformers' class
         assert "projector" in unquantized
+        # no shared-expert fusion hook in either class (layers/moe/utils.py: nothing fused)
+        hooks = [method_def(class_def(whl, path, cls), "shared_experts_fusion_disable_reason")
+                 for path, cls in ((TOP["sglang"], CLASS), (TEXT["sglang"], "Llama4ForCausalLM"))]
+        assert (hooks == [None, None]) == (rules["shared_experts_fusion"] is None)
     else:
         assert (attribute_builds(moe, "router")[0].call == "GateLinear" and
                 _quant_config_of(moe, "router") is None) == ("router" in unquantized)
