@@ -173,6 +173,45 @@ def _qwen3_next(num_hidden_layers: int, **overrides):
     return config, Qwen3NextForCausalLM
 
 
+def _qwen3_5_moe(num_hidden_layers: int, **overrides):
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    # text_config as Qwen/Qwen3.5-397B-A17B's config.json carries it, scaled down: full_attention_interval
+    # 2 (the release: 4), so that three layers hold both kinds and the extra layer built for the draft
+    # is a full-attention one; the shared expert as wide as a routed one (as the release); a one-block
+    # vision tower without deepstack mergers
+    interval = overrides.pop("full_attention_interval", 2)
+    text = {**TINY, "num_hidden_layers": num_hidden_layers, "num_experts": 4, "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": TINY["moe_intermediate_size"], "head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(num_hidden_layers)], **overrides}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "num_position_embeddings": 16}
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    config.text_config.full_attention_interval = interval  # config.json carries it (sglang reads it)
+    return config, Qwen3_5MoeForConditionalGeneration
+
+
+def _qwen3_5_release(tensors: dict, config, layer: int) -> dict:
+    """The release's layout: each main layer's routed experts fused, gate_up_proj [E, 2I, H] (gate then
+    up) and down_proj [E, H, I] (transformers 5.24 saves them per expert: its qwen2_moe conversion),
+    and the last built decoder layer as the draft, mtp.layers.0.*, its experts per expert."""
+    import torch
+
+    old = f"model.language_model.layers.{layer}."
+    out = {("mtp.layers.0." + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
+    experts = config.text_config.num_experts
+    for main in range(layer):
+        p = f"model.language_model.layers.{main}.mlp.experts."
+        take = lambda e, proj: out.pop(f"{p}{e}.{proj}.weight")  # noqa: E731
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([take(e, "gate_proj"), take(e, "up_proj")])
+                                               for e in range(experts)]).contiguous()
+        out[p + "down_proj"] = torch.stack([take(e, "down_proj") for e in range(experts)]).contiguous()
+    return out
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
@@ -202,6 +241,9 @@ def _mtp_prefix_extras(config) -> dict[str, tuple[int, ...]]:
 BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mixtral": (_mixtral, False),
             # Qwen3-Next's draft: the extra decoder layer moved under mtp.layers.0, plus mtp.fc and norms
             "qwen3_next": (_qwen3_next, "prefix"),
+            # Qwen3.5 MoE: main layers' experts fused ([E, 2I, H], [E, H, I]), the draft under mtp.layers.0
+            # with per-expert experts, plus mtp.fc and norms
+            "qwen3_5_moe": (_qwen3_5_moe, "qwen3_5"),
             # MiniMax-M2's MTP modules (model.layers.{L + i}): a decoder layer each, skipped by both engines
             "minimax_m2": (_minimax_m2, "decoder_only"), "kimi_k25": (_kimi_k25, False),
             # Llama-4: routed experts stored fused ([E, H, 2I] gate_up_proj, [E, I, H] down_proj)
@@ -233,8 +275,10 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
             tensors = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
         if has_mtp == "mtp_module":
             tensors = _m3_mtp(tensors, config, num_hidden_layers)
+        if has_mtp == "qwen3_5":
+            tensors = _qwen3_5_release(tensors, config, num_hidden_layers)
         extras = _mtp_extras(config, num_hidden_layers) if has_mtp is True else \
-            _mtp_prefix_extras(config) if has_mtp == "prefix" else {}
+            _mtp_prefix_extras(getattr(config, "text_config", config)) if has_mtp in ("prefix", "qwen3_5") else {}
         if has_mtp == "prefix":
             last = f"model.layers.{num_hidden_layers}."
             tensors = {("mtp.layers.0." + n[len(last):] if n.startswith(last) else n): t for n, t in tensors.items()}
@@ -258,6 +302,10 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
         _minimax_m3_release(saved, num_hidden_layers)
     elif "text_config" in saved:  # the release's text_config (Kimi-K2.5: model_type kimi_k2; transformers rewrites it)
         saved["text_config"].update(RELEASE_TEXT.get(family, {}))
+        if has_mtp == "qwen3_5":  # the draft's layer was built beside the decoder's: the release counts it apart
+            text = saved["text_config"]
+            text.update(num_hidden_layers=num_hidden_layers, layer_types=text["layer_types"][:num_hidden_layers],
+                        mtp_num_hidden_layers=1, full_attention_interval=config.text_config.full_attention_interval)
     else:
         saved.update(num_hidden_layers=num_hidden_layers)
         if "layer_types" in saved:  # one kind per decoder layer (the draft's layer was built beside them)

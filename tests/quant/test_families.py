@@ -55,6 +55,15 @@ EXPECT = {
                    "sglang_default_loads": False, "fused_moe": "language_model.model.layers.1.mlp.experts"},
     # the MTP draft under both engines' names (vLLM mtp.*, sglang model.layers.0.*: main layer 0's),
     # vLLM's draft fc; sglang does not fuse the excluded shared expert (quark.py: can_fuse_shared_expert)
+    # Qwen3.5 MoE: the Gated DeltaNet projections by their packed names, the vision tower (vLLM builds it
+    # with the quant config), the draft under mtp.* in both engines with vLLM's quantizable mtp.fc; sglang
+    # fuses the shared expert only on ROCm with aiter, and not when it is excluded
+    "qwen3_5_moe": {"aliases": ["model.language_model.layers.0.linear_attn.in_proj_qkvz",
+                                "model.language_model.layers.0.linear_attn.in_proj_ba",
+                                "model.language_model.layers.1.self_attn.qkv_proj",
+                                "model.language_model.layers.0.mlp.shared_expert.gate_up_proj",
+                                "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc1",
+                                "mtp.layers.0.self_attn.qkv_proj", "mtp.fc"], "sglang_default_loads": True},
     "qwen3_next": {"aliases": ["model.layers.1.self_attn.qkv_proj", "mtp.layers.0.self_attn.qkv_proj",
                                "model.layers.0.self_attn.qkv_proj", "mtp.fc",
                                "model.layers.0.mlp.shared_expert.gate_up_proj"], "sglang_default_loads": True},
@@ -335,3 +344,20 @@ def test_a_nested_text_config_declaring_a_billion_layers_is_refused_in_one_line(
     code = quantize(["--to", "mxfp4", "--dry-run", str(src), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and f"text_config.num_hidden_layers is {10**9}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_qwen3_5_vision_tower_and_draft_fc_must_be_excluded_for_vllm(tmp_path, capsys):
+    """vLLM builds Qwen3.5's vision tower and the draft's mtp.fc with the Quark config (qwen3_5.py,
+    qwen3_5_mtp.py): without their entries it builds them MXFP4 over bf16 weights; sglang builds the
+    tower without quant config and the fc as a plain nn.Linear, and still loads."""
+    src = write_family_checkpoint(tmp_path / "bf16", "qwen3_5_moe")
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if not (e.startswith("model.visual.") or e == "mtp.fc")]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
+    assert code == 1 and "model.visual.blocks.0.attn.qkv" in text and "mtp.fc" in text, text
+    for engine in ("sglang==0.5.23", "sglang==0.5.21"):
+        code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", engine)
+        assert code == 0, text

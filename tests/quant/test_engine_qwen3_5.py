@@ -1,0 +1,139 @@
+"""Differential tests for Qwen3.5 MoE (``qwen3_5_moe``, Qwen3_5MoeForConditionalGeneration and its
+drafts Qwen3_5ForCausalLMMTP / Qwen3_5MoeMTP): each release read (``manifests/engines/{sglang,vllm}.
+qwen3_5_moe.yaml``) decides with its own functions beside ``quant.engines`` on the checkpoint's module
+names (Gated DeltaNet layers with their packed in_proj_qkvz / in_proj_ba, full-attention layers, the
+shared expert and its gate, the vision tower, the mtp.* draft): Quark's ``should_ignore_layer`` fed the
+class's packed-modules mapping read from the same wheel, and sglang's shared-expert fusion decision
+(qwen2_moe.py ``can_fuse_shared_expert`` with QuarkConfig's own hook, on the platforms the class fuses
+on). Without the wheels the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+
+import pytest
+from packaging.version import Version
+
+from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines.fusion import no_fusion_reason
+from quant.engines.rules import releases_read
+from quant.engines.serving import serving
+from tests.quant.engine_sources import class_def, method_def, source
+from tests.quant.test_engine_qwen3_next import _fusion_engine, class_mapping
+from tests.quant.test_engine_sources import GPUS, _outcome, _quark_engine, engine_wheel
+
+FAMILY = "qwen3_5_moe"
+MAIN = {"sglang": "sglang/srt/models/qwen3_5.py", "vllm": "vllm/model_executor/models/qwen3_5.py"}
+VL = "vllm/model_executor/models/qwen3_vl.py"
+CASES = [(r, v) for e in ENGINES for r in rule_sets(e, FAMILY)
+         for v in sorted(releases_read(e, FAMILY), key=Version) if r.covers(releases_read(e, FAMILY)[v])]
+IDS = [f"{r.engine} {v}" for r, v in CASES]
+SGLANG = [c for c in CASES if c[0].engine == "sglang"]
+SGLANG_IDS = [f"sglang {v}" for _, v in SGLANG]
+L = 60  # Qwen3.5-397B-A17B's num_hidden_layers
+
+
+def quark_mapping(whl, engine: str) -> dict[str, list[str]]:
+    """The mapping the Quark config holds: sglang's class shares Qwen3_5ForCausalLM's dict (updated by
+    the loader); vLLM's is Qwen3VLForConditionalGeneration's literal | the class's GDN entries."""
+    if engine == "sglang":
+        return class_mapping(whl, "sglang", "Qwen3_5ForCausalLM", "quark", MAIN["sglang"])
+    node = class_def(whl, MAIN["vllm"], "Qwen3_5ForConditionalGeneration")
+    value = next(s.value for s in node.body if isinstance(s, ast.Assign)
+                 and any(getattr(t, "id", None) == "packed_modules_mapping" for t in s.targets))
+    assert isinstance(value, ast.BinOp) and ast.unparse(value.left) == \
+        "Qwen3VLForConditionalGeneration.packed_modules_mapping"
+    base = next(ast.literal_eval(s.value) for s in class_def(whl, VL, "Qwen3VLForConditionalGeneration").body
+                if isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == "packed_modules_mapping")
+    return {k: list(v) for k, v in {**base, **ast.literal_eval(value.right)}.items()}
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_packed_mapping_is_the_wheels(rules, release):
+    whl = engine_wheel(rules, release)
+    assert quark_mapping(whl, rules.engine) == rules["quark_fused"]
+    if rules.engine == "sglang":  # the class shares the text model's dict; no mapper renames the exclude list
+        node = class_def(whl, MAIN["sglang"], "Qwen3_5MoeForConditionalGeneration")
+        body = "\n".join(ast.unparse(s) for s in node.body if isinstance(s, ast.Assign))
+        assert "packed_modules_mapping = Qwen3_5ForCausalLM.packed_modules_mapping" in body
+        assert "hf_to_sglang_mapper = None" in body
+
+
+# Module names the generator draws from, as the checkpoint (and so both engines: sglang builds the text
+# model under model.language_model, vLLM maps model.language_model. to language_model.model. on both
+# sides) names them: a linear-attention layer, a full-attention layer, the draft, the vision tower.
+LAYERS = ["model.language_model.layers.0.", "model.language_model.layers.3.", "mtp.layers.0."]
+LEAVES = ["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj", "self_attn.qkv_proj",
+          "self_attn.o_proj", "mlp.experts", "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj"]
+SHARDS = ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
+          "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.shared_expert.gate_proj",
+          "mlp.shared_expert.up_proj", "mlp.experts.0.gate_proj", "mlp.experts.1.down_proj", "mlp.shared_expert_gate",
+          "mlp.gate"]
+VISION = ["model.visual.blocks.0.attn.qkv", "model.visual.blocks.0.attn.proj", "model.visual.merger.linear_fc1"]
+
+
+def _pool():
+    modules = [p + m for p in LAYERS for m in LEAVES] + VISION + ["mtp.fc"]
+    entries = [p + m for p in LAYERS for m in LEAVES + SHARDS] + VISION + \
+        ["mtp.fc", "lm_head", "re:.*shared_expert\\..*", "re:.*linear_attn.*", "re:mtp\\..*", "re:.*experts.*",
+         "re:model\\.visual\\..*"]
+    return modules, entries
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_quark_exclude_decisions_equal_the_engines(rules, release):
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
+    fused = quark_mapping(whl, rules.engine)
+    modules, entries = _pool()
+    rng = random.Random(f"qwen3_5{rules.id}{release}")
+    disagree, seen = [], 0
+    for _ in range(200):
+        exclude = rng.sample(entries, rng.randint(0, 24))
+        for name in rng.sample(modules, 5):
+            moe = name.endswith(".experts")
+            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
+            theirs = _outcome(engine, name, exclude, fused, moe)
+            seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, exclude, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert seen > 30
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=SGLANG_IDS)
+def test_shared_expert_fusion_decisions_are_the_engines(rules, release):
+    """sglang fuses Qwen3.5's shared expert only under aiter (ROCm): the class and both decoder layers
+    gate it on _use_aiter / support_shared_expert_fusion without the CUDA switch; where it may, the
+    wheel's can_fuse_shared_expert with QuarkConfig's own hook decides, as the replay does."""
+    whl = engine_wheel(rules, release)
+    init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3_5MoeForConditionalGeneration"), "__init__"))
+    assert "if _use_aiter and (not _disable_shared_experts_fusion()):" in init
+    for decoder in ("Qwen3_5LinearDecoderLayer", "Qwen3_5AttentionDecoderLayer"):
+        layer = ast.unparse(method_def(class_def(whl, MAIN["sglang"], decoder), "__init__"))
+        assert "support_shared_expert_fusion=not _disable_shared_experts_fusion()" in layer
+        assert "enable_cuda_shared_expert_fusion" not in layer
+    assert "if not _is_hip:\n        return None" in source(whl, MAIN["sglang"])  # the loader's reason: HIP only
+    fuses = _fusion_engine(whl)
+    pool = ["model.language_model.layers.1.mlp.shared_expert.gate_proj",
+            "model.language_model.layers.3.mlp.shared_expert.down_proj",
+            "model.language_model.layers.1.mlp.shared_expert_gate", "mtp.layers.0.mlp.shared_expert.up_proj",
+            "re:.*shared_expert\\..*", "model.language_model.layers.3.mlp.experts", "lm_head", "model.visual.blocks.0.attn.qkv"]
+    rng = random.Random(f"qwen3_5-fusion{release}")
+    disagree, fused = [], 0
+    for _ in range(200):
+        config = {"num_hidden_layers": L, "moe_intermediate_size": 1024,
+                  "shared_expert_intermediate_size": rng.choice([1024, 1024, 512, 0])}
+        exclude = rng.sample(pool, rng.randint(0, 3))
+        kind = rng.choice(["quark", "quark", "fp8"])
+        platform, arch = rng.choice(GPUS)
+        setup = serving(platform, arch, tp=8, ep=rng.choice([1, 8]), disable_shared_experts_fusion=rng.random() < 0.15)
+        theirs = setup.platform == "rocm" and fuses(config, exclude, kind, setup)
+        ours = no_fusion_reason(rules, FAMILY, config, kind, exclude, setup, False) is None
+        fused += theirs
+        if theirs != ours:
+            disagree.append((config, exclude, kind, setup.label(), theirs, ours))
+    assert not disagree, disagree[:3]
+    assert 10 < fused < 150
