@@ -227,3 +227,33 @@ def test_to_bf16_gives_the_release_layout_back(converted, tmp_path):
             assert back[name] == source[name], name
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "quantization_config" not in config or config["quantization_config"] is None
+
+
+def test_bad_input_is_one_line(converted, tmp_path, capsys):
+    """A fused tensor the config does not describe, and a blocks tensor without its scales: one line
+    naming the tensor, exit 2, nothing written."""
+    import shutil
+
+    src, out = converted
+    bad = tmp_path / "bf16"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    assert quantize(["-q", "--to", "mxfp4", str(bad), str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mlp.experts." in err and "intermediate_size=64" in err, err
+
+    blocks = tmp_path / "mxfp4"
+    shutil.copytree(out, blocks)
+    index = json.loads((blocks / "model.safetensors.index.json").read_text())
+    name = EXPERTS.format(layer=0) + "down_proj_scales"
+    file = index["weight_map"].pop(name)
+    save_file({n: t for n, t in load_file(str(blocks / file)).items() if n != name}, str(blocks / file),
+              metadata={"format": "pt"})
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for t in _all(blocks).values())
+    (blocks / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert quantize(["-q", "--to", "bf16", str(blocks), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "down_proj_blocks" in err and "down_proj_scales" in err, err
+    assert gate(["checkpoint", str(blocks), "--engine", "vllm"]) == 1
+    assert "without scales" in capsys.readouterr().out
