@@ -29,7 +29,7 @@ import quant.engines.rules as rules_module
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
          "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
-         "tests/quant/test_engine_gpt_oss.py"]
+         "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -291,6 +291,33 @@ MUTATIONS = [
     data("vllm.qwen3_next", "0.33.0", "moe_layers", [], "all", "qwen3next vLLM all layers MoE"),
     data("vllm.qwen3_next", "0.33.0", "layer_kinds", ["from"], "interval", "qwen3next vLLM reads the interval only"),
     data("vllm.qwen3_next", "0.33.0", "layer_kinds", ["interval_default"], 2, "qwen3next vLLM interval default 2"),
+    # manifests/engines/{sglang,vllm}.qwen3_5_moe.yaml (tests/quant/test_engine_qwen3_5.py, test_families.py)
+    data("sglang.qwen3_5_moe", "0.5.21", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+         "gate_up_proj": ["gate_proj", "up_proj"]}, "qwen3.5 sglang Quark without the GDN entries"),
+    data("sglang.qwen3_5_moe", "0.5.21", "built_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+         "qwen3.5 sglang builds no packed GDN projection"),
+    data("sglang.qwen3_5_moe", "0.5.21", "fp8_skip", ["fused"], {}, "qwen3.5 sglang FP8 without the class mapping"),
+    data("sglang.qwen3_5_moe", "0.5.21", "mtp_naming", ["renames"], {"^mtp.": "model."}, "qwen3.5 sglang draft model.*"),
+    data("sglang.qwen3_5_moe", "0.5.21", "eh_proj", [], "any_quant_config", "qwen3.5 sglang fc with the quant config"),
+    data("sglang.qwen3_5_moe", "0.5.21", "unquantized_roles", [], ["router", "shared_expert_gate", "lm_head"],
+         "qwen3.5 sglang vision tower with the quant config"),
+    data("sglang.qwen3_5_moe", "0.5.21", "unquantized_roles", [], ["router", "lm_head", "vision"],
+         "qwen3.5 sglang shared_expert_gate with the quant config"),
+    data("sglang.qwen3_5_moe", "0.5.21", "shared_experts_fusion", ["platforms"], ["cuda", "rocm"],
+         "qwen3.5 sglang fuses on CUDA"),
+    data("sglang.qwen3_5_moe", "0.5.21", "shared_experts_fusion", ["exclude_veto"], "none",
+         "qwen3.5 sglang: an excluded shared expert does not veto"),
+    data("sglang.qwen3_5_moe", "0.5.21", "shared_experts_fusion", ["config_reads"],
+         ["n_shared_experts", "moe_intermediate_size"], "qwen3.5 sglang ignores the shared expert's size"),
+    data("sglang.qwen3_5_moe", "0.5.21", "shared_experts_fusion", [], None, "qwen3.5 sglang never fuses"),
+    data("vllm.qwen3_5_moe", "0.33.0", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+         "gate_up_proj": ["gate_proj", "up_proj"], "qkv": ["qkv"]}, "qwen3.5 vLLM Quark without the GDN entries"),
+    data("vllm.qwen3_5_moe", "0.33.0", "fp8_skip", ["fused"], {}, "qwen3.5 vLLM FP8 without the class mapping"),
+    data("vllm.qwen3_5_moe", "0.33.0", "eh_proj", [], "plain", "qwen3.5 vLLM fc plain"),
+    data("vllm.qwen3_5_moe", "0.33.0", "unquantized_roles", [], ["router", "shared_expert_gate", "lm_head", "vision"],
+         "qwen3.5 vLLM vision tower without the quant config"),
+    data("vllm.qwen3_5_moe", "0.33.0", "mtp_naming", ["renames"], {"^mtp.": "model."}, "qwen3.5 vLLM draft model.*"),
+    top("sglang.qwen3_5_moe", ("checked",), ["0.5.21", "0.5.23"], "qwen3.5 0.5.22 not read"),
     code("quant.engines.match", "any(p.match(name) for p in self.patterns)",
          "any(p.fullmatch(name) for p in self.patterns)", "re: entries matched with fullmatch"),
     code("quant.engines.match", 'any(\n            e.startswith(module + ".") for e in exclude.entries)',

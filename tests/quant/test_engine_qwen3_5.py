@@ -18,15 +18,19 @@ from packaging.version import Version
 
 from quant.engines import ENGINES, Exclude, excluded, rule_sets
 from quant.engines.fusion import no_fusion_reason
+from quant.engines.match import fp8_ignored_layers, fp8_skipped
+from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
-from tests.quant.engine_sources import class_def, method_def, source
+from tests.quant.engine_sources import class_def, method_def, parsed, source
 from tests.quant.test_engine_qwen3_next import _fusion_engine, class_mapping
-from tests.quant.test_engine_sources import GPUS, _outcome, _quark_engine, engine_wheel
+from tests.quant.test_engine_sources import GPUS, _fp8_engine, _outcome, _quark_engine, engine_wheel
 
 FAMILY = "qwen3_5_moe"
 MAIN = {"sglang": "sglang/srt/models/qwen3_5.py", "vllm": "vllm/model_executor/models/qwen3_5.py"}
 VL = "vllm/model_executor/models/qwen3_vl.py"
+DRAFT = "sglang/srt/models/qwen3_5_mtp.py"
+QWEN2_MOE = "sglang/srt/models/qwen2_moe.py"
 CASES = [(r, v) for e in ENGINES for r in rule_sets(e, FAMILY)
          for v in sorted(releases_read(e, FAMILY), key=Version) if r.covers(releases_read(e, FAMILY)[v])]
 IDS = [f"{r.engine} {v}" for r, v in CASES]
@@ -137,3 +141,67 @@ def test_shared_expert_fusion_decisions_are_the_engines(rules, release):
             disagree.append((config, exclude, kind, setup.label(), theirs, ours))
     assert not disagree, disagree[:3]
     assert 10 < fused < 150
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_fp8_skip_decisions_equal_the_engines(rules, release):
+    """FP8's is_layer_skipped fed the class's mapping (sglang: without the Quark additions)."""
+    whl = engine_wheel(rules, release)
+    engine = _fp8_engine(rules, whl)
+    fused = class_mapping(whl, "sglang", "Qwen3_5ForCausalLM", "fp8", MAIN["sglang"]) if rules.engine == "sglang" \
+        else quark_mapping(whl, "vllm")
+    assert fused == rules["fp8_skip"]["fused"]
+    modules, entries = _pool()
+    entries = [e for e in entries if not e.startswith("re:")]
+    rng = random.Random(f"qwen3_5-fp8{rules.id}{release}")
+    skip, disagree, seen = rules["fp8_skip"], [], 0
+    for _ in range(200):
+        listed = rng.sample(entries, rng.randint(0, 16))
+        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
+        for name in rng.sample(modules, 5):
+            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
+                            fallback_fused=skip["fallback_fused"])
+            theirs = _outcome(engine, name, qconfig, fused)
+            seen += theirs is True
+            if ours != theirs:
+                disagree.append((name, qconfig, ours, theirs))
+    assert not disagree, disagree[:3]
+    assert seen > 30
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=SGLANG_IDS)
+def test_sglang_construction_and_draft_are_the_wheels(rules, release):
+    """The modules the class builds packed (load_weights' stacked_params_mapping), the router and the
+    shared-expert gate without quant config, the draft under mtp.* with a plain nn.Linear fc, and the
+    config keys the fusion decision reads (qwen2_moe.py's can_fuse_shared_expert)."""
+    whl = engine_wheel(rules, release)
+    load = method_def(class_def(whl, MAIN["sglang"], "Qwen3_5MoeForConditionalGeneration"), "load_weights")
+    stacked = next(ast.literal_eval(n.value) for n in ast.walk(load) if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None) == "stacked_params_mapping")
+    built: dict[str, list[str]] = {}
+    for param, shard, _ in stacked:
+        built.setdefault(param.rstrip("."), []).append(shard.rstrip("."))
+    assert built == rules["built_fused"]
+    block = ast.unparse(method_def(class_def(whl, QWEN2_MOE, "Qwen2MoeSparseMoeBlock"), "__init__"))
+    for attr in ("gate", "shared_expert_gate"):
+        built_with = block[block.index(f"self.{attr} = ReplicatedLinear("):].split(")", 1)[0]
+        assert "quant_config=None" in built_with
+    assert {"router", "shared_expert_gate", "lm_head", "vision"} <= set(rules["unquantized_roles"])
+    draft = ast.unparse(method_def(class_def(whl, DRAFT, "Qwen3_5ForCausalLMMTP"), "__init__"))
+    assert "self.fc = nn.Linear(" in draft and rules["eh_proj"] == "plain"
+    assert "prefix=add_prefix('mtp', prefix)" in draft
+    for module in ("mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.mlp.experts", "mtp.layers.0.linear_attn.out_proj"):
+        assert is_draft(module, rules, L) and draft_name(module, rules, L) == module
+    tree = parsed(whl, QWEN2_MOE)
+    reads = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and n.name in ("get_num_shared_experts", "can_fuse_shared_expert")):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "config":
+                reads.add(node.attr)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and \
+                    ast.unparse(node.args[0]) == "config":
+                reads.add(ast.literal_eval(node.args[1]))
+    assert reads == set(rules["shared_experts_fusion"]["config_reads"])
