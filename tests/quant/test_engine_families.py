@@ -19,9 +19,8 @@ import types
 import pytest
 from packaging.version import Version
 
-from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from quant.layout import family_named
@@ -30,11 +29,12 @@ from tests.quant.engine_sources import (attribute_builds, class_constant, class_
 from tests.quant.test_engine_sources import (
     GPUS,
     _draft_config_arch,
+    engine_wheel,
+    fp8_disagreements,
     _fp8_engine,
-    _outcome,
+    quark_disagreements,
     _quark_engine,
     _stubs,
-    engine_wheel,
 )
 
 CASES = 150
@@ -145,16 +145,8 @@ def test_quark_exclude_decisions_equal_the_engines(family, rules, release):
     fused = class_mapping(whl, rules.engine, SOURCES[family][rules.engine]["main"], main, "quark")
     modules, entries = _pool(family, rules)
     rng = random.Random(f"{family}{rules.id}{release}")
-    disagree, excluded_seen = [], 0
-    for _ in range(CASES):
-        exclude = rng.sample(entries, rng.randint(0, 14))
-        for name in rng.sample(modules, 4):
-            moe = name.endswith(".experts")
-            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
-            theirs = _outcome(engine, name, exclude, fused, moe)
-            excluded_seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    disagree, excluded_seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=CASES, most=14,
+                                          names=4)
     assert not disagree, disagree[:3]
     assert excluded_seen > 20  # the cases reach both answers
 
@@ -169,18 +161,7 @@ def test_fp8_skip_decisions_equal_the_engines(family, rules, release):
     entries = [e for e in entries if not e.startswith("re:")] + [e.removeprefix("model.") for e in entries[12:30]]
     rng = random.Random(f"fp8{family}{rules.id}{release}")
     skip = rules["fp8_skip"]
-    disagree = []
-    for _ in range(CASES):
-        listed = rng.sample(entries, rng.randint(0, 14))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
-        for name in rng.sample(modules, 4):
-            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, fused)
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, _ = fp8_disagreements(engine, skip, fused, modules, entries, rng, draws=CASES, most=14, names=4)
     assert not disagree, disagree[:3]
 
 

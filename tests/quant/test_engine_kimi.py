@@ -15,11 +15,11 @@ import random
 import pytest
 from packaging.version import Version
 
-from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines import ENGINES, rule_sets
 from quant.engines.replay import class_name
 from quant.engines.rules import releases_read
 from tests.quant.engine_sources import class_constant, class_def, method_def
-from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel
+from tests.quant.test_engine_sources import engine_wheel, quark_disagreements, _quark_engine
 
 KIMI = {"sglang": "sglang/srt/models/kimi_k25.py", "vllm": "vllm/model_executor/models/kimi_k25.py"}
 DEEPSEEK = {"sglang": "sglang/srt/models/deepseek_v2.py", "vllm": "vllm/model_executor/models/deepseek_v2.py"}
@@ -99,18 +99,10 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     entries = [p + m for p in POOL_LAYERS for m in LEAVES + SHARDS] + VISION + \
         ["mm_projector.proj.0", "mm_projector.proj.2", "re:.*shared_experts.*", "re:.*vision_tower.*", "lm_head"]
     rng = random.Random(f"kimi{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        exclude = rng.sample(entries, rng.randint(0, 20))
-        for name in rng.sample(modules, 5):
-            moe = name.endswith(".experts")
-            # the engine sees its mapper's names; the writer lists both (quant/serving.py)
-            ours = _outcome(excluded, name, Exclude(exclude + [class_name(e, rules) for e in exclude]), rules,
-                            "quark", moe)
-            theirs = _outcome(engine, name, _mapped(exclude, prefixes), fused, moe)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    # the engine sees its mapper's names; the writer lists both (quant/serving.py)
+    disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=20, names=5,
+                                         ours=lambda exclude: exclude + [class_name(e, rules) for e in exclude],
+                                         theirs=lambda exclude: _mapped(exclude, prefixes))
     assert not disagree, disagree[:3]
     assert seen > 30
 

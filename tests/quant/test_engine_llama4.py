@@ -21,9 +21,8 @@ from packaging.version import Version
 from safetensors.torch import load_file
 
 from quant.cli import main as quantize
-from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines import ENGINES, rule_sets
 from quant.engines.config import moe_layers_built
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.rules import releases_read, select
 from tests.quant.engine_sources import (
     attribute_builds,
@@ -36,10 +35,11 @@ from tests.quant.engine_sources import (
 )
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_engine_sources import (
-    _fp8_engine,
-    _outcome,
-    _quark_engine,
     engine_wheel,
+    fp8_disagreements,
+    _fp8_engine,
+    quark_disagreements,
+    _quark_engine,
 )
 
 TOP = {"sglang": "sglang/srt/models/mllama4.py", "vllm": "vllm/model_executor/models/mllama4.py"}
@@ -105,16 +105,7 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     engine = _quark_engine(rules, whl)
     fused = wheel_mapping(whl, rules.engine, "quark")
     rng = random.Random(f"llama4{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        exclude = rng.sample(ENTRIES, rng.randint(0, 20))
-        for name in rng.sample(MODULES, 5):
-            moe = name.endswith(".experts")
-            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
-            theirs = _outcome(engine, name, exclude, fused, moe)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    disagree, seen = quark_disagreements(engine, rules, fused, MODULES, ENTRIES, rng, draws=200, most=20, names=5)
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -127,19 +118,7 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
     entries = [e for e in ENTRIES if not e.startswith("re:")] + [e.removeprefix("language_model.") for e in ENTRIES[:12]]
     rng = random.Random(f"llama4-fp8{rules.id}{release}")
     skip = rules["fp8_skip"]
-    disagree, seen = [], 0
-    for _ in range(150):
-        listed = rng.sample(entries, rng.randint(0, 14))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
-        ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-        for name in rng.sample(MODULES, 4):
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, fused)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, seen = fp8_disagreements(engine, skip, fused, MODULES, entries, rng, draws=150, most=14, names=4)
     assert not disagree, disagree[:3]
     assert seen > 20
 

@@ -17,15 +17,22 @@ import types
 import pytest
 from packaging.version import Version
 
-from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.replay import class_name, draft_name
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
                                         sglang_quark_loader_additions, source)
-from tests.quant.test_engine_sources import GPUS, _fp8_engine, _outcome, _quark_engine, _stubs, engine_wheel
+from tests.quant.test_engine_sources import (
+    GPUS,
+    engine_wheel,
+    fp8_disagreements,
+    _fp8_engine,
+    quark_disagreements,
+    _quark_engine,
+    _stubs,
+)
 
 FAMILY = "minimax_m3"
 VL = "MiniMaxM3SparseForConditionalGeneration"
@@ -134,19 +141,14 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     entries = [p + m for p in LAYERS for m in STORED] + VISION_STORED + \
         ["re:.*shared_experts.*", "re:.*vision_tower.*", "re:.*index_.*", "language_model.lm_head", "mlp.gate"]
     rng = random.Random(f"minimax_m3{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        exclude = rng.sample(entries, rng.randint(0, 22))
-        for name in rng.sample(modules, 5):
-            moe = name.endswith(".experts")
-            # the writer lists each entry in the mapper's names too (quant/serving.py); the engine sees
-            # that list after its mapper
-            written = exclude + [class_name(e, rules) for e in exclude]
-            ours = _outcome(excluded, name, Exclude(written), rules, "quark", moe)
-            theirs = _outcome(engine, name, engine_exclude(written, mapper, rules.engine), fused, moe)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    # the writer lists each entry in the mapper's names too (quant/serving.py); the engine sees that list
+    # after its mapper
+    def written(exclude):
+        return exclude + [class_name(e, rules) for e in exclude]
+
+    disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=22, names=5,
+                                         ours=written,
+                                         theirs=lambda exclude: engine_exclude(written(exclude), mapper, rules.engine))
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -163,19 +165,7 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
         ["language_model.lm_head"]
     skip = rules["fp8_skip"]
     rng = random.Random(f"fp8minimax_m3{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        listed = rng.sample(entries, rng.randint(0, 16))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
-        for name in rng.sample(modules, 4):
-            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, fused)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, seen = fp8_disagreements(engine, skip, fused, modules, entries, rng, draws=200, most=16, names=4)
     assert not disagree, disagree[:3]
     assert seen > 30
 

@@ -16,15 +16,21 @@ import random
 import pytest
 from packaging.version import Version
 
-from quant.engines import ENGINES, Exclude, excluded, rule_sets
+from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import class_def, method_def, parsed, source
 from tests.quant.test_engine_qwen3_next import _fusion_engine, class_mapping
-from tests.quant.test_engine_sources import GPUS, _fp8_engine, _outcome, _quark_engine, engine_wheel
+from tests.quant.test_engine_sources import (
+    GPUS,
+    engine_wheel,
+    fp8_disagreements,
+    _fp8_engine,
+    quark_disagreements,
+    _quark_engine,
+)
 
 FAMILY = "qwen3_5_moe"
 MAIN = {"sglang": "sglang/srt/models/qwen3_5.py", "vllm": "vllm/model_executor/models/qwen3_5.py"}
@@ -93,16 +99,8 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     fused = quark_mapping(whl, rules.engine)
     modules, entries = _pool()
     rng = random.Random(f"qwen3_5{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        exclude = rng.sample(entries, rng.randint(0, 24))
-        for name in rng.sample(modules, 5):
-            moe = name.endswith(".experts")
-            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
-            theirs = _outcome(engine, name, exclude, fused, moe)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=24,
+                                          names=5)
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -154,19 +152,8 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
     modules, entries = _pool()
     entries = [e for e in entries if not e.startswith("re:")]
     rng = random.Random(f"qwen3_5-fp8{rules.id}{release}")
-    skip, disagree, seen = rules["fp8_skip"], [], 0
-    for _ in range(200):
-        listed = rng.sample(entries, rng.randint(0, 16))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
-        for name in rng.sample(modules, 5):
-            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, fused)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, seen = fp8_disagreements(engine, rules["fp8_skip"], fused, modules, entries, rng, draws=200, most=16,
+                                       names=5)
     assert not disagree, disagree[:3]
     assert seen > 30
 

@@ -21,10 +21,9 @@ import types
 import pytest
 from packaging.version import Version
 
-from quant.engines import ENGINES, Exclude, excluded, rule_sets, select
+from quant.engines import ENGINES, rule_sets, select
 from quant.engines.config import engine_layer_kinds
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
 from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import UnknownEngine, releases_read
 from quant.engines.serving import serving
@@ -42,11 +41,12 @@ from tests.quant.engine_sources import (
 from tests.quant.test_engine_sources import (
     GPUS,
     _draft_config_arch,
+    engine_wheel,
+    fp8_disagreements,
     _fp8_engine,
-    _outcome,
+    quark_disagreements,
     _quark_engine,
     _stubs,
-    engine_wheel,
 )
 
 FAMILY = "qwen3_next"
@@ -110,16 +110,8 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     fused = class_mapping(whl, rules.engine, "Qwen3NextForCausalLM", "quark")
     modules, entries = _pool()
     rng = random.Random(f"qwen3next{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        exclude = rng.sample(entries, rng.randint(0, 20))
-        for name in rng.sample(modules, 5):
-            moe = name.endswith(".experts")
-            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
-            theirs = _outcome(engine, name, exclude, fused, moe)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=20,
+                                          names=5)
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -133,19 +125,8 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
     entries = [e for e in entries if not e.startswith("re:")]
     entries += [e.removeprefix("model.") for e in entries if e.startswith("model.")][:12]
     rng = random.Random(f"qwen3next-fp8{rules.id}{release}")
-    skip, disagree, seen = rules["fp8_skip"], [], 0
-    for _ in range(200):
-        listed = rng.sample(entries, rng.randint(0, 16))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                   rng.choice(["ignored_layers", "modules_to_not_convert"]): listed}
-        for name in rng.sample(modules, 5):
-            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, fused)
-            seen += theirs is True
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, seen = fp8_disagreements(engine, rules["fp8_skip"], fused, modules, entries, rng, draws=200, most=16,
+                                       names=5)
     assert not disagree, disagree[:3]
     assert seen > 30
 

@@ -150,6 +150,58 @@ def _outcome(decide, *args, **kwargs):
         return f"raises {str(exc).removeprefix('ValueError: ')}"
 
 
+def quark_disagreements(engine, rules, fused, modules, entries, rng, *, draws, most, names, ours=None, theirs=None):
+    """Random exclude lists (up to ``most`` of ``entries``), each asked for ``names`` random ``modules``: the
+    cases where the replay's Quark decision differs from the engine's own function, and how many times the
+    engine excluded. ``ours`` / ``theirs`` turn a drawn list into what the replay / the engine sees (the
+    writer's list, the engine's mapper); by default both see it as drawn."""
+    disagree, seen = [], 0
+    for _ in range(draws):
+        exclude = rng.sample(entries, rng.randint(0, most))
+        listed, given = (ours or list)(exclude), (theirs or list)(exclude)
+        for name in rng.sample(modules, names):
+            moe = name.endswith(".experts")
+            mine = _outcome(excluded, name, Exclude(listed), rules, "quark", moe)
+            engines = _outcome(engine, name, given, fused, moe)
+            seen += engines is True
+            if mine != engines:
+                disagree.append((name, exclude, mine, engines))
+    return disagree, seen
+
+
+def _fp8_config(listed: list, where: str) -> dict:
+    """An FP8 quantization_config listing ``listed`` under ``where`` ("both": half in ignored_layers, all in
+    modules_to_not_convert; "empty_ignored": an empty ignored_layers beside modules_to_not_convert)."""
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if where == "both":
+        qconfig.update(ignored_layers=listed[: len(listed) // 2], modules_to_not_convert=listed)
+    elif where == "empty_ignored":
+        qconfig.update(ignored_layers=[], modules_to_not_convert=listed)
+    else:
+        qconfig[where] = listed
+    return qconfig
+
+
+def fp8_disagreements(engine, skip, fused, modules, entries, rng, *, draws, most, names,
+                      where=("ignored_layers", "modules_to_not_convert")):
+    """Random FP8 configs (up to ``most`` of ``entries`` listed under one of ``where``), each asked for ``names``
+    random ``modules``: where the replay's skip decision (rule data ``skip``) differs from the engine's own
+    function fed ``fused``, and how many times the engine skipped."""
+    disagree, seen = [], 0
+    for _ in range(draws):
+        listed = rng.sample(entries, rng.randint(0, most))
+        qconfig = _fp8_config(listed, rng.choice(where))
+        ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+        for name in rng.sample(modules, names):
+            mine = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
+                            fallback_fused=skip["fallback_fused"])
+            engines = _outcome(engine, name, qconfig, fused)
+            seen += engines is True
+            if mine != engines:
+                disagree.append((name, qconfig, mine, engines))
+    return disagree, seen
+
+
 @pytest.mark.parametrize(("rules", "release"), RELEASES, ids=release_ids(RELEASES))
 def test_quark_packed_mapping_is_the_wheels(rules, release):
     assert wheel_quark_mapping(engine_wheel(rules, release), rules.engine) == \
@@ -163,15 +215,7 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     modules, entries = _pool(rules)
     rng = random.Random(rules.id + release)
     fused = wheel_quark_mapping(whl, rules.engine)  # the engine's own mapping, not the rule data under test
-    disagree = []
-    for _ in range(CASES):
-        exclude = rng.sample(entries, rng.randint(0, 12))
-        for name in rng.sample(modules, 4):
-            moe = name.endswith(".experts")
-            ours = _outcome(excluded, name, Exclude(exclude), rules, "quark", moe)
-            theirs = _outcome(engine, name, exclude, fused, moe)
-            if ours != theirs:
-                disagree.append((name, exclude, ours, theirs))
+    disagree, _ = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=CASES, most=12, names=4)
     assert not disagree, disagree[:3]
 
 
@@ -182,24 +226,9 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
     entries = [e for e in entries if not e.startswith(("re:", "*"))] + [e.removeprefix("model.") for e in entries[:8]]
     rng = random.Random("fp8" + rules.id + release)
     skip = rules["fp8_skip"]
-    disagree = []
-    for _ in range(CASES):
-        listed = rng.sample(entries, rng.randint(0, 12))
-        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-        where = rng.choice(["ignored_layers", "modules_to_not_convert", "both", "empty_ignored"])
-        if where == "both":
-            qconfig.update(ignored_layers=listed[: len(listed) // 2], modules_to_not_convert=listed)
-        elif where == "empty_ignored":
-            qconfig.update(ignored_layers=[], modules_to_not_convert=listed)
-        else:
-            qconfig[where] = listed
-        for name in rng.sample(modules, 4):
-            ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-            ours = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(engine, name, qconfig, {k: list(v) for k, v in skip["fused"].items()})
-            if ours != theirs:
-                disagree.append((name, qconfig, ours, theirs))
+    disagree, _ = fp8_disagreements(engine, skip, {k: list(v) for k, v in skip["fused"].items()}, modules, entries,
+                                    rng, draws=CASES, most=12, names=4,
+                                    where=("ignored_layers", "modules_to_not_convert", "both", "empty_ignored"))
     assert not disagree, disagree[:3]
 
 
