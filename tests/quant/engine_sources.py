@@ -173,6 +173,19 @@ def attribute_builds(fn: ast.FunctionDef, attr: str) -> list[Built]:
     return found
 
 
+def config_reads(tree: ast.Module, functions: Iterable[str]) -> set[str]:
+    """The config keys the module-level ``functions`` read (``config.X``, ``getattr/hasattr(config, "X")``)."""
+    reads = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in functions):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "config":
+                reads.add(node.attr)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and \
+                    ast.unparse(node.args[0]) == "config":
+                reads.add(ast.literal_eval(node.args[1]))
+    return reads
+
+
 def free_names(fn: ast.FunctionDef) -> set[str]:
     """Names a function reads from its module (what a stub namespace has to provide)."""
     import builtins

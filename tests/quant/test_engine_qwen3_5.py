@@ -21,7 +21,7 @@ from quant.engines.fusion import no_fusion_reason
 from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
-from tests.quant.engine_sources import class_def, method_def, parsed, source
+from tests.quant.engine_sources import class_def, config_reads, method_def, parsed, source
 from tests.quant.test_engine_qwen3_next import _fusion_engine, class_mapping
 from tests.quant.test_engine_sources import (
     GPUS,
@@ -182,13 +182,5 @@ def test_sglang_construction_and_draft_are_the_wheels(rules, release):
     for module in ("mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.mlp.experts", "mtp.layers.0.linear_attn.out_proj"):
         assert is_draft(module, rules, L) and draft_name(module, rules, L) == module
     tree = parsed(whl, QWEN2_MOE)
-    reads = set()
-    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)
-               and n.name in ("get_num_shared_experts", "can_fuse_shared_expert")):
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "config":
-                reads.add(node.attr)
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and \
-                    ast.unparse(node.args[0]) == "config":
-                reads.add(ast.literal_eval(node.args[1]))
-    assert reads == set(rules["shared_experts_fusion"]["config_reads"])
+    assert config_reads(tree, ("get_num_shared_experts", "can_fuse_shared_expert")) == \
+        set(rules["shared_experts_fusion"]["config_reads"])

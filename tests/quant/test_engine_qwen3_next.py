@@ -28,6 +28,7 @@ from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import UnknownEngine, releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (
+    config_reads,
     attribute_builds,
     class_constant,
     class_def,
@@ -284,16 +285,8 @@ def test_fusion_config_reads_are_the_functions(rules, release):
     can_fuse_shared_expert read of the config, as the wheel writes them."""
     whl = engine_wheel(rules, release)
     tree = parsed(whl, QWEN2_MOE)
-    reads = set()
-    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)
-               and n.name in ("get_num_shared_experts", "can_fuse_shared_expert")):
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "config":
-                reads.add(node.attr)
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and \
-                    ast.unparse(node.args[0]) == "config":
-                reads.add(ast.literal_eval(node.args[1]))
-    assert reads == set(rules["shared_experts_fusion"]["config_reads"])
+    assert config_reads(tree, ("get_num_shared_experts", "can_fuse_shared_expert")) == \
+        set(rules["shared_experts_fusion"]["config_reads"])
     load_weights = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3NextForCausalLM"), "load_weights"))
     slot = rules["shared_experts_fusion"]
     assert f"'mlp.{slot['shared']}.', f'mlp.experts.{{self.config.{slot['experts_key']}}}.'" in load_weights
