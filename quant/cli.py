@@ -11,13 +11,14 @@ import os
 import sys
 from pathlib import Path
 
+from quant.decode_plan import make_decode_plan
 from quant.errors import CheckpointError, ConvertError, DiskFullError, NonFiniteError
 from quant.example import FAMILIES, MLA_SIZES
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
 from quant.layout import UnknownFamilyError, load_family
 from quant.outputs import check_destination
-from quant.plan import Plan, PlanError, make_decode_plan, make_plan
+from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import RecipeError, load_recipe, with_overrides
 from quant.safe_files import refuse_link
 from quant.safetensors_io import ShardError

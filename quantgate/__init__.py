@@ -83,7 +83,8 @@ def plan(source: str | Path, to: str = "mxfp4", *, recipe: str | Path | None = N
     """What ``quantize --dry-run`` prints, from headers alone. ``to="bf16"`` plans an exact decode;
     ``overrides`` are the recipe's policy flags: ``shared_experts``, ``mtp_experts``, ``weight_only``,
     ``scale_rule``."""
-    from quant.plan import make_decode_plan, make_plan
+    from quant.decode_plan import make_decode_plan
+    from quant.plan import make_plan
     from quant.recipe import load_recipe, with_overrides
 
     if to == "bf16":

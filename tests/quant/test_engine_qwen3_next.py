@@ -28,10 +28,10 @@ from quant.engines.replay import draft_name, is_draft
 from quant.engines.rules import UnknownEngine, releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (
-    config_reads,
     attribute_builds,
     class_constant,
     class_def,
+    config_reads,
     load,
     method_def,
     methods,
