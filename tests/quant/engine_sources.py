@@ -9,6 +9,7 @@ use: the engines' own code decides, nothing of it is rewritten here.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import functools
 import logging
@@ -20,7 +21,7 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType, ModuleType, SimpleNamespace
 from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035 (names the engines' annotations use)
 
 CACHE = Path(os.environ.get("QUANTGATE_WHEELS", Path.home() / ".cache" / "quantgate-wheels"))
@@ -171,6 +172,26 @@ def attribute_builds(fn: ast.FunctionDef, attr: str) -> list[Built]:
                 visit(stmt.body, under)
     visit(fn.body, [])
     return found
+
+
+@contextlib.contextmanager
+def served_modules(mapping: dict[str, dict]):
+    """Serve stub modules (``{import path: attributes}``, and their parent packages) under the engines'
+    import paths while a wheel's function imports from them; whatever was there before comes back."""
+    names = {".".join(name.split(".")[:i]) for name in mapping for i in range(1, len(name.split(".")) + 1)}
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = ModuleType(n)
+    for name, attrs in mapping.items():
+        sys.modules[name].__dict__.update(attrs)
+    try:
+        yield
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
 
 
 def config_reads(tree: ast.Module, functions: Iterable[str]) -> set[str]:

@@ -13,8 +13,6 @@ own functions, for every release its rule files list (``manifests/engines/{sglan
 from __future__ import annotations
 
 import ast
-import contextlib
-import sys
 import types
 import typing
 
@@ -27,7 +25,7 @@ from quant.engines.replay import class_name
 from quant.engines.rules import releases_read
 from quant.layout import family_named
 from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
-                                        parsed, sglang_quark_loader_additions)
+                                        parsed, served_modules, sglang_quark_loader_additions)
 from tests.quant.test_engine_sources import engine_wheel
 
 FAMILY = "gpt_oss"
@@ -81,25 +79,6 @@ class MoEMethod:
         pass
 
 
-@contextlib.contextmanager
-def _modules(mapping: dict[str, dict]):
-    """Serve stub modules under the engines' import paths while a method imports from them."""
-    names = {".".join(name.split(".")[:i]) for name in mapping for i in range(1, len(name.split(".")) + 1)}
-    saved = {n: sys.modules.get(n) for n in names}
-    for n in names:
-        sys.modules[n] = types.ModuleType(n)
-    for name, attrs in mapping.items():
-        sys.modules[name].__dict__.update(attrs)
-    try:
-        yield
-    finally:
-        for n, module in saved.items():
-            if module is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = module
-
-
 def _quant_method(rules, whl, platform: str):
     """The release's own Mxfp4Config built from the release's config.json, and a function saying
     whether it quantizes a layer (True: an MXFP4 method; False: unquantized or no method)."""
@@ -123,11 +102,11 @@ def _quant_method(rules, whl, platform: str):
     served = {"sglang.srt.layers.linear": {"LinearBase": LinearBase},
               "sglang.srt.layers.moe.fused_moe_triton": {"FusedMoE": FusedMoE},
               "sglang.srt.layers.quantization.unquant": {"UnquantizedLinearMethod": Unquantized}}
-    with _modules(served):
+    with served_modules(served):
         config = cls.from_config(dict(RELEASE_QCONFIG))
 
     def quantizes(layer) -> bool:
-        with _modules(served):
+        with served_modules(served):
             method = config.get_quant_method(layer, prefix="model.layers.0.x")
         return isinstance(method, MoEMethod)
     return config, quantizes

@@ -14,9 +14,7 @@ is read from the model classes' constructors. Without the registry the tests ski
 from __future__ import annotations
 
 import ast
-import contextlib
 import random
-import sys
 import types
 
 import pytest
@@ -44,6 +42,7 @@ from tests.quant.engine_sources import (
     method_def,
     methods,
     parsed,
+    served_modules,
     sglang_quark_loader_additions,
     source,
     wheel,
@@ -260,24 +259,10 @@ def _sglang_draft_engine(whl, family):
     return rewrite
 
 
-@contextlib.contextmanager
 def _served(name, **attrs):
     """The draft methods import helpers inside their body: serve the wheel's own ones under that name
     for the duration of the call only (no stub package outlives it)."""
-    parts = name.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    saved = {n: sys.modules.get(n) for n in names}
-    for n in names:
-        sys.modules[n] = types.ModuleType(n)
-    sys.modules[name].__dict__.update(attrs)
-    try:
-        yield
-    finally:
-        for n, module in saved.items():
-            if module is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = module
+    return served_modules({name: attrs})
 
 
 class _Config:
