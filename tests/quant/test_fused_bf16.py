@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from quant.cli import main as quantize
 from quant.shard import SourceGuard
-from tests.conftest import load_tensors
 from tests.quant.test_fused_experts import LAYOUTS, _EXPERT, fuse, fused_manifest, per_expert, write_fused  # noqa: F401
 
 BOUNDS = {"mxfp4": 0.2, "fp8": 0.05, "mxfp6_e2m3": 0.06}  # relative RMS error of an expert against the source
@@ -101,6 +99,21 @@ def test_a_layer_the_release_stores_per_expert_stays_per_expert(decoded, tmp_pat
                        per_expert_decode[_EXPERT.format(layer=2, e=3, proj="down_proj")])
 
 
+def _edit_shard(folder, name: str, edit) -> None:
+    """Rewrite the shard of ``folder`` that holds ``name`` after ``edit(tensors)``; the index loses the
+    tensors ``edit`` removed."""
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shard = folder / weight_map[name]
+    tensors = load_file(str(shard))
+    before = set(tensors)
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    for removed in before - set(tensors):
+        weight_map.pop(removed)
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def test_an_expert_kept_bf16_is_copied_into_the_fused_tensor(decoded, tmp_path):
     """A checkpoint with one expert's projection stored bf16 (the rest MXFP4): that block of the fused
     tensor is the bf16 weight bit for bit; read without a lease (pread), never mapped."""
@@ -109,14 +122,11 @@ def test_an_expert_kept_bf16_is_copied_into_the_fused_tensor(decoded, tmp_path):
     manifest = fused_manifest(tmp_path, axes, split)
     assert quantize(["-q", "--to", "mxfp4", "--family-manifest", str(manifest), str(src), str(tmp_path / "q")]) == 0
     kept = _EXPERT.format(layer=1, e=2, proj="up_proj")
-    weight_map = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
-    shard = tmp_path / "q" / weight_map[kept]
-    tensors = load_file(str(shard))
-    del tensors[kept + "_scale"]
-    tensors[kept] = _all(decoded / "bf16")[kept]
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    weight_map.pop(kept + "_scale")
-    (tmp_path / "q" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    def keep_bf16(tensors):
+        del tensors[kept + "_scale"]
+        tensors[kept] = _all(decoded / "bf16")[kept]
+    _edit_shard(tmp_path / "q", kept, keep_bf16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SourceGuard, "mapped", property(lambda self: False))
         assert quantize(["-q", "--workers", "1", "--to", "bf16", "--family-manifest", str(manifest),
@@ -135,14 +145,10 @@ def test_a_missing_expert_is_refused_in_one_line(decoded, tmp_path, capsys):
     manifest = fused_manifest(tmp_path, axes, split)
     assert quantize(["-q", "--to", "mxfp4", "--family-manifest", str(manifest), str(src), str(tmp_path / "q")]) == 0
     gone = _EXPERT.format(layer=0, e=3, proj="down_proj")
-    weight_map = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
-    shard = tmp_path / "q" / weight_map[gone]
-    tensors = load_file(str(shard))
-    del tensors[gone], tensors[gone + "_scale"]
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    for name in (gone, gone + "_scale"):
-        weight_map.pop(name)
-    (tmp_path / "q" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    def drop(tensors):
+        del tensors[gone], tensors[gone + "_scale"]
+    _edit_shard(tmp_path / "q", gone, drop)
     capsys.readouterr()
     assert quantize(["-q", "--to", "bf16", "--family-manifest", str(manifest), str(tmp_path / "q"),
                      str(tmp_path / "back")]) == 2
