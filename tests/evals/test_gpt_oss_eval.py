@@ -11,10 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from evals.bundle import read_bundle
 from evals.emulation import load_model
-from quant.cli import main as quantize
 from tests.evals.test_run import data_dir, run_cli  # noqa: F401  (data_dir is a fixture)
-from tests.quant.family_checkpoints import write_family_checkpoint
-from tests.quant.test_gpt_oss import _randomize_biases
+from tests.quant.test_gpt_oss import tiny_gpt_oss
 
 TOKENS = torch.randint(3, 380, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -22,9 +20,7 @@ TOKENS = torch.randint(3, 380, (2, 16), generator=torch.Generator().manual_seed(
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss_eval")
-    src = write_family_checkpoint(root / "bf16", "gpt_oss", num_hidden_layers=2)
-    _randomize_biases(src)
-    assert quantize(["-q", "--to", "mxfp4", str(src), str(root / "mxfp4")]) == 0
+    tiny_gpt_oss(root)
     return root
 
 

@@ -40,13 +40,17 @@ def _randomize_biases(folder, seed: int = 1) -> None:
         save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt_oss")
+def tiny_gpt_oss(root):
+    """A tiny gpt-oss bf16 checkpoint (random biases) in ``root/bf16`` and its MXFP4 conversion in ``root/mxfp4``."""
     src = write_family_checkpoint(root / "bf16", "gpt_oss", num_hidden_layers=2)
     _randomize_biases(src)
     assert quantize(["-q", "--to", "mxfp4", str(src), str(root / "mxfp4")]) == 0
     return src, root / "mxfp4"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def _all(folder) -> dict[str, torch.Tensor]:
