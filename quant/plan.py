@@ -17,6 +17,7 @@ from quant import blocks
 from quant.checkpoint import Checkpoint, config_int
 from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
+from quant.engines.fusion import fusing_gpus
 from quant.engines.replay import release_spans
 from quant.formats.codecs import Codec, get_codec
 from quant.fused import Piece, pieces
@@ -341,9 +342,10 @@ def _check_engines_load(plan: Plan) -> list[str]:
     warnings = [f"{f.engine}: {f.why}; {f.fix}" for f in layers]
     if not fusion:
         return warnings
-    releases = release_spans([r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)],
-                             plan.family)
-    return warnings + [(f"shared-expert fusion: on MI355X (ROCm gfx942+, CUDA sm80+; TP, fusion on) {releases} fold the shared "
+    fusing = [r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)]
+    releases = release_spans(fusing, plan.family)
+    gpus = "; ".join(dict.fromkeys(fusing_gpus(r) for r in fusing))  # each class's own rule, not DeepSeek-V2's
+    return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) {releases} fold the shared "
              f"expert into the routed experts' FusedMoE, and this recipe stores them in different dtypes, so these "
              f"releases fail to load it ({fusion[0].module}). Ways out: {fusion[0].fix}. gate checkpoint lists each "
              "release and GPU")]

@@ -12,7 +12,7 @@ vLLM's fusion (ROCm AITER, opt-in by environment variable) checks each layer's s
 from __future__ import annotations
 
 from quant.engines.rules import RuleSet
-from quant.engines.serving import Serving
+from quant.engines.serving import CAPABILITY, Serving
 
 _MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
 
@@ -107,6 +107,20 @@ def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str
         return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
                 "can_fuse_shared_expert)")
     return None
+
+
+def fusing_gpus(rules: RuleSet) -> str:
+    """Where this release's class fuses (tensor parallel, fusion on), in GPU names: the least capability
+    per platform (``min_capability``) or, for Qwen2-MoE-style blocks, the platforms it fuses on."""
+    rule = rules["shared_experts_fusion"]
+    if rule["decided_by"] == "can_fuse_shared_expert":
+        names = {"rocm": "ROCm with aiter", "cuda": "CUDA"}
+        return ", ".join(names[p] for p in rule["platforms"])
+    named = []
+    for platform, least in sorted(rule["min_capability"].items(), reverse=True):  # rocm first: the target
+        archs = [arch for arch, cap in CAPABILITY[platform].items() if cap >= tuple(least)]
+        named.append(f"{'ROCm' if platform == 'rocm' else 'CUDA'} {archs[0]}+" if archs else None)
+    return ", ".join(n for n in named if n)
 
 
 def cite(rules: RuleSet) -> str:

@@ -127,6 +127,18 @@ def test_the_planner_warns_instead_of_refusing(default_recipe):
     assert "sglang 0.5.9..0.5.17 fold the shared expert" in warning
     assert "Ways out: serve with sglang >= 0.5.18, or start sglang with --disable-shared-experts-fusion" in warning
     assert not any("disables sglang's shared-expert fusion" in w for w in plan.warnings)
+    assert "on ROCm gfx942+, CUDA sm80+ (TP, fusion on" in warning  # DeepseekV2's determine_num_fused_shared_experts
+
+
+@pytest.mark.parametrize("family,gpus", [("glm4_moe", "ROCm gfx942+, CUDA sm80+"), ("minimax_m3", "ROCm gfx950+, CUDA sm80+")])
+def test_the_fusion_warning_names_the_gpus_of_the_familys_own_class(family, gpus, tmp_path):
+    """Each class decides fusion by its own rule: MiniMax-M3's fuses on ROCm only from gfx950
+    (minimax_m3_vl.py: _is_gfx95_supported), GLM-4.5's from gfx942 (glm4_moe.py)."""
+    from tests.quant.family_checkpoints import write_family_checkpoint
+
+    plan = make_plan(write_family_checkpoint(tmp_path / "bf16", family), load_recipe())
+    warning = next(w for w in plan.warnings if w.startswith("shared-expert fusion"))
+    assert f"on {gpus} (TP, fusion on" in warning, warning
 
 
 def test_draft_with_mxfp4_shared_and_bf16_routed_experts(draft_case, capsys):
