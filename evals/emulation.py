@@ -28,6 +28,9 @@ that is what an engine multiplies. transformers' extension points used (transfor
 - ``conversion_mapping.get_model_conversion_mapping`` + ``core_model_loading.rename_source_key``: a
   checkpoint module's name in the model, by transformers' own renamings (Mixtral's and MiniMax-M2's
   ``block_sparse_moe.experts.E.{w1,w2,w3}`` load as ``mlp.experts.{gate_up_proj,down_proj}``).
+- ``transformers.quantizers.base.SequentialLlama4TextExperts``: swapped in, on the meta device as
+  ``HfQuantizer._convert_model_for_quantization`` swaps it, for a fused experts class whose checkpoint
+  stores per-expert weights (Llama-4's ``Llama4TextExperts``), so they load into per-expert Linears.
 No transformers code is patched.
 """
 
@@ -236,10 +239,31 @@ def _model_names(model: torch.nn.Module):
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
 
+    # a causal-LM class loaded from its multimodal release (Llama4ForCausalLM, base_model_prefix
+    # language_model): transformers strips that prefix where the model has no module by its name
+    prefix = model.base_model_prefix + "."
+    strip = bool(model.base_model_prefix) and not hasattr(model, model.base_model_prefix)
+
     def model_name(module: str) -> str:
-        return rename_source_key(module + ".weight", renamings, converters)[0].removesuffix(".weight")
+        name = rename_source_key(module + ".weight", renamings, converters)[0].removesuffix(".weight")
+        return name.removeprefix(prefix) if strip else name
 
     return model_name
+
+
+def _per_expert_forms() -> dict:
+    """Fused experts class -> transformers' own per-expert form of it, into which a checkpoint's
+    per-expert weights load (one Linear each, so the Linear hooks apply). Llama-4's
+    Llama4TextExperts (gate_up_proj [E, H, 2I]) -> ``SequentialLlama4TextExperts``
+    (``transformers.quantizers.base``, 5.24: what transformers itself swaps in for compressed-tensors
+    and bitsandbytes checkpoints): every expert a Llama4TextMLP run on its own slice of the routed
+    input, which ``Llama4TextMoe.forward`` has already multiplied by the router weight. That is
+    where vLLM quantizes it too: ``apply_router_weight_on_input=True`` (``models/llama4.py``), and
+    ``MoEPrepareAndFinalizeNoDPEP.prepare`` (``fused_moe/prepare_finalize/no_dp_ep.py``, vLLM
+    0.33.0) computes ``a1 * topk_weights`` before ``_quantize_input``."""
+    from transformers.quantizers.base import SequentialLlama4TextExperts
+
+    return {"Llama4TextExperts": SequentialLlama4TextExperts}
 
 
 def _fused_experts_of(loaded: str, named: dict) -> str | None:
@@ -258,14 +282,22 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
     named = dict(model.named_modules())
     linears, experts, not_loaded = [], {}, set()
     model_name = _model_names(model)
-    for name in emulation.modules:  # first: a layer's experts the loop cannot emulate at all
-        if fused := _fused_experts_of(model_name(name), named):
-            # Llama-4: Llama4TextExperts keeps gate_up_proj [E, H, 2I] and multiplies the router weight
-            # into the input before the experts; transformers has no per-expert names to load into it
+    per_expert_forms = []
+    for name in emulation.modules:  # first: fused experts the checkpoint stores per expert
+        loaded = model_name(name)
+        if isinstance(named.get(loaded), torch.nn.Linear) or not (fused := _fused_experts_of(loaded, named)):
+            continue
+        per_expert = _per_expert_forms().get(type(named[fused]).__name__)
+        if per_expert is None:
             raise EmulationRefused(f"the checkpoint quantizes {name}, but {type(model).__name__} builds "
-                                   f"{fused} as {type(named[fused]).__name__}, fused experts the emulated experts "
-                                   "loop does not cover: evaluate its bf16 conversion (quantize --to bf16) locally, "
-                                   "or serve it and use evals run --base-url")
+                                   f"{fused} as {type(named[fused]).__name__}, fused experts with no per-expert "
+                                   "form to load it into: evaluate its bf16 conversion (quantize --to bf16) "
+                                   "locally, or serve it and use evals run --base-url")
+        parent, _, child = fused.rpartition(".")
+        with torch.device("meta"):  # as HfQuantizer._convert_model_for_quantization swaps it
+            named[parent]._modules[child] = per_expert(model.config.get_text_config())
+        named = dict(model.named_modules())
+        per_expert_forms.append(fused)
     for name in emulation.modules:
         loaded = model_name(name)
         match = FUSED_EXPERT.match(loaded)
@@ -294,7 +326,8 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
             named[name].register_forward_pre_hook(activation)
         for name in experts:
             named[name].quantgate_qdq = activation.emulation.activation_qdq
-    return {"linear": linears, "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded)}
+    return {"linear": linears, "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded),
+            "per_expert_form": per_expert_forms}
 
 
 # --- the transformers quantizer ----------------------------------------------------------------------------------

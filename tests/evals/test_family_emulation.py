@@ -190,27 +190,3 @@ def test_a_family_without_a_causal_lm_class_is_refused_in_one_line(data_dir, tmp
         assert len(said) == 1 and f"model_type '{model_type}' has no transformers causal-LM class" in said[0], said
         assert "--base-url" in said[0] and not (out / "run.json").exists()
 
-
-def test_llama4_bf16_runs_and_its_quantized_conversions_are_refused_in_one_line(data_dir, tmp_path, capsys):  # noqa: F811
-    """Llama-4 (llama4): transformers loads the text model as Llama4ForCausalLM, its experts fused
-    (Llama4TextExperts: gate_up_proj [E, H, 2I], the router weight multiplied into the input), which
-    the emulated experts loop does not cover. The bf16 source and the MXFP4 conversion decoded --to
-    bf16 are evaluated; the MXFP4 and FP8 conversions exit 2 naming the experts class, nothing written."""
-    src = write_family_checkpoint(tmp_path / "bf16", "llama4", num_hidden_layers=2)
-    for fmt in ("mxfp4", "fp8"):
-        assert quantize(["--to", fmt, "-q", str(src), str(tmp_path / fmt)]) == 0
-    assert quantize(["--to", "bf16", "-q", str(tmp_path / "mxfp4"), str(tmp_path / "decoded")]) == 0
-    for ckpt in (src, tmp_path / "decoded"):
-        out = tmp_path / f"run-{ckpt.name}"
-        assert run_cli("--out", out, "--model", ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir,
-                       "--limit", 1, "--max-gen-toks", 2) == 0
-        run, rows = read_bundle(out)
-        assert rows and run["local"]["dtype"] == "bfloat16" and not run["local"].get("emulation")
-    for fmt in ("mxfp4", "fp8"):
-        out = tmp_path / f"run-{fmt}"
-        capsys.readouterr()
-        assert run_cli("--out", out, "--model", tmp_path / fmt, "--benchmarks", "gsm8k", "--data-dir", data_dir,
-                       "--limit", 1) == 2
-        said = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
-        assert len(said) == 1 and "model.layers.1.feed_forward.experts as Llama4TextExperts" in said[0], said
-        assert "quantize --to bf16" in said[0] and not (out / "run.json").exists()
