@@ -140,6 +140,10 @@ class Family:
     # Which attention each decoder layer has (Qwen3-Next: linear_attention | full_attention), as the
     # role its tensors play: kind -> role. How each engine computes the kinds is its rule layer_kinds.
     layer_kinds: tuple[tuple[str, str], ...] = ()
+    # config.json keys written beside a quantization_config of a format (format -> {key: value}),
+    # where an engine reads the format from the config rather than the quantization_config
+    # (DeepSeek-V4: vLLM's expert_dtype); a --to bf16 decode drops them again
+    config_keys: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -213,6 +217,8 @@ def load_family(path: Path) -> Family:
             mtp_prefix=data.get("mtp_prefix"),
             mtp_layers_default=int(data.get("mtp_layers_default", 0)),
             layer_kinds=tuple((str(k), str(r)) for k, r in (data.get("layer_kinds") or {}).items()),
+            config_keys=tuple((str(f), tuple(sorted(dict(keys).items()))) for f, keys in
+                              (data.get("config_keys") or {}).items()),
         )
     except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

@@ -124,7 +124,12 @@ class Plan:
 
     def output_config(self) -> dict:
         config = strip_quantization_config(self.config)
+        written = dict(self.family.config_keys) if self.family else {}
+        for keys in written.values():  # a decode (or another format) leaves none of them behind
+            for key, _ in keys:
+                config.pop(key, None)
         if not self.decodes:
+            config.update(dict(written.get(self.recipe.format, ())))
             config["quantization_config"] = self.quantization_config()
         return config
 

@@ -42,11 +42,17 @@ def _fused_names(modules: set[str], family=DEFAULT_FAMILY) -> set[str]:
     for module in modules:
         if _ROUTED_EXPERT.match(module):
             continue
-        parent, _, leaf = module.rpartition(".")
         for fused_leaf, shards in _built_fused(family).items():
-            if leaf in shards and all(f"{parent}.{s}" in modules for s in shards):
-                fused.add(f"{parent}.{fused_leaf}")
+            for parent in _shard_parents(module, shards):
+                if all(f"{parent}.{s}" in modules for s in shards):
+                    fused.add(f"{parent}.{fused_leaf}")
     return fused
+
+
+def _shard_parents(module: str, shards: tuple[str, ...]) -> list[str]:
+    """The parent ``module`` is a shard of, for each shard it ends in (a shard may be dotted:
+    DeepSeek-V4's compressor.wkv, whose fused module is compressor.wkv_gate)."""
+    return [module[:-len(s) - 1] for s in shards if module.endswith("." + s)]
 
 
 def check_fused_agreement(kept: set[str], quantized: set[str], family=DEFAULT_FAMILY) -> None:
@@ -55,10 +61,11 @@ def check_fused_agreement(kept: set[str], quantized: set[str], family=DEFAULT_FA
     for module in sorted(kept):
         if _ROUTED_EXPERT.match(module):
             continue
-        parent, _, leaf = module.rpartition(".")
         for fused_leaf, shards in _built_fused(family).items():
-            siblings = [f"{parent}.{s}" for s in shards if f"{parent}.{s}" in present]
-            if leaf in shards and any(s in quantized for s in siblings):
+            for parent in _shard_parents(module, shards):
+                siblings = [f"{parent}.{s}" for s in shards if f"{parent}.{s}" in present]
+                if not any(s in quantized for s in siblings):
+                    continue
                 raise NamingError(
                     f"{parent}.{fused_leaf}: shards {siblings} would be quantized differently; the engines fuse "
                     f"them into one module and refuse to load ('different quantization schemes'). "

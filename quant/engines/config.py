@@ -35,8 +35,11 @@ def router_tensors(tensors, family, num_hidden_layers: int) -> tuple[list[str], 
     """The checkpoint's router bias and router weight tensors, by the family's roles (computed once,
     checked per release)."""
     roles = {t: family.classify(t, num_hidden_layers).role for t in tensors}
+    # a router beside a hash table (router_hash: DeepSeek-V4's tid2eid) routes by token id, no bias
+    hashed = {t.rpartition(".")[0] for t, r in roles.items() if r == "router_hash"}
     return (sorted(t for t, r in roles.items() if r == "router_bias"),
-            sorted(t for t, r in roles.items() if r == "router" and t.endswith(".weight")))
+            sorted(t for t, r in roles.items() if r == "router" and t.endswith(".weight")
+                   and t.rpartition(".")[0] not in hashed))
 
 
 def model_findings(rules: RuleSet, config: dict, routers: tuple[list[str], list[str]], num_hidden_layers: int,

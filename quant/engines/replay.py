@@ -142,6 +142,8 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
         indexer_bf16 = indexer_bf16_leaves(rules, DEFAULT, {})
     built: dict[str, EngineModule] = {}
     experts: dict[str, EngineModule] = {}  # checkpoint "<layer>.mlp.experts" -> its FusedMoE (the common case, fast)
+    # shard -> fused module; a dotted key names the shard with its parent (DeepSeek-V4's
+    # compressor.wkv is fused with compressor.wgate, its attention's wkv with wq_a)
     fused_of = {shard: fused for fused, shards in rules["built_fused"].items() for shard in shards}
     max_draft = rules["mtp_naming"]["max_layers"]
     for module, info in modules.items():
@@ -159,8 +161,11 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
         if name is None:
             continue
         parent, _, leaf = name.rpartition(".")
+        grandparent, _, tail = parent.rpartition(".")
         if moe:
             name = name[:name.rindex(".experts.") + len(".experts")]
+        elif f"{tail}.{leaf}" in fused_of:
+            name = f"{grandparent}.{fused_of[f'{tail}.{leaf}']}"
         elif leaf in fused_of and info.role != "indexer":
             name = f"{parent}.{fused_of[leaf]}"
         entry = built.get(name)
@@ -205,7 +210,29 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
         skip = rules["fp8_skip"]
         return fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
     entries = qconfig.get("exclude")
-    return [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+    entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+    mapper = rules.values.get("exclude_mapper")
+    return [m for e in entries if (m := mapped_entry(e, mapper)) is not None] if mapper else entries
+
+
+def mapped_entry(entry: str, mapper: dict) -> str | None:
+    """An exclude entry as the model class's weight-name mapper renames it before matching
+    (``exclude_mapper``, substrings, then prefixes, then suffixes; None drops the entry). ``style``
+    sglang: models/utils.py WeightsMapper._map_name (QuarkConfig.apply_weight_name_mapper), the
+    longest match of each kind only; vllm: WeightsMapper._map_name_with_shard (QuarkConfig.apply_vllm_mapper),
+    every match in order."""
+    longest = mapper["style"] == "sglang"
+    for kind in ("substr", "prefix", "suffix"):
+        items = list((mapper.get(kind) or {}).items())
+        for old, new in sorted(items, key=lambda item: len(item[0]), reverse=True) if longest else items:
+            hit = old in entry if kind == "substr" else entry.startswith(old) if kind == "prefix" else entry.endswith(old)
+            if hit:
+                if new is None:
+                    return None
+                entry = new.join(entry.rsplit(old, 1)) if kind == "suffix" else entry.replace(old, new, 1)
+                if longest:
+                    break
+    return entry
 
 
 def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) -> bool:

@@ -212,6 +212,67 @@ def _qwen3_5_release(tensors: dict, config, layer: int) -> dict:
     return out
 
 
+def _deepseek_v4(num_hidden_layers: int, **overrides):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    # DeepSeek-V4's decoder scaled down: layer 0 sliding-window attention routed by the hash table,
+    # then compressed sparse attention (ratio 4: KV compressor and lightning indexer) and heavily
+    # compressed attention (ratio 128: compressor only) alternating, routed by the biased router;
+    # the last built layer (the MTP module's decoder) sliding-window, as the release's MTP layer
+    kinds = ["sliding_attention"] + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                                     for i in range(1, num_hidden_layers - 1)] + ["sliding_attention"]
+    config = DeepseekV4Config(**{**TINY, "num_hidden_layers": num_hidden_layers, "n_routed_experts": 4,
+                                 "n_shared_experts": 1, "num_experts_per_tok": 2, "q_lora_rank": 32,
+                                 "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16,
+                                 "index_topk": 4, "sliding_window": 8, "hc_mult": 2, "partial_rotary_factor": 0.5,
+                                 "layer_types": kinds[:num_hidden_layers],
+                                 "mlp_layer_types": ["hash_moe"] + ["moe"] * (num_hidden_layers - 1), **overrides})
+    return config, DeepseekV4ForCausalLM
+
+
+_V4_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _deepseek_v4_release(tensors: dict, config, layer: int) -> dict:
+    """The release's unprefixed names (transformers 5.24 saves model.-prefixed ones and keeps
+    model.embed_tokens / model.hc_head.*: conversion_mapping.py "deepseek_v4" reads ^embed., ^head.,
+    ^hc_head_*): the last built decoder layer becomes the MTP module mtp.0.*, with its own e_proj /
+    h_proj, enorm / hnorm, norm and hc_head_* (sglang deepseek_v4.py remap_weight_name_to_dpsk_hf_format,
+    vLLM nvidia/mtp.py read these names)."""
+    import torch
+
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    out = {}
+    for name, tensor in tensors.items():
+        name = top.get(name, name)
+        if name.startswith(f"model.layers.{layer}."):
+            name = "mtp.0." + name[len(f"model.layers.{layer}."):]
+        out[name.removeprefix("model.")] = tensor
+    h = config.hidden_size
+    gen = torch.Generator().manual_seed(layer)
+    for proj in ("e_proj", "h_proj"):
+        out[f"mtp.0.{proj}.weight"] = (torch.randn(h, h, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "norm"):
+        out[f"mtp.0.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    for part in ("fn", "base", "scale"):
+        out[f"mtp.0.hc_head_{part}"] = out[f"hc_head_{part}"].clone()
+    return out
+
+
+def _deepseek_v4_config(saved: dict, num_hidden_layers: int) -> None:
+    """config.json as the release carries it beside transformers' keys: the decoder's layer kinds,
+    and the keys the engines read that transformers' config derives or omits (compress_ratios per
+    layer and the MTP layer, num_hash_layers, topk_method: both engines create the router bias only
+    for noaux_tc)."""
+    kinds = saved["layer_types"]
+    saved.update(num_hidden_layers=num_hidden_layers, layer_types=kinds[:num_hidden_layers],
+                 mlp_layer_types=saved["mlp_layer_types"][:num_hidden_layers],
+                 compress_ratios=[_V4_RATIO[k] for k in kinds], num_hash_layers=saved["mlp_layer_types"].count("hash_moe"),
+                 topk_method="noaux_tc", num_nextn_predict_layers=1)
+
+
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py
 # "kimi_k25": its blocks -> layers rule is reverted on the text layers too): the release's names
 RELEASE_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers."),
@@ -250,7 +311,9 @@ BUILDERS = {"glm4_moe": (_glm4_moe, True), "qwen3_moe": (_qwen3_moe, False), "mi
             "llama4": (_llama4, False),
             "gpt_oss": (_gpt_oss, False),
             # MiniMax-M3's MTP module (language_model.model.mtp.layers.0): skipped by both engines' main models
-            "minimax_m3": (_minimax_m3, "mtp_module")}  # family -> (config + model class, whether the release has an MTP layer)
+            "minimax_m3": (_minimax_m3, "mtp_module"),
+            # DeepSeek-V4: unprefixed names, the MTP module under mtp.0.*
+            "deepseek_v4": (_deepseek_v4, "deepseek_v4")}  # family -> (config + model class, whether the release has an MTP layer)
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,
@@ -277,6 +340,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
             tensors = _m3_mtp(tensors, config, num_hidden_layers)
         if has_mtp == "qwen3_5":
             tensors = _qwen3_5_release(tensors, config, num_hidden_layers)
+        if has_mtp == "deepseek_v4":
+            tensors = _deepseek_v4_release(tensors, config, num_hidden_layers)
         extras = _mtp_extras(config, num_hidden_layers) if has_mtp is True else \
             _mtp_prefix_extras(getattr(config, "text_config", config)) if has_mtp in ("prefix", "qwen3_5") else {}
         if has_mtp == "prefix":
@@ -300,6 +365,8 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
     saved.update(architectures=[RELEASE_ARCH.get(family, model_class.__name__)], torch_dtype="bfloat16")
     if family == "minimax_m3":
         _minimax_m3_release(saved, num_hidden_layers)
+    elif family == "deepseek_v4":
+        _deepseek_v4_config(saved, num_hidden_layers)
     elif "text_config" in saved:  # the release's text_config (Kimi-K2.5: model_type kimi_k2; transformers rewrites it)
         saved["text_config"].update(RELEASE_TEXT.get(family, {}))
         if has_mtp == "qwen3_5":  # the draft's layer was built beside the decoder's: the release counts it apart

@@ -64,6 +64,14 @@ EXPECT = {
                                 "model.language_model.layers.0.mlp.shared_expert.gate_up_proj",
                                 "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc1",
                                 "mtp.layers.0.self_attn.qkv_proj", "mtp.fc"], "sglang_default_loads": True},
+    # DeepSeek-V4: sglang builds layers.N.attn/ffn as model.layers.N.self_attn/mlp (wq_a + wkv fused as
+    # wqkv_a, the shared expert's w1/w3 as gate_up_proj), vLLM keeps attn/ffn and fuses fused_wqa_wkv;
+    # the compressors and the indexer's weights_proj are built bf16 by both (listed anyway); sglang fuses
+    # the shared expert only with --enforce-shared-experts-fusion
+    "deepseek_v4": {"aliases": ["model.layers.1.self_attn.wqkv_a", "model.layers.1.mlp.shared_experts.gate_up_proj",
+                                "model.layers.1.attn.fused_wqa_wkv", "model.layers.1.ffn.shared_experts.gate_up_proj",
+                                "model.layers.1.ffn.shared_experts.down_proj", "model.layers.0.mlp.gate",
+                                "model.layers.1.attn.indexer.wq_b", "lm_head"], "sglang_default_loads": True},
     "qwen3_next": {"aliases": ["model.layers.1.self_attn.qkv_proj", "mtp.layers.0.self_attn.qkv_proj",
                                "model.layers.0.self_attn.qkv_proj", "mtp.fc",
                                "model.layers.0.mlp.shared_expert.gate_up_proj"], "sglang_default_loads": True},
@@ -361,3 +369,48 @@ def test_qwen3_5_vision_tower_and_draft_fc_must_be_excluded_for_vllm(tmp_path, c
     for engine in ("sglang==0.5.23", "sglang==0.5.21"):
         code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", engine)
         assert code == 0, text
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_v4_own")
+    src = write_family_checkpoint(root / "bf16", "deepseek_v4")
+    for to in ("mxfp4", "fp8"):
+        assert quantize(["--to", to, str(src), str(root / to)]) == 0
+    return src, {to: root / to for to in ("mxfp4", "fp8")}
+
+
+def test_deepseek_v4_checkpoint_named_exclude_loads_from_sglang_0_5_22_only(deepseek_v4, capsys, tmp_path):
+    """sglang 0.5.22 and 0.5.23 rename a Quark checkpoint's exclude list with DeepSeek-V4's
+    _QUARK_CKPT_TO_SGLANG_MAPPER (layers.N.attn. -> model.layers.N.self_attn.); 0.5.21 has no mapper and
+    matches the list as written, so entries in the checkpoint's names only keep nothing bf16 there.
+    vLLM renames them with the class's hf_to_vllm_mapper (layers. -> model.layers.)."""
+    import shutil
+
+    _, outputs = deepseek_v4
+    folder = shutil.copytree(outputs["mxfp4"], tmp_path / "ckpt_names")
+    config = json.loads((folder / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if not e.startswith("model.") and e != "lm_head"]
+    (folder / "config.json").write_text(json.dumps(config))
+    code, text = run_gate(capsys, folder, "--engine", "sglang==0.5.21")
+    assert code == 1 and "model.layers.0.self_attn.wqkv_a" in text and "meets an MXFP4 slot" in text, text
+    for engine in ("sglang==0.5.22", "sglang==0.5.23", "vllm"):
+        code, text = run_gate(capsys, folder, "--engine", engine)
+        assert code == 0 and "verdict: loads correctly" in text, (engine, text)
+
+
+def test_deepseek_v4_fp8_names_its_expert_dtype_and_bf16_drops_it(deepseek_v4, tmp_path):
+    """vLLM's DeepseekV4FP8Config gives a deepseek_v4 FP8 checkpoint's routed experts Mxfp4MoEMethod
+    unless config.expert_dtype is "fp8" (models/deepseek_v4/quant_config.py): --to fp8 writes it,
+    --to mxfp4 does not, --to bf16 of the FP8 conversion drops it again; the hyper-connection tensors
+    and the hash table are copied as stored."""
+    src, outputs = deepseek_v4
+    assert json.loads((outputs["fp8"] / "config.json").read_text())["expert_dtype"] == "fp8"
+    assert "expert_dtype" not in json.loads((outputs["mxfp4"] / "config.json").read_text())
+    assert quantize(["--to", "bf16", str(outputs["fp8"]), str(tmp_path / "bf16")]) == 0
+    assert "expert_dtype" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    source, fp8 = dtypes(src), dtypes(outputs["fp8"])
+    kept = [n for n in source if ".hc_" in n or n.startswith("hc_") or n.endswith("tid2eid")]
+    assert kept and all(fp8[n] == source[n] for n in kept)
+
