@@ -90,8 +90,11 @@ def quantize(args: list[str], dst: Path) -> dict:
     """One run of ``quantize ARGS DST`` in a new process: its manifest's seconds and stages, peak RSS."""
     if dst.exists():
         shutil.rmtree(dst)
+    # one BLAS thread, as in a converting worker: numpy's OpenBLAS pool would otherwise spin on the
+    # other core, and each run's time would depend on what else the machine runs there
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", RUN, "-q", "--workers", "1", *args, str(dst)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"quantize {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     usage = json.loads(done.stdout.strip().splitlines()[-1])
@@ -117,6 +120,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one, removed after)")
     args = parser.parse_args()
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-fused-", dir=args.workdir))
     try:
         per_expert = make_layer(work / "per_expert" / "bf16", args.experts, args.hidden, args.intermediate)
