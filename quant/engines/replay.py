@@ -307,6 +307,11 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
                           f"the {what} loads all of them with one scheme", "quantize all of them or none")
             continue
         quantized_on_disk = on_disk.pop()
+        if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
+            finding(name, f"{rules.engine}'s loader views {permuted} as [heads, head_dim/2, 2, hidden] to permute "
+                          f"it for rotary; a packed {fmt_name} weight cannot take that view (and its scales are "
+                          "not permuted)", "keep q_proj and k_proj bf16 (list them in exclude)")
+            continue
         if em.build == "bf16":
             if em.moe:
                 slots[name] = False
@@ -334,6 +339,16 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
     return findings, slots, entries
+
+
+def _rotary_permuted(em: EngineModule, rules: RuleSet, kind: str) -> str | None:
+    """The checkpoint weight of ``em`` that the loader reshapes for rotary and cannot in this format
+    (rule ``qk_rotary_permute``: sglang's Llama-4), or None."""
+    rule = rules.values.get("qk_rotary_permute")
+    if not rule or kind not in rule["fails"]:
+        return None
+    return next((m for m in em.members if m.rpartition(".")[2] in rule["leaves"]
+                 and not any(skip in m for skip in rule["unless_name_has"])), None)
 
 
 def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int) -> dict[str, list[str]]:

@@ -223,6 +223,8 @@ MUTATIONS = [
          "llama4 vLLM router quantized"),
     data("vllm.llama4", "0.33.0", "moe_layers", ["zero"], "all", "llama4 vLLM step 0 builds every layer MoE"),
     data("vllm.llama4", "0.33.0", "moe_layers", ["step"], "decoder_sparse_step", "llama4 vLLM reads another step"),
+    data("sglang.llama4", "0.5.21", "qk_rotary_permute", ["fails"], [], "llama4 sglang permutes packed MX q/k"),
+    data("sglang.llama4", "0.5.21", "qk_rotary_permute", ["fails"], ["quark", "fp8"], "llama4 sglang refuses FP8 q/k"),
     top("sglang.llama4", ("checked",), ["0.5.21", "0.5.23"], "llama4 0.5.22 not read"),
     # Qwen3-Next (Qwen3NextForCausalLM, drafts Qwen3NextForCausalLMMTP / Qwen3NextMTP) rules:
     # manifests/engines/{sglang,vllm}.qwen3_next.yaml (killed by tests/quant/test_engine_qwen3_next.py)

@@ -21,9 +21,11 @@ from packaging.version import Version
 from safetensors.torch import load_file
 
 from quant.cli import main as quantize
-from quant.engines import ENGINES, rule_sets
+from quant.engines import ENGINES, Module, replay, rule_sets
 from quant.engines.config import moe_layers_built
 from quant.engines.rules import releases_read, select
+from quant.formats.codecs import get_codec
+from quant.formats.constants import ScaleRule
 from tests.quant.engine_sources import (
     attribute_builds,
     class_constant,
@@ -311,3 +313,56 @@ def test_every_required_release_is_read_and_has_one_rule_set():
         assert set(required) <= set(read), (engine, sorted(read))
         for release in required:
             assert len(select(f"{engine}=={release}", "llama4")) == 1
+
+
+HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "hidden_size": 64}  # the tiny text config's
+
+
+def _stored_qk(fmt: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """q_proj and k_proj as quantgate stores them in ``fmt`` (weight, scales), from random bf16."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for leaf, heads in (("q_proj", HEADS["num_attention_heads"]), ("k_proj", HEADS["num_key_value_heads"])):
+        w = torch.randn(heads * HEADS["head_dim"], HEADS["hidden_size"], generator=gen).to(torch.bfloat16)
+        out[leaf] = get_codec(fmt).quantize(w)
+    return out
+
+
+def _loader_takes(rules, release, fmt: str) -> bool:
+    """Whether the release's own permute_qk_weight_for_rotary (sglang: Llama4ForConditionalGeneration,
+    vLLM: Llama4ForCausalLM) takes the stored q_proj/k_proj and permutes each weight's scales with it."""
+    whl = engine_wheel(rules, release)
+    cls, path = ("Llama4ForConditionalGeneration", TOP["sglang"]) if rules.engine == "sglang" else \
+        ("Llama4ForCausalLM", TEXT["vllm"])
+    permute = methods(whl, path, cls, ["permute_qk_weight_for_rotary"],
+                      {"torch": torch, "_is_cpu": False, "Tuple": tuple})["cls"].permute_qk_weight_for_rotary
+    config = types.SimpleNamespace(**HEADS)
+    model = types.SimpleNamespace(config=config, language_model=types.SimpleNamespace(config=config))
+    prefix = "language_model.model.layers.0.self_attn."
+    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    for leaf, (weight, scales) in _stored_qk(fmt).items():
+        try:
+            permute(model, prefix + leaf + ".weight", weight)
+        except RuntimeError:  # the view does not fit the stored shape
+            return False
+        _, permuted = permute(model, f"{prefix}{leaf}.{scale_name}", scales)
+        if fmt != "fp8" and torch.equal(permuted, scales):  # per-row MX scales must follow their rows
+            return False
+    return True
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_quantized_q_and_k_load_where_the_engines_rotary_permute_takes_them(rules, release, fmt):
+    """Both loaders permute q_proj/k_proj rows for rotary at load: sglang by the config's head sizes
+    (an MXFP4 weight packed [out, in/2] does not fit the view), vLLM by the tensor's own shape with its
+    per-row scales alike. The replay fails a quantized attention exactly where the release's own
+    function does not take it (FP8 128 x 128 blocks: the rows stay in their block at head_dim 128)."""
+    prefix = "language_model.model.layers.0.self_attn."
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64)}
+    modules = {prefix + leaf: Module(True, shape, "attention") for leaf, shape in shapes.items()}
+    kind = "fp8" if fmt == "fp8" else "quark"
+    qconfig = get_codec(fmt).quantization_config([], ScaleRule.EVEN, False)
+    findings = [f for f in replay(rules, modules, qconfig, "llama4", 2, kind, fmt.upper(), {})
+                if "permute it for rotary" in f.why]
+    assert (not findings) == _loader_takes(rules, release, fmt), findings

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,15 @@ def test_the_moe_layer_step_is_checked_against_the_stored_experts(tmp_path, caps
     assert quantize(["--to", "mxfp4", "--dry-run", str(src), str(tmp_path / "dry")]) == 0
     out = capsys.readouterr().out
     assert "vllm 0.33.0" in out and "builds MoE layers none" in out and "sglang" not in out.split("builds MoE")[0][-60:]
+
+
+def test_a_recipe_quantizing_attention_to_mxfp4_is_refused_naming_sglangs_rotary_permute(llama4, tmp_path, capsys):
+    """sglang's Llama-4 loader reshapes q_proj/k_proj by the config's head sizes
+    (mllama4.py: permute_qk_weight_for_rotary): quantize refuses the all-linear MXFP4 recipe, nothing
+    written; FP8 blocks keep their shape and load (the checkpoint of the fixture's --to fp8)."""
+    recipe = Path(__file__).parents[1] / "benchmarks" / "mxfp4-all-linear-floor.yaml"
+    code = quantize(["-q", "--to", "mxfp4", "--recipe", str(recipe), str(llama4 / "bf16"), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    assert "self_attn.k_proj as [heads, head_dim/2, 2, hidden]" in err and "permute it for rotary" in err and "sglang" in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
