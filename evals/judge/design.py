@@ -5,9 +5,11 @@ The variance model is the gate's (``stats.Guidance``): the per-item mean delta o
 variance ``between + within / R``. ``between`` is the spread of the items' true deltas (only more
 items lower it), ``within`` the sampling noise of one repeat's delta (repeats at the same
 temperature lower it). tau2's macro (mean of domain means) costs ``TAU2_MACRO_FACTOR`` times the
-variance of a plain mean over the same tasks. Both components come from a pilot (a reference and
-a candidate bundle: ``stats.variance_components`` of their paired deltas; a reference alone with
-two or more repeats gives ``within``), or from stated assumptions (``DEFAULT_ASSUMPTIONS``).
+variance of a plain mean over the same tasks at equal spreads. Both components come from a pilot
+(a reference and a candidate bundle: ``paired_pilot`` of their paired outcomes, tau2's per domain at
+the macro's weights, with the share of items that differ per repeats, which sets the gate's degrees
+of freedom; a reference alone with two or more repeats gives ``within``), or from stated
+assumptions (``DEFAULT_ASSUMPTIONS``).
 
 Power is that of the gate's rule at the plausible drop ``d`` (true delta ``-d``). For one 0/1
 outcome per item (one repeat, no domains) it is exact: ``stats.exact_power`` sums the trinomial
@@ -61,6 +63,9 @@ class Assumptions:
     between: float  # variance of the items' true paired deltas
     within: float  # variance of one repeat's paired delta about its item's true delta
     source: str
+    # measured by a pilot (``paired_pilot``): the share of items whose arms differ after 1, 2, ... repeats
+    # (``differing_share``); empty: the independent repeats of the stated variance (``expected_df``)
+    differing: tuple[float, ...] = ()
 
 
 # Stated assumptions when no pilot is given; a pilot replaces them (a plan names its source). They are
@@ -170,13 +175,59 @@ def operating(looks: list[dict], drift: float) -> dict:
     return sequential.operating([lk["information_fraction"] for lk in looks], [lk["z"] for lk in looks], drift)
 
 
+def differing_share(deltas: np.ndarray) -> tuple[float, ...]:
+    """The share of items whose arms differ after the first 1, 2, ..., R repeats (items x repeats of
+    paired deltas of 0/1 outcomes): the items the gate's bound counts its degrees of freedom over
+    (``stats._bca``: the nonzero per-item mean deltas). Summed, not averaged: a sum of integers is
+    exact, so an item whose arms tie over its repeats counts as tied."""
+    sums = np.cumsum(np.asarray(deltas, dtype=float), axis=1)
+    return tuple(float(np.mean(np.abs(sums[:, r]) > 1e-9)) for r in range(sums.shape[1])) if len(sums) else ()
+
+
+def paired_pilot(benchmark: str, ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | None = None,
+                 source: str = "pilot") -> Assumptions:
+    """The assumptions a pilot's paired outcomes give (items x repeats of each arm, repeat r of one arm
+    paired with repeat r of the other): the variance components of the paired deltas
+    (``stats.variance_components``) and the share of items that differ per repeats (``differing_share``).
+    With ``strata`` (tau2's domains) the components are the domains' own, weighted as the macro weighs
+    them at the benchmark's task shares, so ``se_of`` gives the macro's standard error whatever each
+    domain's spread (the stated model assumes them equal): between = sum_d between_d / share_d over
+    sum_d 1 / share_d, within likewise."""
+    deltas = np.asarray(cand, dtype=float) - np.asarray(ref, dtype=float)
+    if deltas.ndim == 1:
+        deltas = deltas[:, None]
+    n, repeats = deltas.shape
+    where = f"{source}, {n} items x {repeats} repeats"
+    if strata is None:
+        between, within = variance_components(deltas)
+        return Assumptions(between, within, where, differing_share(deltas))
+    strata = np.asarray(strata)
+    names = sorted(set(strata.tolist()))
+    known = benchmark == "tau2" and all(d in TAU2_DOMAIN_TASKS for d in names)
+    sizes = {d: TAU2_DOMAIN_TASKS[d] if known else int(np.sum(strata == d)) for d in names}
+    weights = {d: sum(sizes.values()) / sizes[d] for d in names}  # 1 / each domain's share of the tasks
+    parts = {d: variance_components(deltas[strata == d]) for d in names}
+    between = sum(weights[d] * parts[d][0] for d in names) / sum(weights.values())
+    within = sum(weights[d] * parts[d][1] for d in names) / sum(weights.values())
+    return Assumptions(between, within, f"{where} in {len(names)} domains", differing_share(deltas))
+
+
 def expected_df(benchmark: str, assumptions: Assumptions, items: int, repeats: int, drop: float) -> float:
     """The degrees of freedom the gate's bound will have (``stats.pooled_df``: the items that differ, less
-    one, pooled over tau2's domains), expected under the plan's item model: an (item, repeat) is
-    discordant with probability ``between + within + drop^2`` (``outcome_rates``), an item differs once
-    one of its repeats is (independent repeats: an upper estimate, which moves the t quantile little)."""
-    discordant = sum(outcome_rates(assumptions, drop))
-    differ = 1 - (1 - min(discordant, 1.0)) ** repeats
+    one, pooled over tau2's domains), expected under the plan's item model: the share a pilot measured
+    at these repeats (``Assumptions.differing``; past the pilot's repeats, its last extended as
+    independent repeats); else, stated, an (item, repeat) is discordant with probability
+    ``between + within + drop^2`` (``outcome_rates``) and an item differs once one of its repeats is
+    (independent repeats: an upper estimate; where the same items differ again and again, as under
+    issue 37's concentrated damage, fewer differ and the bound lies further out)."""
+    seen = assumptions.differing
+    if seen and repeats <= len(seen):
+        differ = seen[repeats - 1]
+    elif seen:
+        differ = 1 - (1 - min(seen[-1], 1.0)) ** (repeats / len(seen))
+    else:
+        discordant = sum(outcome_rates(assumptions, drop))
+        differ = 1 - (1 - min(discordant, 1.0)) ** repeats
     if benchmark != "tau2":
         return stats.pooled_df([1.0], [items * differ])
     sizes = [items * t / sum(TAU2_DOMAIN_TASKS.values()) for t in TAU2_DOMAIN_TASKS.values()]
@@ -297,7 +348,7 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
                  "expected_at_drop": items * expected / throughput}
     return Design(benchmark=benchmark, items=items, repeats=repeats, margin=margin, drop=drop, power=p,
                   feasible=feasible, certifiable_margin=cert, expected_repeats=expected, looks=looks,
-                  assumptions=asdict(assumptions), benchmark_items=benchmark_items, max_repeats=max_repeats,
+                  assumptions={**asdict(assumptions), "differing": list(assumptions.differing)}, benchmark_items=benchmark_items, max_repeats=max_repeats,
                   gpu_hours=hours, note=note)
 
 
@@ -324,8 +375,8 @@ def _arm_matrix(rows: list[dict], where: str) -> tuple[list[str], np.ndarray]:
 
 
 def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, stated: Assumptions) -> Assumptions:
-    """Variance components from a pilot: with both arms, those of their paired deltas; with the
-    reference alone, ``within`` from its repeats (two independent arms: twice one arm's variance
+    """Variance components from a pilot: with both arms, ``paired_pilot`` of their paired outcomes
+    (tau2 per domain, and the share of items that differ per repeats); with the reference alone, ``within`` from its repeats (two independent arms: twice one arm's variance
     between repeats) and ``between`` as stated."""
     ref_run, ref_rows = read_bundle(reference)
     if benchmark not in ref_run["benchmarks"]:
@@ -336,11 +387,11 @@ def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, s
         _, cand_rows = read_bundle(candidate)
         pairs = pair(pick(ref_rows), pick(cand_rows))
         where = f"--pilot-reference {reference} --pilot-candidate {candidate}: {benchmark}"
-        _, ref = _arm_matrix([a for a, _ in pairs], where)
+        items, ref = _arm_matrix([a for a, _ in pairs], where)
         _, cand = _arm_matrix([b for _, b in pairs], where)
-        between, within = variance_components(cand - ref)
-        return Assumptions(between, within, f"pilot: {reference} vs {candidate}, {len(ref)} items x {ref.shape[1]} "
-                                            "repeats")
+        domains = {a["item_id"]: a["domain"] for a, _ in pairs if "domain" in a}  # tau2: each task's domain
+        strata = np.array([domains[i] for i in items]) if items and all(i in domains for i in items) else None
+        return paired_pilot(benchmark, ref, cand, strata, f"pilot: {reference} vs {candidate}")
     _, ref = _arm_matrix(pick(ref_rows), f"--pilot-reference {reference}: {benchmark}")
     if ref.shape[1] < 2:
         raise BadInput(f"--pilot-reference {reference}: {benchmark} has one repeat, which shows no sampling noise; "

@@ -1,8 +1,8 @@
 """Operating characteristics of the accuracy gate: how often it passes, blocks or fails a candidate
 whose true delta is 0, exactly the margin, or a point beyond it, at the sizes people run.
 
-    nice -n 15 python -m tests.benchmarks.sim_gate [--sims 2000] [--workers 2] [--cells gsm8k,tau2]
-        [--models heterogeneous,concentrated] [--at=-margin]
+    nice -n 15 python -m tests.benchmarks.sim_gate [--sims 2000] [--workers 2] [--cells "gsm8k;tau2"]
+        [--models heterogeneous,concentrated] [--at=-margin] [--plan-from pilot|stated]
 
 Not a test: a statistics experiment. Each simulation draws a fresh set of items and both arms'
 outcomes and judges them with the real
@@ -25,9 +25,14 @@ False pass is PASS at the margin: the policy promises at most 5% (one-sided 95% 
 
 Sequential cells judge one run after each repeat and stop at the first PASS or FAIL: at the level
 ``gate accuracy`` gives each look of a plan (Lan-DeMets O'Brien-Fleming spending on the information
-the look observed, ``evals.judge.design.observed_levels``, against the plan `gate plan` writes from its
-stated item model), and, to show why, naively at the policy's 95% at every look; "mean repeats" is
-how many repeats the looks used on average.
+the look observed, ``evals.judge.design.observed_levels``, against the plan `gate plan` writes), and,
+to show why, naively at the policy's 95% at every look; "mean repeats" is how many repeats the looks
+used on average.
+
+Plans (the power printed beside the simulated one at a true delta of -0.01, and the sequential cells'
+looks) are made as a user makes them: from a pilot of the cell's item model (``assumptions``,
+``design.paired_pilot``), or, with ``--plan-from stated``, from ``design.DEFAULT_ASSUMPTIONS``, which
+describe the heterogeneous items only.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -43,10 +50,9 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from evals.judge.design import DEFAULT_ASSUMPTIONS, _power, observed_levels, one_outcome, plan_looks
+from evals.judge.design import DEFAULT_ASSUMPTIONS, Assumptions, _power, observed_levels, paired_pilot, plan_looks
 from evals.judge.gate import compare_benchmark, judge
 from evals.judge.policy import load_policy
-from evals.judge.stats import exact_power
 
 
 @dataclass(frozen=True)
@@ -102,47 +108,58 @@ CELLS = [
 ]
 
 
+PILOT_RUNS = 200  # a pilot of 200 runs of the cell's design (of 200 candidates): it measures the item model
+
+
 @lru_cache(maxsize=None)
-def plan_entry(cell: Cell, alpha: float) -> dict:
-    """The plan `gate plan` writes for this cell's design from its stated item model (looks after each repeat)."""
-    assumed = DEFAULT_ASSUMPTIONS[cell.benchmark]
+def assumptions(cell: Cell, delta: float, model: str, plan_from: str) -> Assumptions:
+    """What the plan assumes: ``stated``, the cell's ``DEFAULT_ASSUMPTIONS`` (heterogeneous items at a drop
+    of 0.01); ``pilot``, as a user plans, from a pilot run's paired outcomes
+    (``design.paired_pilot``: variance components, tau2's per domain, and the share of items that differ
+    per repeats), drawn from the cell's item model at its true delta, independent of the judged runs
+    (its own random seed): ``PILOT_RUNS`` simulated runs of the cell's design stacked, so that it
+    measures the model rather than its own noise, and every part of it, including what the
+    concentrated model draws once per run (the share of damaged items: one run's share gave GPQA
+    198x2 a standard error 4.6% below the runs' 0.0195)."""
+    if plan_from == "stated":
+        return DEFAULT_ASSUMPTIONS[cell.benchmark]
+    seed = 7_000_003 + sum(map(ord, cell.name)) + 1000 * list(MODELS).index(model) + round(1e4 * abs(delta))
+    rng = np.random.default_rng(seed)
+    runs = [simulate(rng, replace(cell, infra=0.0), delta, model) for _ in range(PILOT_RUNS)]
+    ref, cand = (np.concatenate([r[k] for r in runs]) for k in (0, 1))
+    strata = np.concatenate([r[2] for r in runs]) if cell.mix is None else None
+    return paired_pilot(cell.benchmark, ref, cand, strata, f"pilot ({model}, true delta {delta:+.3f}, {PILOT_RUNS} runs)")
+
+
+def plan_entry(cell: Cell, alpha: float, delta: float, model: str, plan_from: str) -> dict:
+    """The plan `gate plan` writes for this cell's design from its assumptions (looks after each repeat)."""
+    assumed = assumptions(cell, delta, model, plan_from)
     return {"items": cell.items, "assumptions": asdict(assumed), "looks": plan_looks(assumed, cell.repeats, alpha)}
 
 
-@lru_cache(maxsize=None)
-def outcome_rates(cell: Cell, delta: float, model: str) -> tuple[float, float]:
-    """``(P(reference-only), P(candidate-only))`` of one item under the model, from 3,000,000 drawn items
-    (+-0.0001; 400,000 moved GSM8K 1319's power by 1.5 points): the rates the exact power needs (the
-    uncoupled redraws add discordance to the cell's)."""
-    drawn = [MODELS[model](np.random.default_rng(100 + k), cell.mix, 500_000, 1, cell.discordance, delta)
-             for k in range(6)]
-    return (float(np.mean([np.mean(r > c) for r, c in drawn])), float(np.mean([np.mean(c > r) for r, c in drawn])))
-
-
-def plan_power(cell: Cell, policy, delta: float, model: str) -> float | None:
-    """The power ``gate plan`` computes for this cell's design at a true delta (``design._power``): for one
-    0/1 outcome per item exact (``stats.exact_power``) at the model's outcome rates, which is all it
-    depends on; else the normal approximation from the stated item model (``DEFAULT_ASSUMPTIONS``,
-    the heterogeneous items' variance components). None where ``gate plan`` makes no such design
-    (infrastructure errors, naive looks)."""
+def plan_power(cell: Cell, policy, delta: float, model: str, plan_from: str = "pilot") -> float | None:
+    """The power ``gate plan`` computes for this cell's design at a true delta (``design._power``) from
+    the plan's assumptions (``assumptions``): for one 0/1 outcome per item exact (``stats.exact_power``
+    at the outcome rates the assumptions give), else the normal approximation of the sequential rule at
+    the gate's bound distances. None where ``gate plan`` makes no such design (infrastructure errors,
+    naive looks)."""
     if cell.infra or cell.looks == "naive" or delta >= 0:
         return None
     margin, alpha = policy.of(cell.benchmark).margin, 1 - policy.confidence
-    if one_outcome(cell.benchmark, cell.repeats):
-        return exact_power(cell.items, *outcome_rates(cell, delta, model), margin, policy.confidence)
-    assumed = DEFAULT_ASSUMPTIONS[cell.benchmark]
+    assumed = assumptions(cell, delta, model, plan_from)
     looks = plan_looks(assumed, cell.repeats, alpha, sequential_looks=bool(cell.looks))
     return _power(cell.benchmark, assumed, cell.items, cell.repeats, margin, -delta, looks)
 
 
-def sequential_verdict(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata, rules, policy) -> tuple[str, int]:
+def sequential_verdict(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata, rules, policy, entry: dict
+                       ) -> tuple[str, int]:
     """``(verdict, repeats used)`` of a run judged after each repeat, stopping at the first PASS or FAIL:
     at the level the gate gives each look from its observed information (``design.observed_levels``,
     what ``gate accuracy`` judges a planned look at) or, naively, at the policy's at every look."""
     # look k's level depends on the first k repeats alone (its fraction and the earlier looks'), so one call
     # on all of them gives every look the level the gate gives it when it has only those
     levels = [policy.confidence] * cell.repeats if cell.looks == "naive" else [lk["confidence"] for lk in observed_levels(
-        cell.benchmark, plan_entry(cell, 1 - policy.confidence), 1 - policy.confidence, ref, cand, strata)]
+        cell.benchmark, entry, 1 - policy.confidence, ref, cand, strata)]
     for k, level in enumerate(levels, 1):
         verdict = judge(ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), strata, rules,
                         replace(policy, confidence=level))[1]
@@ -219,20 +236,21 @@ def rows(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata: np.ndarray | Non
     return pairs
 
 
-def run(task: tuple[Cell, float, int, int, str, float | None]) -> Counter:
+def run(task: tuple[Cell, float, int, int, str, float | None, str]) -> Counter:
     """Verdicts of ``sims`` simulations: from ``evals.judge.gate.judge`` on the per-item scores (what
     ``compare_benchmark`` decides with), or, with infrastructure errors, from ``compare_benchmark``
     on the rows (dropping errored pairs happens there)."""
-    cell, delta, sims, seed, model, confidence = task
+    cell, delta, sims, seed, model, confidence, plan_from = task
     policy, rng = load_policy(), np.random.default_rng(seed)
     if confidence is not None:  # a fixed cell judged at another one-sided level (a look's, e.g. 0.99)
         policy = replace(policy, confidence=confidence)
     rules = policy.of(cell.benchmark)
+    entry = plan_entry(cell, 1 - policy.confidence, delta, model, plan_from) if cell.looks == "planned" else None
     out: Counter = Counter()
     for _ in range(sims):
         ref, cand, strata, infra = simulate(rng, cell, delta, model)
         if cell.looks:
-            verdict, used = sequential_verdict(cell, ref, cand, strata, rules, policy)
+            verdict, used = sequential_verdict(cell, ref, cand, strata, rules, policy, entry)
             out[verdict] += 1
             out["repeats used"] += used
         elif cell.infra:
@@ -260,13 +278,18 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes (default 2; this is a shared machine)")
     parser.add_argument("--infra-sims", type=int, default=500,
                         help="simulations per cell with infrastructure errors (compare_benchmark on rows: ~15x slower)")
-    parser.add_argument("--cells", default="", help="comma-separated name fragments (=NAME: that cell only); default: every cell")
+    parser.add_argument("--cells", default="",
+                        help="name fragments separated by ';' (or, where no ';' is given, by ','), =NAME: that cell "
+                             "only, e.g. '=GPQA 198x8, planned looks;=tau2 278x4'; default: every cell")
     parser.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
     parser.add_argument("--at", default="0,-0.01,-margin,-margin-0.01",
                         help="true deltas to simulate, of 0,-0.01,-margin,-margin-0.01 (default: all four)")
     parser.add_argument("--confidence", type=float,
                         help="judge the fixed cells at this one-sided level instead of the policy's (e.g. 0.99: how a "
                              "look's bound holds a sequential look's level); false pass is then promised <= 1 - it")
+    parser.add_argument("--plan-from", choices=("pilot", "stated"), default="pilot",
+                        help="the plan's assumptions (its power and, for the sequential cells, its looks): from a pilot "
+                             "run of the cell's item model, as a user plans (default), or the stated DEFAULT_ASSUMPTIONS")
     parser.add_argument("--models", default="heterogeneous,concentrated",
                         help=f"item models, of {','.join(MODELS)} (default: both)")
     args = parser.parse_args()
@@ -276,7 +299,7 @@ def main() -> None:
     if args.confidence is not None and not 0.5 < args.confidence < 1:
         parser.error(f"--confidence {args.confidence}: a one-sided level in (0.5, 1), e.g. 0.99")
     policy = load_policy() if args.confidence is None else replace(load_policy(), confidence=args.confidence)
-    wanted = [f.lower() for f in args.cells.split(",") if f]  # "=NAME": that cell only
+    wanted = [f.strip().lower() for f in args.cells.split(";" if ";" in args.cells else ",") if f.strip()]
     cells = [c for c in CELLS if not wanted or any(c.name.lower() == f[1:] if f.startswith("=") else f in c.name.lower()
                                                    for f in wanted)]
     tasks, keys = [], []  # one task per (model, cell, delta): each line is printed as soon as its cell is done
@@ -288,19 +311,20 @@ def main() -> None:
                                                 ("-margin-0.01", -margin - 0.01))):
                 if label not in args.at.split(","):
                     continue
-                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model, args.confidence))
+                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model, args.confidence, args.plan_from))
                 keys.append((f"{model[:5]}: {cell.name}", label, delta, margin, cell, model))
     order = sorted(range(len(tasks)), key=lambda i: keys[i][1] != "-margin")  # false pass first: it is the promise
     tasks, keys = [tasks[i] for i in order], [keys[i] for i in order]
     start = time.time()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not args.json:
+        print("python3 -m tests.benchmarks.sim_gate " + shlex.join(sys.argv[1:]) + f"  (plans from: {args.plan_from})")
         print(f"{'model: cell':<39} {'margin':>6} {'true delta':>10} {'PASS':>13} {'INCONCL':>7} {'FAIL':>6} {'sims':>5}",
               flush=True)
     with Pool(args.workers) as pool:
         results = pool.imap(run, tasks, chunksize=1)
         for (name, label, delta, margin, cell, model), c in zip(keys, results):
-            planned = plan_power(cell, policy, delta, model) if label == "-0.01" else None
+            planned = plan_power(cell, policy, delta, model, args.plan_from) if label == "-0.01" else None
             report(name, label, delta, margin, c, args.json, planned, 1 - policy.confidence)
     if not args.json:
         print("\n".join(fixed_cases()))

@@ -18,11 +18,13 @@ from evals.judge.design import (
     DEFAULT_ASSUMPTIONS,
     Assumptions,
     design,
+    differing_share,
     expected_df,
     gate_looks,
     observed_levels,
     operating,
     outcome_rates,
+    paired_pilot,
     plan_looks,
     planned_look,
     se_of,
@@ -31,7 +33,7 @@ from evals.errors import BadInput
 from evals.judge.gate import BENCHMARK_ITEMS, PASS, compare_benchmark, judge
 from evals.judge.plan_file import read_plan
 from evals.judge.policy import BenchmarkPolicy, Bootstrap, GatePolicy
-from evals.judge.stats import exact_power
+from evals.judge.stats import exact_power, paired_se, pooled_df, variance_components
 
 
 def test_boundaries_are_the_published_lan_demets_obrien_fleming_values():
@@ -268,3 +270,54 @@ def test_the_benchmarks_item_models_have_the_cells_delta_and_discordance(model):
     if model == "concentrated":  # the losses fall on 10-20% of the items
         lost = ref[:, 0] > cand[:, 0]
         assert 0 < lost.mean() < 0.2
+
+
+def test_differing_share_counts_the_items_whose_arms_differ_after_each_repeat():
+    """The gate's degrees of freedom count items whose mean delta is not 0 (``stats._bca``): an item that
+    lost one repeat and won the next ties, one that differed once stays differing."""
+    deltas = np.array([[1, -1, 0], [0, 0, 0], [0, 1, 0], [-1, 0, 0], [0, 0, 1]])
+    assert differing_share(deltas) == pytest.approx((0.4, 0.4, 0.6))  # ties after 2: the first item
+    # per-item means in thirds (the twins of test_bootstrap_of_per_item_means...): sums, so no last-bit noise
+    rng = np.random.default_rng(5)
+    ref, cand = (rng.random((198, 3)) < 0.8).astype(float), (rng.random((198, 3)) < 0.77).astype(float)
+    assert differing_share(cand - ref)[-1] == np.mean(np.round(3 * (cand.mean(axis=1) - ref.mean(axis=1))) != 0)
+
+
+def test_a_paired_pilot_gives_the_macro_standard_error_and_the_degrees_of_freedom():
+    """tau2's domains at their own spreads: the stated model (one pooled variance times the macro factor)
+    misstates the macro's standard error; the pilot's per-domain components, weighted as the macro
+    weighs them, give the gate's own (``stats.paired_se`` with the domains) at the benchmark's shares."""
+    rng = np.random.default_rng(11)
+    sizes, spread = {"airline": 50, "retail": 114, "telecom": 114}, {"airline": 0.6, "retail": 0.3, "telecom": 0.1}
+    strata = np.repeat(list(sizes), list(sizes.values()))
+    flip = np.concatenate([rng.random(n) < spread[d] for d, n in sizes.items()])  # items the candidate may change
+    ref = (rng.random((278, 3)) < 0.7).astype(float)
+    cand = np.where(flip[:, None] & (rng.random((278, 3)) < 0.5), 1 - ref, ref)
+    assumed = paired_pilot("tau2", ref, cand, strata, "pilot: test")
+    assert all(variance_components((cand - ref)[strata == d])[0] > 0 for d in sizes)  # no domain's floored at 0
+    gate_se = paired_se(ref.mean(axis=1), cand.mean(axis=1), strata)
+    assert se_of("tau2", assumed, 278, 3) == pytest.approx(gate_se, rel=1e-9)
+    pooled = Assumptions(*variance_components(cand - ref), "pooled")
+    assert abs(se_of("tau2", pooled, 278, 3) / gate_se - 1) > 0.1  # the equal-spread model is off here
+    assert assumed.source == "pilot: test, 278 items x 3 repeats in 3 domains"
+    assert assumed.differing == differing_share(cand - ref) and len(assumed.differing) == 3
+    # no domains: the plain variance components
+    plain = paired_pilot("gpqa_diamond", ref, cand)
+    assert (plain.between, plain.within) == pytest.approx(variance_components(cand - ref))
+
+
+def test_the_pilots_differing_share_sets_the_expected_degrees_of_freedom():
+    """Where the same items differ at every repeat (damage concentrated on a few), fewer items differ than
+    independent repeats predict, the gate's bound lies further out, and the plan's power is lower."""
+    stated = DEFAULT_ASSUMPTIONS["gpqa_diamond"]
+    concentrated = replace(stated, differing=(0.10, 0.12))
+    assert expected_df("gpqa_diamond", concentrated, 198, 2, 0.01) == pytest.approx(pooled_df([1.0], [198 * 0.12]))
+    assert expected_df("gpqa_diamond", concentrated, 198, 2, 0.01) < expected_df("gpqa_diamond", stated, 198, 2, 0.01) - 10
+    # past the pilot's repeats: its last share extended as independent repeats
+    assert expected_df("gpqa_diamond", concentrated, 198, 4, 0.01) == pytest.approx(
+        pooled_df([1.0], [198 * (1 - 0.88 ** 2)]))
+    looks = plan_looks(stated, 2, 0.05, sequential_looks=False)
+    power = lambda a: design("gpqa_diamond", a, 0.04, 0.01, 0.05, 0.8, 198, 2, 198, False).power  # noqa: E731
+    assert power(concentrated) < power(stated) - 0.005
+    assert gate_looks("gpqa_diamond", concentrated, 198, looks, 0.01)[0]["z"] > gate_looks(
+        "gpqa_diamond", stated, 198, looks, 0.01)[0]["z"]
