@@ -159,7 +159,9 @@ def text(plan: dict, out: Path | None) -> str:
                      f"{_rounded_up(d['certifiable_margin']):.3f} with {plan['power']:.0%} power; expected repeats at the "
                      f"drop {d['expected_repeats']:.2f}")
         a = d["assumptions"]
-        lines.append(f"  variance per item: between {a['between']:.4g}, within {a['within']:.4g} ({a['source']})")
+        lines.append(f"  variance per item: between {a['between']:.4g}, within {a['within']:.4g} ({a['source']})"
+                     + (f"; items that differ after 1.. repeats: {', '.join(f'{v:.1%}' for v in a['differing'])}"
+                        if a.get("differing") else ""))
         lines.append("  looks: " + "; ".join(f"{lk['repeats']} rep at {lk['confidence']:.5f}" for lk in d["looks"])
                      + (" (at the planned information; the gate spends on each look's observed information)"
                         if len(d["looks"]) > 1 else ""))

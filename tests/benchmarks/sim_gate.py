@@ -287,6 +287,8 @@ def main() -> None:
     parser.add_argument("--confidence", type=float,
                         help="judge the fixed cells at this one-sided level instead of the policy's (e.g. 0.99: how a "
                              "look's bound holds a sequential look's level); false pass is then promised <= 1 - it")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="added to every cell's random seed: another, independent set of simulations (a replicate)")
     parser.add_argument("--plan-from", choices=("pilot", "stated"), default="pilot",
                         help="the plan's assumptions (its power and, for the sequential cells, its looks): from a pilot "
                              "run of the cell's item model, as a user plans (default), or the stated DEFAULT_ASSUMPTIONS")
@@ -311,7 +313,7 @@ def main() -> None:
                                                 ("-margin-0.01", -margin - 0.01))):
                 if label not in args.at.split(","):
                     continue
-                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m, model, args.confidence, args.plan_from))
+                tasks.append((cell, delta, sims, 1000 * (100 * k + 10 * j) + 7 * m + 100_003 * args.seed, model, args.confidence, args.plan_from))
                 keys.append((f"{model[:5]}: {cell.name}", label, delta, margin, cell, model))
     order = sorted(range(len(tasks)), key=lambda i: keys[i][1] != "-margin")  # false pass first: it is the promise
     tasks, keys = [tasks[i] for i in order], [keys[i] for i in order]

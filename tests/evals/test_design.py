@@ -248,6 +248,10 @@ def test_a_pilot_gives_the_variance_components(tmp_path, capsys):
     between, within = variance_components((cand - ref).astype(float))
     assert code in (0, 1) and assumed["between"] == pytest.approx(between) and assumed["within"] == pytest.approx(within)
     assert assumed["source"].startswith("pilot: ") and "120 items x 3 repeats" in assumed["source"]
+    assert assumed["differing"] == pytest.approx(list(differing_share((cand - ref).astype(float))))
+    gate(["plan", "--benchmarks", "gpqa_diamond", "--pilot-reference", str(r), "--pilot-candidate", str(c)])
+    shares = ", ".join(f"{v:.1%}" for v in assumed["differing"])
+    assert f"items that differ after 1.. repeats: {shares}" in capsys.readouterr().out
     gate(["plan", "--benchmarks", "gpqa_diamond", "--pilot-reference", str(r), "--json"])  # one arm: within only
     alone = json.loads(capsys.readouterr().out)["benchmarks"]["gpqa_diamond"]["assumptions"]
     assert alone["within"] == pytest.approx(2 * ref.var(axis=1, ddof=1).mean()) and alone["between"] == 0.025
@@ -283,7 +287,7 @@ def test_differing_share_counts_the_items_whose_arms_differ_after_each_repeat():
     assert differing_share(cand - ref)[-1] == np.mean(np.round(3 * (cand.mean(axis=1) - ref.mean(axis=1))) != 0)
 
 
-def test_a_paired_pilot_gives_the_macro_standard_error_and_the_degrees_of_freedom():
+def test_a_paired_pilot_gives_the_macro_standard_error_and_the_degrees_of_freedom(tmp_path, capsys):
     """tau2's domains at their own spreads: the stated model (one pooled variance times the macro factor)
     misstates the macro's standard error; the pilot's per-domain components, weighted as the macro
     weighs them, give the gate's own (``stats.paired_se`` with the domains) at the benchmark's shares."""
@@ -301,6 +305,14 @@ def test_a_paired_pilot_gives_the_macro_standard_error_and_the_degrees_of_freedo
     assert abs(se_of("tau2", pooled, 278, 3) / gate_se - 1) > 0.1  # the equal-spread model is off here
     assert assumed.source == "pilot: test, 278 items x 3 repeats in 3 domains"
     assert assumed.differing == differing_share(cand - ref) and len(assumed.differing) == 3
+    # `gate plan` plans from the same: the pilot bundles' rows carry each task's domain
+    from tests.evals.test_gate import bundle
+
+    arms = [bundle(tmp_path / name, "tau2", m.tolist(), repeats=3, domains=list(strata)) for name, m in
+            (("r", ref), ("c", cand))]
+    gate(["plan", "--benchmarks", "tau2", "--pilot-reference", str(arms[0]), "--pilot-candidate", str(arms[1]), "--json"])
+    planned = json.loads(capsys.readouterr().out)["benchmarks"]["tau2"]["assumptions"]
+    assert (planned["between"], planned["within"]) == pytest.approx((assumed.between, assumed.within))
     # no domains: the plain variance components
     plain = paired_pilot("gpqa_diamond", ref, cand)
     assert (plain.between, plain.within) == pytest.approx(variance_components(cand - ref))
