@@ -1,10 +1,11 @@
-"""Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral
-and MiniMax-M2 tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
+"""Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral,
+MiniMax-M2 and Qwen3.5 MoE (issue 36: routed experts fused [E, 2I, H] in its bf16 release, per expert
+in a conversion, which transformers' own converters merge back) tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
 evals.emulation and checked against a reference built without it: the conversion decoded by
 ``quantize --to bf16``, loaded by plain transformers (its own eager experts), with the activation
 QDQ applied by this file (Quark's own fake quantizer for MX, the e4m3 rule pinned in
 test_activation_codec for FP8) on the modules the checkpoint stores quantized. The MTP draft, which
-transformers does not build (GLM-4.5's model.layers.N, Qwen3-Next's mtp.*), is neither emulated nor compared."""
+transformers does not build (GLM-4.5's model.layers.N, Qwen3-Next's and Qwen3.5's mtp.*), is neither emulated nor compared."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from tests.evals.test_run import data_dir, run_cli  # noqa: F401  (data_dir is a
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
-FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2"]
+FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2", "qwen3_5_moe"]
 # how each release names a layer's experts and their (gate, up, down) projections
 EXPERTS = {"glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_next": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
-           "minimax_m2": ("block_sparse_moe.experts", "w1", "w3", "w2")}
+           "minimax_m2": ("block_sparse_moe.experts", "w1", "w3", "w2"),
+           "qwen3_5_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj")}
+# where a release keeps its decoder layers (the model's model.layers.N): Qwen3.5 MoE under its
+# multimodal model's language_model, routed experts fused [E, 2I, H] in the bf16 release
+LAYERS = {"qwen3_5_moe": "model.language_model.layers."}
 TOKENS = torch.randint(3, 380, (2, 16), generator=torch.Generator().manual_seed(0))
 SCALE = {"mxfp4": ".weight_scale", "fp8": ".weight_scale_inv"}
 
@@ -73,7 +78,10 @@ def reference(name: str, folder, fmt: str, tmp_path):
     assert quantize(["--to", "bf16", "-q", str(folder), str(decoded)]) == 0
     model = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32, experts_implementation="eager").eval()
     qdq = quark_dynamic_qdq(E2M1, ScaleRule.EVEN) if fmt == "mxfp4" else fp8.quantize_dequantize
-    quantized = stored_quantized(folder, fmt)
+    layers_at = LAYERS.get(name, "model.layers.")
+    stored_as = {"model.layers." + m.removeprefix(layers_at) if m.startswith(layers_at) else m: m
+                 for m in stored_quantized(folder, fmt)}  # the model's name -> the checkpoint's
+    quantized = set(stored_as)
     modules = dict(model.named_modules())
     linears = sorted(m for m in quantized if isinstance(modules.get(m), torch.nn.Linear))
     for m in linears:
@@ -84,11 +92,11 @@ def reference(name: str, folder, fmt: str, tmp_path):
     if fmt == "fp8":
         with torch.no_grad():
             for m in linears:
-                modules[m].weight.copy_(fp8_decoded(folder, m))
+                modules[m].weight.copy_(fp8_decoded(folder, stored_as[m]))
             for i in layers:
                 module = modules[f"model.layers.{i}.mlp.experts"]
                 for e in range(module.num_experts):
-                    stored = f"model.layers.{i}.{prefix}.{e}."
+                    stored = f"{layers_at}{i}.{prefix}.{e}."
                     module.gate_up_proj[e] = torch.cat([fp8_decoded(folder, stored + gate), fp8_decoded(folder, stored + up)])
                     module.down_proj[e] = fp8_decoded(folder, stored + down)
 

