@@ -1,6 +1,6 @@
 """The one sha256 helper for files, bytes, text and JSON-able objects.
 
-(The converter hashes its streams as it goes: ``shard.SourceHasher`` and ``ShardWriter``.)
+(The converter hashes its streams as it goes: ``source.SourceHasher`` and ``ShardWriter``.)
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class ShardPlan:
     source_size: int
     tensors: tuple[TensorPlan, ...]
     # The source as planned: the converter refuses a shard whose file or header is no longer this
-    # one (``shard.SourceReader``), since every offset above was read from that header.
+    # one (``source.SourceReader``), since every offset above was read from that header.
     source_identity: dict | None = None
     header_sha256: str | None = None
 

@@ -203,7 +203,7 @@ DEEP_DECODE_ROWS = 1 << 12  # a weight is decoded this many rows at a time (a mu
 def _decode_findings(fmt: Codec, name: str, scale_name: str, weight, scales) -> list[Finding]:
     """What the decoder would refuse in one quantized weight: a scale or code the format forbids,
     or a value decoding to NaN/Inf (``shard._decode_tensor`` runs the same checks)."""
-    from quant.shard import first_non_finite
+    from quant.source import first_non_finite
 
     fix = "re-export the checkpoint (the engines would serve NaN, Inf or sign-flipped weights)"
     if problem := fmt.scale_problem(scales):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quant.cli import main as quantize
-from quant.shard import SourceGuard
+from quant.source import SourceGuard
 from tests.quant.test_fused_experts import LAYOUTS, _EXPERT, fuse, fused_manifest, per_expert, write_fused  # noqa: F401
 
 BOUNDS = {"mxfp4": 0.2, "fp8": 0.05, "mxfp6_e2m3": 0.06}  # relative RMS error of an expert against the source

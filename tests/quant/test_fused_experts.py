@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from quant.cli import main as quantize
 from quant.layout import manifests_root
-from quant.shard import SourceGuard
+from quant.source import SourceGuard
 from tests.conftest import load_tensors
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_mxfp4 import quark_single_tensor

@@ -31,7 +31,7 @@ from quant.errors import QuantgateError
 from quant.example import tensor_shapes, tiny_config, write_checkpoint
 from quant.outputs import INDEX_NAME, MANIFEST_NAME
 from quant.safetensors_io import PARTIAL_SUFFIX, encode_header, read_header
-from quant.shard import SourceReader
+from quant.source import SourceReader
 from tests.conftest import default_sigint, interrupt_midway, load_tensors, quantize_cmd
 from tests.quant.test_hostile import gate, one_line_error, quantize, rewrite_header, src  # noqa: F401
 from tests.quant.test_hostile_links import outside  # noqa: F401  (fixture)

@@ -99,13 +99,13 @@ def test_shard_writer_bytes_and_hash_through_stages(tmp_path, monkeypatch, direc
 def test_source_hash_runs_ahead_of_the_reader_only_so_far(tmp_path, monkeypatch):
     import hashlib
 
-    from quant import shard
+    from quant import source
 
-    monkeypatch.setattr(shard, "LEAD_BYTES", 64 << 10)
-    monkeypatch.setattr(shard, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(source, "LEAD_BYTES", 64 << 10)
+    monkeypatch.setattr(source, "CHUNK_BYTES", 16 << 10)
     path = tmp_path / "src.bin"
     path.write_bytes(os.urandom(1 << 20))
-    reader = shard.SourceReader(path)
+    reader = source.SourceReader(path)
     try:
         deadline = time.monotonic() + 10
         while reader.hash.pos < (64 << 10) and time.monotonic() < deadline:
