@@ -208,11 +208,14 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
         return []
     if kind == "fp8":
         skip = rules["fp8_skip"]
-        return fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
-    entries = qconfig.get("exclude")
-    entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
-    mapper = rules.values.get("exclude_mapper")
-    return [m for e in entries if (m := mapped_entry(e, mapper)) is not None] if mapper else entries
+        entries = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+    else:
+        entries = qconfig.get("exclude")
+        entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+    mapper = rules.values.get("exclude_mapper")  # the class's weight-name mapper, for the kinds it is applied to
+    if not mapper or kind not in mapper["kinds"]:
+        return entries
+    return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
 
 
 def mapped_entry(entry: str, mapper: dict) -> str | None:
