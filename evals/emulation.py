@@ -8,6 +8,9 @@ Schemes covered (anything else is refused, naming the scheme, never evaluated as
   bit-exact with Quark's own ``DynamicScaledFakeQuantize``.
 - Block FP8 (``quant_method: fp8``, DeepSeek-V3 style): weights e4m3 with 128x128 float32 scales;
   activations dynamic per token in groups of 128, e4m3 (``quant.formats.fp8.quantize_dequantize``).
+- gpt-oss's own MXFP4 (``quant_method: mxfp4``, ``*_blocks`` / ``*_scales``): its config names no
+  activation scheme and the engines' backends differ (``GPT_OSS_ACTIVATIONS``), so it is evaluated
+  only when the user chooses: ``--activations bf16``, W4A16 (transformers' own Mxfp4 dequantization).
 The rules, and the Quark and vLLM functions they come from: docs/reference.md §2.
 
 Which modules are quantized is read from the shards themselves (a weight with its scale tensor):
@@ -68,7 +71,7 @@ class EmulationRefused(BadInput):
 class Emulation:
     """What a quantized checkpoint computes: its weight format and how activations are quantized."""
 
-    source: str  # "quark" or "fp8": the quantization_config it was read from
+    source: str  # "quark", "fp8" or "mxfp4" (gpt-oss's): the quantization_config it was read from
     weights: str  # quant.formats name: mxfp4, mxfp6_e2m3, mxfp6_e3m2, fp8
     weight_scale_rule: str | None  # MX only
     activations: str | None  # None: weight-only (W4A16 / W8A16)
@@ -154,23 +157,51 @@ def _from_fp8(qc: dict) -> Emulation:
     return Emulation("fp8", "fp8", None, "fp8", None, fp8.TILE)
 
 
-def emulation_of(config: dict) -> Emulation | None:
-    """The emulation a model config asks for; None for an unquantized model."""
+# gpt-oss's own MXFP4 layout names no activation scheme, and the engines' backends choose differently:
+# - vLLM 0.33.0, model_executor/layers/quantization/mxfp4.py GptOssMxfp4MoEMethod.__init__ calls
+#   fused_moe/oracle/mxfp4.py select_mxfp4_moe_backend(moe) with no activation key; with --moe-backend
+#   auto and no quantization_config.moe.activation override (_resolve_activation_key),
+#   _filter_by_activation(_get_priority_backends_for_gpt_oss(), None) keeps only the backends whose
+#   _backend_activation_key is None: bf16 activations on every GPU.
+# - sglang 0.5.23, srt/arg_groups/model_overrides/gpt_oss.py _gpt_oss_overrides (moe_runner_backend
+#   auto, quant_method mxfp4): SM100 and SM120 get flashinfer_mxfp4, whose default precision runs MXFP8
+#   activations (srt/layers/moe/moe_runner/flashinfer_trtllm.py
+#   _fused_experts_flashinfer_mxfp4_sm100_trtllm_gen -> _prepare_flashinfer_mxfp8_activations; SM120:
+#   srt/layers/quantization/mxfp4.py, cutlass_fused_moe MXFP8 x MXFP4); ROCm with SGLANG_USE_AITER
+#   keeps auto (aiter's kernel choice); otherwise (SM90: ep_size 1, triton_kernels present, no
+#   --quantization) triton_kernel, bf16 activations.
+GPT_OSS_ACTIVATIONS = ("vLLM 0.33.0 runs bf16 activations on every GPU (select_mxfp4_moe_backend); sglang 0.5.23 "
+                       "runs MXFP8 activations on SM100/SM120 (flashinfer_mxfp4), bf16 on SM90 (triton_kernel) and "
+                       "aiter's choice on ROCm (_gpt_oss_overrides)")
+
+
+def emulation_of(config: dict, activations: str | None = None) -> Emulation | None:
+    """The emulation a model config asks for; None for an unquantized model. ``activations``
+    ("bf16", ``evals run --activations``): the user's choice where the config names no activation
+    scheme (gpt-oss's quant_method mxfp4); a config that declares quantized activations is refused it."""
     qc = config.get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method")
-    if method == "quark":
-        return _from_quark(qc)
-    if method == "fp8":
-        return _from_fp8(qc)
     if method == "mxfp4":  # gpt-oss's own layout (quant.blocks): weight-only on disk, activations the backend's
-        raise EmulationRefused("quantization_config quant_method 'mxfp4' (gpt-oss's own *_blocks layout) is not "
-                               "emulated: its config names no activation scheme (each engine backend picks bf16 or "
-                               "MXFP4 activations), and the emulated experts carry no gpt-oss blocks loader; evaluate "
-                               "the bf16 source with --model, or serve this checkpoint and use evals run --base-url")
-    raise EmulationRefused(f"quantization_config quant_method {method!r} is not emulated; covered: quark (MXFP4/MXFP6) "
-                           "and fp8 (128x128 block, dynamic activations)")
+        if activations != "bf16":
+            raise EmulationRefused("quantization_config quant_method 'mxfp4' (gpt-oss's own *_blocks layout) names no "
+                                   f"activation scheme and the engines differ: {GPT_OSS_ACTIVATIONS}; pass "
+                                   "--activations bf16 to evaluate it as W4A16, or serve it and use evals run --base-url")
+        return Emulation("mxfp4", "mxfp4", None, None)
+    if method == "quark":
+        emulation = _from_quark(qc)
+    elif method == "fp8":
+        emulation = _from_fp8(qc)
+    else:
+        raise EmulationRefused(f"quantization_config quant_method {method!r} is not emulated; covered: quark "
+                               "(MXFP4/MXFP6), fp8 (128x128 block, dynamic activations) and mxfp4 (gpt-oss, with "
+                               "--activations bf16)")
+    if activations and emulation.activations:
+        raise EmulationRefused(f"--activations {activations}: the checkpoint's config declares its activations "
+                               f"({emulation.scheme}, {method}), which is what is evaluated; --activations is for a "
+                               "config that names none (gpt-oss's quant_method mxfp4)")
+    return emulation
 
 
 def quantized_modules(tensors: dict, fmt: Codec) -> list[str]:
@@ -435,14 +466,35 @@ def _mtp_prefix(config: dict) -> str | None:
         return None
 
 
-def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
+def _load_gpt_oss_mxfp4(checkpoint: Checkpoint, emulation: Emulation, device: str, dtype: torch.dtype):
+    """gpt-oss's own MXFP4 layout as W4A16: transformers' Mxfp4 quantizer decodes the *_blocks /
+    *_scales into the fused GptOssExperts (``Mxfp4Config(dequantize=True)``: its Mxfp4Dequantize op,
+    equal to quantgate's decode), which then run the emulated experts loop with bf16 inputs."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    names = checkpoint.tensors()
+    experts = sorted(n.removesuffix("_blocks") for n in names if n.endswith("_blocks") and
+                     n.removesuffix("_blocks") + "_scales" in names)
+    if not experts:
+        raise EmulationRefused(f"{checkpoint.config_path} declares quant_method 'mxfp4' but no shard holds a "
+                               "*_blocks tensor with its *_scales: nothing to emulate")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device,
+                                                 quantization_config=Mxfp4Config(dequantize=True),
+                                                 experts_implementation=EXPERTS_IMPLEMENTATION)
+    record = {**{k: v for k, v in emulation.to_dict().items() if k != "modules"}, "scheme": emulation.scheme,
+              "activations_from": "--activations bf16", "modules": {"experts_blocks": experts}}
+    return model.eval(), record
+
+
+def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+               activations: str | None = None):
     """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
 
     ``dtype`` is the compute dtype: bfloat16 by default, as the engines compute (activations are
     quantize-dequantized in it, as vLLM's emulation does). Every checkpoint, quantized or not, runs
     the same experts loop (``experts_forward``), so a conversion differs from its bf16 source by
     the quantization alone. Raises ``BadInput`` (an unreadable folder) or ``EmulationRefused`` (a
-    scheme not covered)."""
+    scheme not covered). ``activations``: see ``emulation_of``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -450,8 +502,10 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
     except CheckpointError as exc:
         raise BadInput(str(exc)) from None
     _refuse_without_a_causal_lm_class(checkpoint)
-    emulation = emulation_of(checkpoint.config)
+    emulation = emulation_of(checkpoint.config, activations)
     _register()
+    if emulation is not None and emulation.source == "mxfp4":
+        return _load_gpt_oss_mxfp4(checkpoint, emulation, device, dtype)
     if emulation is None:
         model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device,
                                                      experts_implementation=EXPERTS_IMPLEMENTATION)

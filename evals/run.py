@@ -74,6 +74,7 @@ class RunSpec:
     tau2: Tau2Settings | None = None  # with "tau2" in benchmarks: the user simulator, limits, concurrency
     device: str | None = None  # local model: cuda when present, else cpu
     dtype: str | None = None  # local model: None is bfloat16, what the engines compute in (float32 on request)
+    activations: str | None = None  # local model: "bf16" where its config names no activation scheme (gpt-oss MXFP4)
     batch_size: int = LOCAL_BATCH_SIZE  # local model: prompts generated together (results do not depend on it)
     threads: int | None = None  # local model on cpu: torch threads (None: LOCAL_CPU_THREADS)
     plan: dict | None = None  # `gate plan`'s: each planned benchmark's items and seeds (recorded in run.json)
@@ -157,12 +158,12 @@ def _local_model(spec: RunSpec):
     from evals.emulation import load_model
 
     device, dtype = spec.local_device()
-    key = (str(Path(spec.model).resolve()), device, dtype)
+    key = (str(Path(spec.model).resolve()), device, dtype, spec.activations)
     if device == "cpu":
         torch.set_num_threads(spec.threads or LOCAL_CPU_THREADS)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = load_model(Path(spec.model), device, getattr(torch, dtype))
+        _LOADED[key] = load_model(Path(spec.model), device, getattr(torch, dtype), spec.activations)
     return _LOADED[key]
 
 

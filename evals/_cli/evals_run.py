@@ -96,6 +96,11 @@ def register(sub) -> None:
                    help="local checkpoint only: compute dtype (default bfloat16, what sglang and vLLM compute in, on "
                         "cpu too; float32 moves a tiny model about as far as MXFP4 does, so runs of different "
                         "dtypes are never paired; recorded in run.json)")
+    p.add_argument("--activations", choices=["bf16"],
+                   help="local checkpoint only, where its config names no activation scheme (gpt-oss's own MXFP4, "
+                        "quant_method mxfp4): evaluate it with bf16 activations, W4A16, as vLLM serves it on every "
+                        "GPU and sglang on SM90 (sglang runs MXFP8 activations on SM100/SM120); without it such a "
+                        "checkpoint is refused. Recorded in run.json")
     p.add_argument("--batch-size", type=int, default=LOCAL_BATCH_SIZE, metavar="N",
                    help=f"local checkpoint only: prompts generated together, greedy and KV-cached (default "
                         f"{LOCAL_BATCH_SIZE}); the answers do not depend on it, only the speed")
@@ -280,9 +285,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise DataError(f"unknown benchmarks {unknown}; known: {sorted(PROTOCOLS)}")
     seeds = seeds_of(args.seeds)
-    if args.base_url and (args.device or args.dtype or args.threads or args.batch_size != LOCAL_BATCH_SIZE):
-        raise DataError("--device/--dtype/--batch-size/--threads apply to a local checkpoint; with --base-url the "
-                        "server decides (--concurrency sets the requests in flight)")
+    if args.base_url and (args.device or args.dtype or args.activations or args.threads
+                          or args.batch_size != LOCAL_BATCH_SIZE):
+        raise DataError("--device/--dtype/--activations/--batch-size/--threads apply to a local checkpoint; with "
+                        "--base-url the server decides (--concurrency sets the requests in flight)")
     if args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         raise DataError(f"--batch-size {args.batch_size} / --threads {args.threads}: give a whole number >= 1")
     if args.base_url and any(b != "tau2" for b in benchmarks):  # lm-eval's endpoint; tau2 takes the server's /v1
@@ -299,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
                    concurrency=args.concurrency, max_gen_toks=args.max_gen_toks, keep_text=args.keep_text,
                    request_timeout=args.request_timeout, seeds=seeds,
                    tau2=tau2_settings(args) if "tau2" in benchmarks else None, device=args.device, dtype=args.dtype,
-                   batch_size=args.batch_size, threads=args.threads, plan=plan, checkpoint=args.checkpoint)
+                   activations=args.activations, batch_size=args.batch_size, threads=args.threads, plan=plan,
+                   checkpoint=args.checkpoint)
     if args.until_decided:
         return _until_decided(args, spec)
     result = run_benchmarks(spec, resume=args.resume)
