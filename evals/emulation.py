@@ -170,6 +170,7 @@ def _from_fp8(qc: dict) -> Emulation:
 #   srt/layers/quantization/mxfp4.py, cutlass_fused_moe MXFP8 x MXFP4); ROCm with SGLANG_USE_AITER
 #   keeps auto (aiter's kernel choice); otherwise (SM90: ep_size 1, triton_kernels present, no
 #   --quantization) triton_kernel, bf16 activations.
+# Run from the wheels' own code by tests/evals/test_gpt_oss_activation_rules.py.
 GPT_OSS_ACTIVATIONS = ("vLLM 0.33.0 runs bf16 activations on every GPU (select_mxfp4_moe_backend); sglang 0.5.23 "
                        "runs MXFP8 activations on SM100/SM120 (flashinfer_mxfp4), bf16 on SM90 (triton_kernel) and "
                        "aiter's choice on ROCm (_gpt_oss_overrides)")
