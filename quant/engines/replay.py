@@ -203,7 +203,16 @@ def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, in
     return "governed"
 
 
-def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
+def for_platform(value, serving: Serving):
+    """A rule value as the class built on ``serving``'s platform has it: the keys under
+    ``platforms: {<platform>: ...}`` replace the rest (vLLM 0.33.0 imports some model classes from a
+    per-platform file: models/minimax_m3/__init__.py, nvidia/model.py on CUDA, amd/model.py on ROCm)."""
+    if not isinstance(value, dict) or "platforms" not in value:
+        return value
+    return {**{k: v for k, v in value.items() if k != "platforms"}, **value["platforms"].get(serving.platform, {})}
+
+
+def exclude_entries(qconfig: dict, rules: RuleSet, kind: str, serving: Serving = DEFAULT) -> list[str]:
     if kind == "mxfp4":  # a release's native MXFP4 config: the engines read no exclude list (mxfp4_native)
         return []
     if kind == "fp8":
@@ -212,7 +221,7 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str) -> list[str]:
     else:
         entries = qconfig.get("exclude")
         entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
-    mapper = rules.values.get("exclude_mapper")  # the class's weight-name mapper, for the kinds it is applied to
+    mapper = for_platform(rules.values.get("exclude_mapper"), serving)  # the class's weight-name mapper, for the kinds it is applied to
     if not mapper or kind not in mapper["kinds"]:
         return entries
     return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
@@ -290,7 +299,7 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
             kind: str, fmt_name: str, config: dict, serving: Serving) \
         -> tuple[list[Finding], dict[str, bool], list[str]]:
     """The module findings, each FusedMoE's slot scheme (quantized or not), and the exclude entries."""
-    entries = exclude_entries(qconfig, rules, kind)
+    entries = exclude_entries(qconfig, rules, kind, serving)
     draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, family, num_hidden_layers, kind)
     lists = {False: Exclude(entries), True: Exclude(draft_entries)}
     where = "modules_to_not_convert" if kind == "fp8" else "exclude"

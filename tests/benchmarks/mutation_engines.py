@@ -194,6 +194,12 @@ MUTATIONS = [
     data("vllm.minimax_m3", "0.33.0", "mtp_naming", ["dropped_prefix"], None, "m3 vLLM loads the MTP modules"),
     data("vllm.minimax_m3", "0.33.0", "eh_proj", [], "plain", "m3 vLLM draft eh_proj bf16"),
     data("vllm.minimax_m3", "0.33.0", "router", ["bias_when"], "never", "m3 vLLM router without bias"),
+    data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["platforms"], {}, "m3 vLLM ROCm keeps the tower's mlp.fc1 entries"),
+    data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["substr"], {".mlp.fc1": ".fc1", ".mlp.fc2": ".fc2"},
+         "m3 vLLM CUDA renames the tower's mlp.fc1 entries"),
+    data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["prefix"], {}, "m3 vLLM exclude keeps the projector names"),
+    data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["kinds"], ["quark"], "m3 vLLM FP8 ignored_layers not mapped"),
+    data("vllm.minimax_m3", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "m3 vLLM fuses by default"),
     # DeepSeek-V4 (DeepseekV4ForCausalLM) rules: manifests/engines/{sglang,vllm}.deepseek_v4.yaml
     # (killed by tests/quant/test_engine_deepseek_v4.py)
     data("sglang.deepseek_v4", "0.5.21", "module_names", [], {}, "v4 sglang keeps the checkpoint names"),
@@ -386,6 +392,8 @@ MUTATIONS = [
     code("quant.engines.fusion", 'return [e for e in entries if "shared_expert" in e',
          'return [e for e in entries if all("shared_expert" in x for x in entries) and "shared_expert" in e',
          "veto needs every entry"),
+    code("quant.engines.replay", '**value["platforms"].get(serving.platform, {})}', '}',
+         "a per-platform rule value ignored (vLLM's amd/ files)"),
     code("quant.engines.replay", 'config.get("indexer_rope_interleave", False)',
          'config.get("indexer_rope_interleave", True)', "indexer rope assumed interleaved when unset"),
     code("quant.engines.rules", "if r.covers(read[release])]", "if r.covers(release)]",

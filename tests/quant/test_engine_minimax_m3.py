@@ -6,32 +6,49 @@ packed-modules mapping read from the same wheel, on the exclude list as the clas
 ``shared_experts_fusion_disable_reason``, hardware queries stubbed); the MTP modules the main models
 skip (sglang's own ``get_spec_layer_idx_from_weight_name``); and how the router, the vision tower,
 the MoE block and the fused attention projections are built, read from the constructors and loaders.
+vLLM's class comes from a per-platform file (``models/minimax_m3/__init__.py``: ``amd/model.py`` on
+ROCm, ``nvidia/model.py`` elsewhere): each vLLM check runs on both, the exclude list through vLLM's own
+``WeightsMapper`` built from that file's ``hf_to_vllm_mapper``.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
+import os
 import random
 import types
+import typing
 
 import pytest
 from packaging.version import Version
 
 from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.replay import class_name, draft_name
+from quant.engines.match import fp8_skipped
+from quant.engines.replay import class_name, draft_name, exclude_entries
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
-from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
-                                        sglang_quark_loader_additions, source)
+from tests.quant.engine_sources import (
+    attribute_builds,
+    class_constant,
+    class_def,
+    load,
+    method_def,
+    methods,
+    sglang_quark_loader_additions,
+    source,
+)
 from tests.quant.test_engine_sources import (
     GPUS,
-    engine_wheel,
-    fp8_disagreements,
+    _fp8_config,
     _fp8_engine,
-    quark_disagreements,
+    _outcome,
     _quark_engine,
     _stubs,
+    engine_wheel,
+    quark_disagreements,
 )
 
 FAMILY = "minimax_m3"
@@ -43,26 +60,56 @@ CASES = [(r, v) for e in ENGINES for r in rule_sets(e, FAMILY)
          for v in sorted(releases_read(e, FAMILY), key=Version) if r.covers(releases_read(e, FAMILY)[v])]
 IDS = [f"{r.engine} {v}" for r, v in CASES]
 SGLANG = [c for c in CASES if c[0].engine == "sglang"]
+# vLLM 0.33.0's model files per platform (models/minimax_m3/__init__.py: amd/ when current_platform.is_rocm())
+VLLM_FILES = {"cuda": "vllm/models/minimax_m3/nvidia/", "rocm": "vllm/models/minimax_m3/amd/"}
+VLLM = [c for c in CASES if c[0].engine == "vllm"]
 
 
-def wheel_mapping(whl, engine: str, kind: str) -> dict[str, list[str]]:
+def platforms(engine: str) -> list[str]:
+    """The platforms whose files differ: vLLM's two model files, sglang's one."""
+    return list(VLLM_FILES) if engine == "vllm" else ["rocm"]
+
+
+def main_path(engine: str, platform: str) -> str:
+    return VLLM_FILES[platform] + "model.py" if engine == "vllm" else MAIN[engine]
+
+
+def text_path(engine: str, platform: str) -> str:
+    return VLLM_FILES[platform] + "model.py" if engine == "vllm" else TEXT_PATH[engine]
+
+
+def wheel_mapping(whl, engine: str, kind: str, platform: str = "cuda") -> dict[str, list[str]]:
     """The packed_modules_mapping the quant config holds: the VL class's literal (vLLM: also the text
     class's, which configure_quant_config sets when it builds it; they must agree), plus sglang's
     loader additions for Quark."""
-    mapping = dict(class_constant(class_def(whl, MAIN[engine], VL), "packed_modules_mapping") or {})
+    mapping = dict(class_constant(class_def(whl, main_path(engine, platform), VL), "packed_modules_mapping") or {})
     if engine == "vllm":
-        assert class_constant(class_def(whl, TEXT_PATH[engine], TEXT), "packed_modules_mapping") == mapping
+        assert class_constant(class_def(whl, text_path(engine, platform), TEXT), "packed_modules_mapping") == mapping
     if engine == "sglang" and kind == "quark":
         mapping.update(sglang_quark_loader_additions(whl))
     return {k: list(v) for k, v in mapping.items()}
 
 
-def wheel_mapper(whl, engine: str) -> dict[str, dict[str, str]]:
+def wheel_mapper(whl, engine: str, platform: str = "cuda") -> dict[str, dict[str, str]]:
     """The VL class's weight mapper as the wheel writes it: {orig_to_new_prefix: ..., orig_to_new_substr: ...}."""
-    node = class_def(whl, MAIN[engine], VL)
+    node = class_def(whl, main_path(engine, platform), VL)
     name = "hf_to_sglang_mapper" if engine == "sglang" else "hf_to_vllm_mapper"
     assign = next(s for s in node.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == name)
     return {k.arg: ast.literal_eval(k.value) for k in assign.value.keywords}
+
+
+def vllm_mapper(whl, platform: str):
+    """vLLM's own WeightsMapper (models/utils.py) built from the platform file's hf_to_vllm_mapper literal."""
+    ns = load(whl, "vllm/model_executor/models/utils.py", ["WeightsMapper", "ShardIds", "ShardId"],
+              {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
+    return ns["WeightsMapper"](**wheel_mapper(whl, "vllm", platform))
+
+
+def vllm_exclude(whl, platform: str):
+    """The exclude list as QuarkConfig.apply_vllm_mapper leaves it (model_loader/utils.py:
+    configure_quant_config passes hf_to_vllm_mapper.get_rename_mapper(); apply_list)."""
+    rename = vllm_mapper(whl, platform).get_rename_mapper()
+    return rename.apply_list
 
 
 def engine_exclude(entries: list[str], mapper: dict, engine: str) -> list[str]:
@@ -85,24 +132,58 @@ def engine_exclude(entries: list[str], mapper: dict, engine: str) -> list[str]:
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
 def test_packed_mapping_is_the_wheels(rules, release):
     whl = engine_wheel(rules, release)
-    assert wheel_mapping(whl, rules.engine, "quark") == rules["quark_fused"]
-    assert wheel_mapping(whl, rules.engine, "fp8") == rules["fp8_skip"]["fused"]
+    for platform in platforms(rules.engine):
+        assert wheel_mapping(whl, rules.engine, "quark", platform) == rules["quark_fused"]
+        assert wheel_mapping(whl, rules.engine, "fp8", platform) == rules["fp8_skip"]["fused"]
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
 def test_module_names_are_the_class_mapper(rules, release):
     """sglang's mapper renames block_sparse_moe to mlp (and _load_llm_weight does the same to the
     weights); vLLM's renames the projector and patch merger under vision_tower and the tower's
-    .mlp.fc1./.mlp.fc2.: the replay's module_names give each checkpoint module the mapper's name."""
-    mapper = wheel_mapper(engine_wheel(rules, release), rules.engine)
-    for module in ("language_model.model.layers.1.block_sparse_moe.gate",
-                   "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj",
-                   "language_model.model.layers.0.mlp.gate_proj", "multi_modal_projector.linear_1",
-                   "patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"):
-        assert class_name(module, rules) == engine_exclude([module], mapper, "vllm")[0]
-    for module in ("vision_tower.vision_model.encoder.layers.0.mlp.fc1",
-                   "vision_tower.vision_model.encoder.layers.3.mlp.fc2"):  # weights carry the trailing dot
-        assert class_name(module, rules) + ".weight" == engine_exclude([module + ".weight"], mapper, "vllm")[0]
+    .mlp.fc1./.mlp.fc2. (ROCm's amd/model.py: .mlp.fc1/.mlp.fc2): the replay's module_names give each
+    checkpoint weight the mapper's name on either platform (vLLM: its own WeightsMapper)."""
+    whl = engine_wheel(rules, release)
+    modules = ("language_model.model.layers.1.block_sparse_moe.gate",
+               "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj",
+               "language_model.model.layers.0.mlp.gate_proj", "multi_modal_projector.linear_1",
+               "patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+               "vision_tower.vision_model.encoder.layers.0.mlp.fc1", "vision_tower.vision_model.encoder.layers.3.mlp.fc2")
+    for platform in platforms(rules.engine):
+        if rules.engine == "vllm":
+            rename = vllm_mapper(whl, platform).map_name
+        else:
+            rename = functools.partial(lambda name, mapper: engine_exclude([name], mapper, "vllm")[0],
+                                       mapper=wheel_mapper(whl, rules.engine))
+        for module in modules:
+            assert class_name(module, rules) + ".weight" == rename(module + ".weight"), (platform, module)
+
+
+# exclude entries as a checkpoint may list them: stored names, the built names, regexes over either
+EXCLUDE_POOL = ["vision_tower.vision_model.encoder.layers.0.mlp.fc1", "vision_tower.vision_model.encoder.layers.0.mlp.fc2",
+                "vision_tower.vision_model.encoder.layers.2.fc1", "re:.*mlp\\.fc1.*", "re:.*\\.mlp\\.fc2$",
+                "multi_modal_projector.linear_1", "multi_modal_projector", "patch_merge_mlp.linear_2",
+                "vision_tower.multi_modal_projector.linear_2", "re:^multi_modal_projector\\..*",
+                "language_model.model.layers.0.mlp.gate_proj", "language_model.model.layers.1.block_sparse_moe.gate",
+                "language_model.model.mtp.layers.0.eh_proj", "language_model.lm_head", "re:.*vision_tower.*",
+                "mlp.fc1.", "language_model.model.layers.0.mlp.fc1_x"]
+
+
+@pytest.mark.parametrize(("rules", "release"), VLLM, ids=[f"vllm {v}" for _, v in VLLM])
+@pytest.mark.parametrize("platform", list(VLLM_FILES))
+def test_vllm_exclude_list_is_renamed_as_each_platform_class_renames_it(rules, release, platform):
+    """exclude_mapper on ``platform`` equals vLLM's own rename mapper built from that platform's file,
+    on random lists: the prefixes rename on both, the tower's mlp.fc1 / mlp.fc2 entries on ROCm only."""
+    whl = engine_wheel(rules, release)
+    theirs = vllm_exclude(whl, platform)
+    setup = serving(platform)
+    rng = random.Random(f"m3-mapper{platform}")
+    for _ in range(300):
+        entries = rng.sample(EXCLUDE_POOL, rng.randint(0, len(EXCLUDE_POOL)))
+        assert exclude_entries({"exclude": entries}, rules, "quark", setup) == theirs(entries), entries
+    fc1 = "vision_tower.vision_model.encoder.layers.0.mlp.fc1"
+    renamed = exclude_entries({"exclude": [fc1]}, rules, "quark", setup) == [fc1.replace(".mlp.fc1", ".fc1")]
+    assert renamed == (platform == "rocm")  # what differs between the two files
 
 
 LAYERS = ["language_model.model.layers.0.", "language_model.model.layers.1."]
@@ -131,41 +212,69 @@ VISION_STORED = ["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
                  "multi_modal_projector.linear_1", "patch_merge_mlp.linear_2"]
 
 
-@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
-def test_quark_exclude_decisions_equal_the_engines(rules, release):
+QUARK_CASES = [(r, v, p) for r, v in CASES for p in platforms(r.engine)]
+
+
+@pytest.mark.parametrize(("rules", "release", "platform"), QUARK_CASES,
+                         ids=[f"{r.engine} {v} {p}" for r, v, p in QUARK_CASES])
+def test_quark_exclude_decisions_equal_the_engines(rules, release, platform):
     whl = engine_wheel(rules, release)
     engine = _quark_engine(rules, whl)
-    fused = wheel_mapping(whl, rules.engine, "quark")
-    mapper = wheel_mapper(whl, rules.engine)
+    fused = wheel_mapping(whl, rules.engine, "quark", platform)
     modules = [p + m for p in LAYERS for m in BUILT[rules.engine]] + VISION
     entries = [p + m for p in LAYERS for m in STORED] + VISION_STORED + \
         ["re:.*shared_experts.*", "re:.*vision_tower.*", "re:.*index_.*", "language_model.lm_head", "mlp.gate"]
-    rng = random.Random(f"minimax_m3{rules.id}{release}")
+    rng = random.Random(f"minimax_m3{rules.id}{release}{platform}")
+
     # the writer lists each entry in the mapper's names too (quant/serving.py); the engine sees that list
-    # after its mapper
+    # after its mapper. vLLM: also a list in the stored names only (a checkpoint quantgate did not write),
+    # which the replay maps with exclude_mapper for the platform
     def written(exclude):
         return exclude + [class_name(e, rules) for e in exclude]
 
-    disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=22, names=5,
-                                         ours=written,
-                                         theirs=lambda exclude: engine_exclude(written(exclude), mapper, rules.engine))
-    assert not disagree, disagree[:3]
-    assert seen > 30
+    if rules.engine == "vllm":
+        setup = serving(platform)
+        theirs = vllm_exclude(whl, platform)
+        ways = [(lambda ex, w=w: exclude_entries({"exclude": w(ex)}, rules, "quark", setup),
+                 lambda ex, w=w: theirs(w(ex))) for w in (written, list)]
+    else:
+        mapper = wheel_mapper(whl, rules.engine)
+        ways = [(written, lambda exclude: engine_exclude(written(exclude), mapper, rules.engine))]
+    for ours, theirs_list in ways:
+        disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=22,
+                                             names=5, ours=ours, theirs=theirs_list)
+        assert not disagree, disagree[:3]
+        assert seen > 30
 
 
-@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
-def test_fp8_skip_decisions_equal_the_engines(rules, release):
-    """Entries in the engine's own names (the FP8 configs' mappers are not modelled: the writer lists
-    both names), FP8's own is_layer_skipped on the class's mapping."""
+@pytest.mark.parametrize(("rules", "release", "platform"), QUARK_CASES,
+                         ids=[f"{r.engine} {v} {p}" for r, v, p in QUARK_CASES])
+def test_fp8_skip_decisions_equal_the_engines(rules, release, platform):
+    """FP8's own from_config and is_layer_skipped on the class's mapping; vLLM's ignored_layers pass the
+    platform class's rename mapper first (Fp8Config.apply_vllm_mapper), sglang hands FP8 configs none.
+    The replay's side is exclude_entries (exclude_mapper for the platform) and match.fp8_skipped."""
     whl = engine_wheel(rules, release)
-    engine = _fp8_engine(rules, whl)
-    fused = wheel_mapping(whl, rules.engine, "fp8")
+    decide = _fp8_engine(rules, whl)
+    fused = wheel_mapping(whl, rules.engine, "fp8", platform)
+    mapper = vllm_exclude(whl, platform) if rules.engine == "vllm" else list
+    setup = serving(platform)
     modules = [p + m for p in LAYERS for m in BUILT[rules.engine]] + VISION
     entries = [p + m for p in LAYERS for m in STORED + BUILT[rules.engine]] + VISION + VISION_STORED + \
         ["language_model.lm_head"]
     skip = rules["fp8_skip"]
-    rng = random.Random(f"fp8minimax_m3{rules.id}{release}")
-    disagree, seen = fp8_disagreements(engine, skip, fused, modules, entries, rng, draws=200, most=16, names=4)
+    rng = random.Random(f"fp8minimax_m3{rules.id}{release}{platform}")
+    disagree, seen = [], 0
+    for _ in range(200):
+        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, 16)), rng.choice(["ignored_layers", "modules_to_not_convert"]))
+        given = {k: mapper(v) if k in ("ignored_layers", "modules_to_not_convert") else v for k, v in qconfig.items()}
+        ignored = exclude_entries(qconfig, rules, "fp8", setup)
+        for name in rng.sample(modules, 4):
+            mine = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
+                            fallback_fused=skip["fallback_fused"])
+            theirs = _outcome(decide, name, given, fused)
+            seen += theirs is True
+            if mine != theirs:
+                disagree.append((name, qconfig, mine, theirs))
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -236,26 +345,64 @@ def test_mtp_modules_are_skipped_as_the_wheel_skips_them(rules, release):
         assert skipped == (draft_name(name, rules, 60) is None), name
 
 
-def test_vllm_main_model_skips_the_mtp_modules():
-    rules, release = next(c for c in CASES if c[0].engine == "vllm")
+@pytest.mark.parametrize("platform", list(VLLM_FILES))
+def test_vllm_main_model_skips_the_mtp_modules(platform):
+    rules, release = VLLM[0]
     whl = engine_wheel(rules, release)
-    load_weights = ast.unparse(method_def(class_def(whl, MAIN["vllm"], "MiniMaxM3Model"), "load_weights"))
+    load_weights = ast.unparse(method_def(class_def(whl, main_path("vllm", platform), "MiniMaxM3Model"), "load_weights"))
     assert "if 'mtp.' in name:\n            continue" in load_weights.replace('"', "'")
     assert draft_name("language_model.model.mtp.layers.0.self_attn.q_proj", rules, 60) is None
     assert draft_name("language_model.model.layers.0.self_attn.q_proj", rules, 60) is not None
     # the draft class exists (built only under --speculative-config); its eh_proj takes the quant config
-    mtp = class_def(whl, "vllm/models/minimax_m3/nvidia/mtp.py", "MiniMaxM3MultiTokenPredictorLayer")
+    mtp = class_def(whl, VLLM_FILES[platform] + "mtp.py", "MiniMaxM3MultiTokenPredictorLayer")
     eh = attribute_builds(method_def(mtp, "__init__"), "eh_proj")
     assert rules["eh_proj"] == ("quant_config" if eh and eh[0].keywords.get("quant_config") == "quant_config" else "plain")
 
 
-def _stacked(whl, engine: str) -> dict[str, list[str]]:
+def _env_default(whl, name: str):
+    """The value vllm/envs.py's own lambda for ``name`` gives with the variable unset."""
+    tree = ast.parse(source(whl, "vllm/envs.py"))
+    table = next(n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                 and ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target) == "environment_variables")
+    fn = next(v for k, v in zip(table.keys, table.values) if isinstance(k, ast.Constant) and k.value == name)
+    saved = os.environ.pop(name, None)
+    try:
+        return eval(compile(ast.Expression(fn), "envs.py", "eval"), {"os": os})()  # the wheel's own lambda
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def test_vllm_shared_expert_fusion_is_a_rocm_opt_in_left_off():
+    """shared_experts_fusion null for vLLM: nvidia/model.py builds the shared expert whenever
+    n_shared_experts is set; amd/model.py leaves it out (fused as expert num_local_experts) only when
+    VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS is set, whose default (envs.py's own lambda) is off, and
+    outside expert parallelism, if is_shared_expert_quant_fse_compatible allows it."""
+    rules, release = VLLM[0]
+    whl = engine_wheel(rules, release)
+    assert rules["shared_experts_fusion"] is None
+    nvidia = method_def(class_def(whl, main_path("vllm", "cuda"), "MiniMaxM3MoE"), "__init__")
+    assert [b.under for b in attribute_builds(nvidia, "shared_experts") if b.call == "MiniMaxM3MLP"] == \
+        [["self.n_shared_experts"]]
+    amd = method_def(class_def(whl, main_path("vllm", "rocm"), "MiniMaxM3MoE"), "__init__")
+    assert [b.under for b in attribute_builds(amd, "shared_experts") if b.call == "MiniMaxM3MLP"] == \
+        [["self.n_shared_experts and (not self.is_fused_shared_expert_enabled)"]]
+    text = ast.unparse(amd)
+    assert "fse_requested = envs.VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS" in text
+    gate = next(n for n in ast.walk(amd) if isinstance(n, ast.If) and "fse_requested" in ast.unparse(n.test))
+    assert ast.unparse(gate.test).startswith("fse_requested and")
+    assert "not get_current_vllm_config().parallel_config.enable_expert_parallel" in ast.unparse(gate.test)
+    assert "is_shared_expert_quant_fse_compatible(" in ast.unparse(gate)
+    assert _env_default(whl, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS") is False
+
+
+def _stacked(whl, engine: str, platform: str = "cuda") -> dict[str, list[str]]:
     """The fused modules the loader stacks checkpoint shards into (stacked_params_mapping of the
     class's load_weights), leading dots dropped."""
     if engine == "sglang":
         fn = method_def(class_def(whl, MAIN["sglang"], VL), "load_weights")
     else:
-        fn = method_def(class_def(whl, MAIN["vllm"], "MiniMaxM3Model"), "load_weights")
+        fn = method_def(class_def(whl, main_path("vllm", platform), "MiniMaxM3Model"), "load_weights")
     out: dict[str, list[str]] = {}
     for node in ast.walk(fn):
         if isinstance(node, ast.Tuple) and len(node.elts) == 3 and all(isinstance(e, ast.Constant) for e in node.elts[:2]):
@@ -269,20 +416,22 @@ def _stacked(whl, engine: str) -> dict[str, list[str]]:
 def test_fused_modules_are_the_loaders_stacking(rules, release):
     """built_fused is what load_weights stacks: sglang index_qkv_proj (index_v_proj is never stored: no
     layer of the release builds it), vLLM one qkv_proj of q, k, v, index_q, index_k."""
-    stacked = _stacked(engine_wheel(rules, release), rules.engine)
-    if rules.engine == "sglang":
-        assert stacked.pop("index_qkv_proj") == ["index_q_proj", "index_k_proj", "index_v_proj"]
-        assert rules["built_fused"]["index_qkv_proj"] == ["index_q_proj", "index_k_proj"]
-    assert stacked == {k: v for k, v in rules["built_fused"].items() if k != "index_qkv_proj"}
+    for platform in platforms(rules.engine):
+        stacked = _stacked(engine_wheel(rules, release), rules.engine, platform)
+        if rules.engine == "sglang":
+            assert stacked.pop("index_qkv_proj") == ["index_q_proj", "index_k_proj", "index_v_proj"]
+            assert rules["built_fused"]["index_qkv_proj"] == ["index_q_proj", "index_k_proj"]
+        assert stacked == {k: v for k, v in rules["built_fused"].items() if k != "index_qkv_proj"}, platform
 
 
-@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
-def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release):
+@pytest.mark.parametrize(("rules", "release", "platform"), QUARK_CASES,
+                         ids=[f"{r.engine} {v} {p}" for r, v, p in QUARK_CASES])
+def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release, platform):
     whl = engine_wheel(rules, release)
-    text = source(whl, TEXT_PATH[rules.engine])
-    moe = method_def(class_def(whl, TEXT_PATH[rules.engine], "MiniMaxM3MoE"), "__init__")
+    text = source(whl, text_path(rules.engine, platform))
+    moe = method_def(class_def(whl, text_path(rules.engine, platform), "MiniMaxM3MoE"), "__init__")
     gates = attribute_builds(moe, "gate")
-    vl_init = method_def(class_def(whl, MAIN[rules.engine], VL), "__init__")
+    vl_init = method_def(class_def(whl, main_path(rules.engine, platform), VL), "__init__")
     vision = attribute_builds(vl_init, "vision_tower")
     if rules.engine == "sglang":
         router_plain = bool(gates) and all(b.keywords.get("quant_config") == "None" for b in gates)
@@ -296,7 +445,7 @@ def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release):
     else:
         router_plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
         vision_plain = not (vision and all(b.keywords.get("quant_config") == "self.quant_config" for b in vision))
-        layer = method_def(class_def(whl, TEXT_PATH["vllm"], "MiniMaxM3DecoderLayer"), "__init__")
+        layer = method_def(class_def(whl, text_path("vllm", platform), "MiniMaxM3DecoderLayer"), "__init__")
         moe_prefix = attribute_builds(layer, "block_sparse_moe")[0].keywords["prefix"]
         # vLLM's own MiniMaxM3TextConfig supplies scoring_func: nothing is read that may be missing
         supplied = "self.scoring_func = scoring_func" in ast.unparse(class_def(
