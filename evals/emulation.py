@@ -275,10 +275,17 @@ def _model_names(model: torch.nn.Module):
     # language_model): transformers strips that prefix where the model has no module by its name
     prefix = model.base_model_prefix + "."
     strip = bool(model.base_model_prefix) and not hasattr(model, model.base_model_prefix)
+    # a release stored without that prefix (DeepSeek-V4: layers.N.*, embed.*): transformers adds it to
+    # the names the base model holds a module for
+    base = getattr(model, model.base_model_prefix, None) if model.base_model_prefix else None
 
     def model_name(module: str) -> str:
         name = rename_source_key(module + ".weight", renamings, converters)[0].removesuffix(".weight")
-        return name.removeprefix(prefix) if strip else name
+        if strip:
+            return name.removeprefix(prefix)
+        if base is not None and not name.startswith(prefix) and hasattr(base, name.partition(".")[0]):
+            return prefix + name
+        return name
 
     return model_name
 

@@ -1,5 +1,5 @@
 """Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral,
-MiniMax-M2 and Qwen3.5 MoE (issue 36: routed experts fused [E, 2I, H] in its bf16 release, per expert
+MiniMax-M2, DeepSeek-V4 (its release names unprefixed, renamed by transformers on load) and Qwen3.5 MoE (issue 36: routed experts fused [E, 2I, H] in its bf16 release, per expert
 in a conversion, which transformers' own converters merge back) tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
 evals.emulation and checked against a reference built without it: the conversion decoded by
 ``quantize --to bf16``, loaded by plain transformers (its own eager experts), with the activation
@@ -25,17 +25,39 @@ from tests.evals.test_run import data_dir, run_cli  # noqa: F401  (data_dir is a
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
-FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2", "qwen3_5_moe"]
+FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2", "qwen3_5_moe", "deepseek_v4"]
 # how each release names a layer's experts and their (gate, up, down) projections
 EXPERTS = {"glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_next": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
            "minimax_m2": ("block_sparse_moe.experts", "w1", "w3", "w2"),
-           "qwen3_5_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj")}
+           "qwen3_5_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+           "deepseek_v4": ("ffn.experts", "w1", "w3", "w2")}
 # where a release keeps its decoder layers (the model's model.layers.N): Qwen3.5 MoE under its
 # multimodal model's language_model, routed experts fused [E, 2I, H] in the bf16 release
-LAYERS = {"qwen3_5_moe": "model.language_model.layers."}
+LAYERS = {"qwen3_5_moe": "model.language_model.layers.", "deepseek_v4": "layers."}
+# releases whose module names transformers renames on load (DeepSeek-V4: attn.wq_b -> self_attn.q_b_proj,
+# its own conversion_mapping.py "deepseek_v4"), and stores without the base model's "model." prefix
+RENAMED = {"deepseek_v4"}
+
+
+def transformers_names(model):
+    """checkpoint module -> transformers' module name, by transformers' own rename of the weight names
+    (conversion_mapping + core_model_loading.rename_source_key, as from_pretrained renames them), the
+    base model's prefix added where the base model holds that module."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    base = getattr(model, model.base_model_prefix)
+
+    def name(module: str) -> str:
+        renamed = rename_source_key(module + ".weight", renamings, converters)[0].removesuffix(".weight")
+        return f"{model.base_model_prefix}.{renamed}" if hasattr(base, renamed.partition(".")[0]) else renamed
+    return name
 TOKENS = torch.randint(3, 380, (2, 16), generator=torch.Generator().manual_seed(0))
 SCALE = {"mxfp4": ".weight_scale", "fp8": ".weight_scale_inv"}
 
@@ -79,15 +101,16 @@ def reference(name: str, folder, fmt: str, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32, experts_implementation="eager").eval()
     qdq = quark_dynamic_qdq(E2M1, ScaleRule.EVEN) if fmt == "mxfp4" else fp8.quantize_dequantize
     layers_at = LAYERS.get(name, "model.layers.")
-    stored_as = {"model.layers." + m.removeprefix(layers_at) if m.startswith(layers_at) else m: m
-                 for m in stored_quantized(folder, fmt)}  # the model's name -> the checkpoint's
-    quantized = set(stored_as)
+    to_model = transformers_names(model) if name in RENAMED else \
+        (lambda m: "model.layers." + m.removeprefix(layers_at) if m.startswith(layers_at) else m)
+    stored = stored_quantized(folder, fmt)
+    stored_as = {to_model(m): m for m in stored}  # the model's name -> the checkpoint's
     modules = dict(model.named_modules())
-    linears = sorted(m for m in quantized if isinstance(modules.get(m), torch.nn.Linear))
+    linears = sorted(m for m in stored_as if isinstance(modules.get(m), torch.nn.Linear))
     for m in linears:
         modules[m].register_forward_pre_hook(lambda mod, args: (qdq(args[0]), *args[1:]))
     prefix, gate, up, down = EXPERTS[name]
-    layers = [i for i in range(model.config.num_hidden_layers) if f"model.layers.{i}.{prefix}.0.{gate}" in quantized]
+    layers = [i for i in range(model.config.num_hidden_layers) if f"{layers_at}{i}.{prefix}.0.{gate}" in stored]
     experts = [f"model.layers.{i}.mlp.experts" for i in layers]
     if fmt == "fp8":
         with torch.no_grad():
@@ -103,9 +126,12 @@ def reference(name: str, folder, fmt: str, tmp_path):
     def experts_reference(module, hidden, top_k_index, top_k_weights):
         q = qdq(hidden)
         out = torch.zeros_like(hidden)
+        limit = getattr(module, "limit", None)  # DeepSeek-V4's swiglu_limit: gate clamped above, up both ways
         for e in range(module.num_experts):
             weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)  # 0 where e is not routed
             gate, up = torch.nn.functional.linear(q, module.gate_up_proj[e]).chunk(2, dim=-1)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             out += weight * torch.nn.functional.linear(qdq(module.act_fn(gate) * up), module.down_proj[e])
         return out
 
@@ -130,7 +156,7 @@ def test_emulated_logits_equal_the_reference(family, fmt, scheme, tmp_path):
     model, record = load_model(root / fmt, dtype=torch.float32)  # QDQ placement, free of bf16 rounding
     ref, linears, experts = reference(name, root / fmt, fmt, tmp_path)
     assert record["scheme"] == scheme
-    assert record["modules"]["linear"] == linears and record["modules"]["experts"] == experts
+    assert sorted(record["modules"]["linear"]) == linears and record["modules"]["experts"] == experts
     assert experts and (fmt == "fp8") == bool(linears)  # MXFP4: routed experts only; FP8: attention too
     ours, theirs = model.state_dict(), ref.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)  # exact decode
@@ -197,4 +223,22 @@ def test_a_family_without_a_causal_lm_class_is_refused_in_one_line(data_dir, tmp
         model_type = {"kimi_k25": "kimi_k25", "minimax_m3": "minimax_m3_vl"}[family]
         assert len(said) == 1 and f"model_type '{model_type}' has no transformers causal-LM class" in said[0], said
         assert "--base-url" in said[0] and not (out / "run.json").exists()
+
+
+@pytest.mark.parametrize("fmt,scheme", [("bf16", None), ("fp8", "W8A8")])
+@pytest.mark.parametrize("family", ["deepseek_v4"], indirect=True)
+def test_evals_run_on_deepseek_v4s_bf16_and_fp8(family, data_dir, tmp_path, fmt, scheme):  # noqa: F811
+    """DeepSeek-V4's release names (layers.N.attn.wq_b, no model. prefix) load into transformers'
+    DeepseekV4ForCausalLM by its own renames; its bf16 source and FP8 conversion (attention and
+    experts W8A8, the MTP module not built by transformers) run end to end like the MXFP4 one."""
+    _, root = family
+    out = tmp_path / "run"
+    assert run_cli("--out", out, "--model", root / fmt, "--benchmarks", "gsm8k", "--data-dir", data_dir,
+                   "--limit", 1, "--max-gen-toks", 2) == 0
+    run, rows = read_bundle(out)
+    emulation = run["local"]["emulation"]
+    assert rows and (emulation is None if scheme is None else emulation["scheme"] == scheme), emulation
+    if scheme:
+        assert emulation["modules"]["linear"] and emulation["modules"]["experts"]
+        assert "mtp.0.mlp.experts" in emulation["modules"]["not_loaded_by_transformers"]
 
