@@ -28,7 +28,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 DESCRIPTION = """\
 Convert a bf16 Hugging Face MoE checkpoint (GLM-5, DeepSeek-V3 / Kimi-K2, Kimi-K2.5, GLM-4.5, Qwen3-MoE,
-Qwen3-Next, Mixtral, MiniMax-M2, MiniMax-M3, Llama-4 layouts) into AMD Quark 0.13's MXFP4
+Qwen3-Next, Mixtral, MiniMax-M2, MiniMax-M3, Llama-4, DeepSeek-V4 layouts) into AMD Quark 0.13's MXFP4
 format, byte for byte what Quark's file-to-file exporter writes, with an exclude list that sglang
 and vLLM really match (including sglang's model.decoder.* names for the MTP layer).
 
