@@ -11,6 +11,7 @@ recorded identity (or, on any doubt, sha256). One run at a time holds DST (``Des
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import errno
 import json
@@ -20,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,13 +162,23 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 _converting = False  # a worker is inside convert_shard
+_interrupted = False  # Ctrl-C came while converting: stop at the next chunk
 
 
 def _interrupt_if_converting(signum, frame) -> None:
-    """Ctrl-C reaches the whole process group. A worker converting a shard stops (its partial file
-    is removed, the parent reports once); an idle one ignores it, as the parent shuts the pool
-    down: without this, each idle worker printed a KeyboardInterrupt traceback."""
+    """Ctrl-C reaches the whole process group. A worker converting a shard stops at its next chunk
+    (``_check_interrupt``; its partial file is removed, the parent reports once); an idle one ignores
+    it, as the parent shuts the pool down: without this, each idle worker printed a KeyboardInterrupt
+    traceback. Not raised where the signal lands: a KeyboardInterrupt inside a queue's or a lock's
+    internals (the ShardWriter's hand-off to its helper threads) lost a wake-up, and the worker hung
+    joining its writer thread."""
+    global _interrupted
     if _converting:
+        _interrupted = True
+
+
+def _check_interrupt() -> None:
+    if _interrupted:
         raise KeyboardInterrupt
 
 
@@ -179,6 +191,7 @@ def _init_worker(threads: int, counter, parent_pid: int) -> None:
 
 
 def _advance_shared(nbytes: int) -> None:
+    _check_interrupt()
     with _progress_counter.get_lock():
         _progress_counter.value += nbytes
 
@@ -192,12 +205,35 @@ def _run_in_worker(job: ShardJob) -> dict:
         _converting = False
 
 
+@contextlib.contextmanager
+def _deferred_sigint():
+    """In this process (``--workers 1``), Ctrl-C while converting stops at the next chunk, for the
+    same reason as in a worker; the previous handler is back afterwards."""
+    global _converting, _interrupted
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only: nothing to defer
+        return
+    previous = signal.signal(signal.SIGINT, _interrupt_if_converting)
+    _converting, _interrupted = True, False
+    try:
+        yield
+    finally:
+        _converting = False
+        signal.signal(signal.SIGINT, previous)
+
+
 def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> None:
     """Convert shards, calling ``on_done(record)`` as each finishes (also when another one fails)."""
     if workers <= 1:
-        for job in jobs:
-            progress.set_postfix_str(job.shard.file)
-            on_done(convert_shard(job, progress.update))
+        def advance(nbytes: int) -> None:
+            _check_interrupt()
+            progress.update(nbytes)
+
+        with _deferred_sigint():
+            for job in jobs:
+                progress.set_postfix_str(job.shard.file)
+                on_done(convert_shard(job, advance))
+                _check_interrupt()  # Ctrl-C between two shards: the finished ones are kept
         return
     context = multiprocessing.get_context("spawn")  # no fork after numba's or torch's threads started
     counter = context.Value("q", 0)

@@ -392,6 +392,41 @@ def test_ctrl_c_with_two_workers_is_one_line_exit_130_and_resumes_identically(mu
     same_checkpoint(dst, multi_shard_reference)
 
 
+def test_ctrl_c_stops_at_a_chunk_boundary_not_where_the_signal_lands(multi_shard_ckpt, tmp_path, monkeypatch):
+    """The handler only marks the interrupt; the conversion raises at its next chunk. Raised where
+    the signal landed (once inside ShardWriter.write's queue hand-off, under load), the interrupt
+    lost a wake-up and a worker hung joining its writer thread (1 run in 6 of the test above on a
+    loaded machine). Here Ctrl-C comes in the middle of a chunk's progress report, in this process
+    (--workers 1): the report finishes, the next chunk raises, nothing partial is left, no helper
+    thread survives and the previous SIGINT handler is back."""
+    from quant import convert as convert_module
+    from quant.plan import make_plan
+    from quant.recipe import load_recipe
+
+    after_signal, real = [], convert_module.convert_shard
+
+    def interrupted_once(job, advance):
+        def report(nbytes):
+            if not after_signal:
+                os.kill(os.getpid(), signal.SIGINT)
+                after_signal.append(nbytes)  # reached only if the signal did not raise here
+            advance(nbytes)
+        return real(job, report)
+
+    monkeypatch.setattr(convert_module, "convert_shard", interrupted_once)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert_module.convert(make_plan(multi_shard_ckpt, load_recipe()), tmp_path / "out", workers=1,
+                                   show_progress=False)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert after_signal, "the signal raised where it landed"
+    assert not list((tmp_path / "out").glob("*" + PARTIAL_SUFFIX))
+    assert not [t.name for t in threading.enumerate() if t.name in ("shard-writer", "sha256-output")]
+
+
 def _recorded(dst: Path) -> bool:
     try:
         return bool(json.loads((dst / PROGRESS_NAME).read_text())["shards"])
