@@ -200,6 +200,7 @@ MUTATIONS = [
     data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["prefix"], {}, "m3 vLLM exclude keeps the projector names"),
     data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["kinds"], ["quark"], "m3 vLLM FP8 ignored_layers not mapped"),
     data("vllm.minimax_m3", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "m3 vLLM fuses by default"),
+    data("vllm.deepseek_v4", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "v4 vLLM fuses by default"),
     # DeepSeek-V4 (DeepseekV4ForCausalLM) rules: manifests/engines/{sglang,vllm}.deepseek_v4.yaml
     # (killed by tests/quant/test_engine_deepseek_v4.py)
     data("sglang.deepseek_v4", "0.5.21", "module_names", [], {}, "v4 sglang keeps the checkpoint names"),

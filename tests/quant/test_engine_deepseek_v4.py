@@ -420,3 +420,51 @@ def test_every_required_release_is_read_and_has_one_rule_set():
         assert set(required) <= set(read), (engine, sorted(read))
         for release in required:
             assert sum(r.covers(read[release]) for r in rule_sets(engine, FAMILY)) == 1
+
+
+AMD = "vllm/models/deepseek_v4/amd/model.py"  # vLLM's ROCm class (models/deepseek_v4/__init__.py: is_rocm())
+
+
+def test_vllm_rocm_class_loads_as_the_rules_say():
+    """The ROCm class renames the exclude list as the CUDA one (configure_quant_config reads the class
+    attribute hf_to_vllm_mapper, built by amd/model.py's own _make_deepseek_v4_weights_mapper("fp4")),
+    stacks the same shards, builds the router, head and attention alike (DeepseekV4ROCMAiterMLAAttention
+    subclasses attention.py's DeepseekV4Attention) and drops mtp.*; its packed_modules_mapping lacks
+    fused_wkv_wgate, which names only the compressor's module, built without quant config; its
+    shared-expert fusion is opt-in (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS, default off)."""
+    rules, release = next(c for c in CASES if c[0].engine == "vllm")
+    whl = engine_wheel(rules, release)
+    mapper = load(whl, "vllm/model_executor/models/utils.py", ["WeightsMapper"],
+                  {"WeightRenaming": object, "ShardIds": object, "replace": dataclasses.replace})["WeightsMapper"]
+    make = load(whl, AMD, ["_make_deepseek_v4_weights_mapper"], {"WeightsMapper": mapper})
+    assert "hf_to_vllm_mapper = _make_deepseek_v4_weights_mapper('fp4')" in ast.unparse(class_def(whl, AMD, CLASS))
+    rename = make["_make_deepseek_v4_weights_mapper"]("fp4").get_rename_mapper().apply_list
+    names = [p + m for p in LAYERS + ["mtp.0.", "model.layers.1."] for m in STORED + BUILT["vllm"]] + \
+        ["head", "lm_head", "embed", "norm", "re:.*attn.*", "layers.1.ffn.gate.bias", "layers.1.ffn.shared_experts.w2.w1"]
+    for kind in ("quark", "fp8"):
+        qconfig = {"exclude": list(names)} if kind == "quark" else {"modules_to_not_convert": list(names)}
+        assert exclude_entries(qconfig, rules, kind) == rename(list(names)), kind
+    node = class_def(whl, AMD, CLASS)
+    mapping = class_constant(node, "packed_modules_mapping")
+    assert mapping == {k: v for k, v in rules["quark_fused"].items() if k != "fused_wkv_wgate"}
+    compressor = method_def(class_def(whl, "vllm/models/deepseek_v4/compressor.py", "DeepseekCompressor"), "__init__")
+    assert [b.keywords.get("quant_config") for b in attribute_builds(compressor, "fused_wkv_wgate")] == ["None"]
+    assert "compressor" in rules["unquantized_roles"]
+    rocm = class_def(whl, "vllm/models/deepseek_v4/amd/rocm.py", "DeepseekV4ROCMAiterMLAAttention")
+    assert [ast.unparse(b) for b in rocm.bases] == ["DeepseekV4Attention"]
+    assert "super().__init__(*args, **kwargs)" in ast.unparse(method_def(rocm, "__init__"))
+    layer = method_def(class_def(whl, AMD, "DeepseekV4DecoderLayer"), "__init__")
+    assert attribute_builds(layer, "attn")[0].call == "DeepseekV4ROCMAiterMLAAttention"
+    moe = method_def(class_def(whl, AMD, "DeepseekV4MoE"), "__init__")
+    gate = attribute_builds(moe, "gate")
+    assert gate and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gate)
+    fse = next(n for n in ast.parse(source(whl, AMD)).body
+               if isinstance(n, ast.FunctionDef) and n.name == "_fuse_shared_experts_enabled")
+    assert "envs.VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS and (not parallel_config.enable_expert_parallel)" in \
+        ast.unparse(fse)
+    assert rules["shared_experts_fusion"] is None  # off by default: not replayed
+    amd_stack = [n for n in ast.walk(method_def(class_def(whl, AMD, "DeepseekV4Model"), "load_weights"))
+                 if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "stacked_params_mapping"]
+    cuda_stack = [n for n in ast.walk(method_def(class_def(whl, MAIN["vllm"], "DeepseekV4Model"), "load_weights"))
+                  if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "stacked_params_mapping"]
+    assert ast.unparse(amd_stack[0].value) == ast.unparse(cuda_stack[0].value)
