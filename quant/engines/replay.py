@@ -46,7 +46,7 @@ class Finding:
 class EngineModule:
     name: str  # the engine's module name
     members: list[str] = field(default_factory=list)  # checkpoint modules loaded into it
-    build: str = "governed"  # governed (exclude decides) | bf16 (always unquantized)
+    build: str = "governed"  # governed (exclude decides) | bf16 (always unquantized) | quantized (always quantized)
     draft: bool = False
     moe: bool = False
     role: str = ""
@@ -134,10 +134,11 @@ def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_la
 
 
 def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int, kind: str,
-                   whole_draft_bf16: bool = False, indexer_bf16: frozenset[str] | None = None) \
-        -> dict[str, EngineModule]:
+                   whole_draft_bf16: bool = False, indexer_bf16: frozenset[str] | None = None,
+                   quantized: frozenset[tuple[str, str]] = frozenset()) -> dict[str, EngineModule]:
     """The modules the engine builds from the checkpoint's Linear modules (``indexer_bf16``: the
-    indexer leaves built without quant config, from ``indexer_bf16_leaves``)."""
+    indexer leaves built without quant config, from ``indexer_bf16_leaves``; ``quantized``: the
+    (role, leaf) pairs built quantized whatever the exclude list says, from ``quantized_leaves``)."""
     if indexer_bf16 is None:
         indexer_bf16 = indexer_bf16_leaves(rules, DEFAULT, {})
     built: dict[str, EngineModule] = {}
@@ -172,7 +173,7 @@ def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
         if entry is None:
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
                                                build=_build(info.role, leaf, rules, kind, draft and whole_draft_bf16,
-                                                            indexer_bf16))
+                                                            indexer_bf16, quantized))
             if moe:
                 experts[module[:module.rindex(".experts.") + len(".experts")]] = entry
         entry.members.append(module)
@@ -192,9 +193,22 @@ def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> froze
     return frozenset(leaves)
 
 
-def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, indexer_bf16: frozenset[str]) -> str:
+def quantized_leaves(rules: RuleSet, kind: str, qconfig: dict) -> frozenset[tuple[str, str]]:
+    """The (role, leaf) pairs this class builds with the quant config whatever the exclude list says
+    (rule ``built_quantized``, per kind, for the configs it names: sglang's DeepSeek-V4 builds wo_a
+    for its FP8 GEMM under block FP8 128x128)."""
+    rule = (rules.values.get("built_quantized") or {}).get(kind)
+    if not rule or ("weight_block_size" in rule and list(qconfig.get("weight_block_size") or []) != rule["weight_block_size"]):
+        return frozenset()
+    return frozenset((role, leaf) for role, leaves in rule["leaves"].items() for leaf in leaves)
+
+
+def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, indexer_bf16: frozenset[str],
+           quantized: frozenset[tuple[str, str]] = frozenset()) -> str:
     if draft_bf16 or role in rules["unquantized_roles"]:
         return "bf16"
+    if (role, leaf) in quantized:
+        return "quantized"
     if role == "mtp_proj":  # quant_config: built with a Quark config only; any_quant_config: with any
         governed = rules["eh_proj"] == "any_quant_config" or (rules["eh_proj"] == "quant_config" and kind == "quark")
         return "governed" if governed else "bf16"
@@ -310,7 +324,7 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
 
     slots: dict[str, bool] = {}  # FusedMoE name -> whether its expert slots are quantized
     built = engine_modules(modules, rules, num_hidden_layers, kind, whole_draft_bf16,
-                           indexer_bf16_leaves(rules, serving, config))
+                           indexer_bf16_leaves(rules, serving, config), quantized_leaves(rules, kind, qconfig))
     for name, em in sorted(built.items()):
         on_disk = {modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
@@ -335,6 +349,9 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
                 finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{where}; an {fmt_name} weight "
                               "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
+        if em.build == "quantized":
+            _forced_quantized(em, name, quantized_on_disk, lists[em.draft], rules, kind, fmt_name, where, finding)
+            continue
         try:
             expect_quantized = not excluded(name, lists[em.draft], rules, kind, em.moe)
         except MixedShards as exc:
@@ -351,6 +368,22 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
     return findings, slots, entries
+
+
+def _forced_quantized(em: EngineModule, name: str, quantized_on_disk: bool, exclude: Exclude, rules: RuleSet,
+                      kind: str, fmt_name: str, where: str, finding) -> None:
+    """A module built with the quant config whatever the exclude list says (``built_quantized``):
+    a bf16 weight cannot load, and an exclude entry for it makes the quant method unquantized where
+    the class asserts a quantized one."""
+    leaf = name.rsplit(".", 1)[-1]
+    why = f"{rules.engine} builds {leaf} quantized whatever {where} says ({rules['built_quantized'][kind]['reason']})"
+    if not quantized_on_disk:
+        finding(name, f"{why}; a bf16 {leaf} cannot load: {rules['built_quantized'][kind]['error']}",
+                f"quantize {leaf} ({rules['built_quantized'][kind]['fix']})")
+    elif excluded(name, exclude, rules, kind, em.moe):
+        finding(name, f"{why}; the {where} entry matching it makes its quant method unquantized and the class's "
+                      "assertion fails ('FP8 quant_config must create weight_scale_inv')",
+                f"remove the {where} entries matching {name!r}")
 
 
 def _rotary_permuted(em: EngineModule, rules: RuleSet, kind: str) -> str | None:

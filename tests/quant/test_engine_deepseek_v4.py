@@ -468,3 +468,63 @@ def test_vllm_rocm_class_loads_as_the_rules_say():
     cuda_stack = [n for n in ast.walk(method_def(class_def(whl, MAIN["vllm"], "DeepseekV4Model"), "load_weights"))
                   if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "stacked_params_mapping"]
     assert ast.unparse(amd_stack[0].value) == ast.unparse(cuda_stack[0].value)
+
+
+def _sglang_wo_a_quant_config(whl, quant_config):
+    """What sglang's own MqaAttentionBase.__init__ hands wo_a as its quant config on the default
+    environment (not NPU): the wheel's wo_a_fp8_gemm_enabled, run with _FP8_WO_A_GEMM at environ.py's
+    default, then the constructor's own statements from ``fp8 = ...`` to the ``wo_a_keeps_quant_config`` choice."""
+    env = source(whl, "sglang/srt/environ.py")
+    default = re.search(r"SGLANG_OPT_FP8_WO_A_GEMM = EnvBool\((True|False)\)", env)
+    assert default, "SGLANG_OPT_FP8_WO_A_GEMM not found in environ.py"
+
+    class Fp8Config:  # what wo_a_fp8_gemm_enabled reads of the config: its class and weight_block_size
+        def __init__(self, weight_block_size):
+            self.weight_block_size = weight_block_size
+
+        def get_name(self):
+            return "fp8"
+
+    ns = load(whl, MAIN["sglang"], ["wo_a_fp8_gemm_enabled"],
+              {"_FP8_WO_A_GEMM": default.group(1) == "True", "Fp8Config": Fp8Config, "QuantizationConfig": object})
+    init = method_def(class_def(whl, MAIN["sglang"], "MqaAttentionBase"), "__init__")
+    body = init.body
+    start = next(i for i, s in enumerate(body) if isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "fp8")
+    end = next(i for i, s in enumerate(body) if isinstance(s, ast.If) and "wo_a_keeps_quant_config" in ast.unparse(s.test))
+    wanted = [s for s in body[start:end + 1] if not (isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "reduce_results")]
+    local = {**ns, "quant_config": None, "wo_a_fp8": None, "wo_a_keeps_quant_config": None,
+             "use_npu_arch35_mxfp8_wo_a": lambda qc: False, "self": types.SimpleNamespace()}
+    if quant_config is not None:
+        kind, block = quant_config
+        local["quant_config"] = Fp8Config(block) if kind == "fp8" else types.SimpleNamespace(get_name=lambda: kind)
+    exec(compile(ast.fix_missing_locations(ast.Module(body=wanted, type_ignores=[])), "MqaAttentionBase", "exec"),
+         local)  # noqa: S102 (the engine's own code)
+    return local["wo_a_quant_config"], local["quantize_wo_a"]
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_sglang_builds_wo_a_quantized_under_block_fp8(rules, release):
+    """sglang builds DeepSeek-V4's wo_a with the FP8 config whatever modules_to_not_convert says
+    under 128x128 block FP8 (its FP8 wo_a GEMM, SGLANG_OPT_FP8_WO_A_GEMM on by default), and bf16
+    (no quant config) for other FP8 layouts and Quark: the wheel's own constructor statements decide
+    beside built_quantized; the class asserts the quantized weight_scale_inv and load_weights raises
+    for a wo_a not stored float8_e4m3fn."""
+    from quant.engines.replay import quantized_leaves
+
+    whl = engine_wheel(rules, release)
+    modules = {f"layers.1.attn.{leaf}": Module(True, (8, 8), "attention") for leaf in ("wo_a", "wo_b")}
+    for config, qconfig in ((("fp8", [128, 128]), {"weight_block_size": [128, 128]}), (("fp8", [64, 64]), {"weight_block_size": [64, 64]}),
+                            (("fp8", None), {}), (("quark", None), {})):
+        built, quantize = _sglang_wo_a_quant_config(whl, config)
+        kind = config[0]
+        mine = engine_modules(modules, rules, N, kind, quantized=quantized_leaves(rules, kind, qconfig))
+        assert (mine["model.layers.1.self_attn.wo_a"].build == "quantized") == (built is not None) == quantize, config
+        assert mine["model.layers.1.self_attn.wo_b"].build == "governed"
+    init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "MqaAttentionBase"), "__init__"))
+    assert re.search(r"if quantize_wo_a:\s+assert hasattr\(self\.wo_a, 'weight_scale_inv'\)", init)
+    load_weights = ast.unparse(method_def(class_def(whl, MAIN["sglang"], CLASS), "load_weights"))
+    assert "self.wo_a_fp8 and name.endswith('.wo_a.weight') and (loaded_weight.dtype != torch.float8_e4m3fn)" in load_weights
+    # an exclude entry for wo_a makes Fp8Config's quant method unquantized (no weight_scale_inv)
+    get = ast.unparse(method_def(class_def(whl, "sglang/srt/layers/quantization/fp8.py", "Fp8Config"), "get_quant_method"))
+    assert re.search(r"if isinstance\(layer, LinearBase\):\s+if is_layer_skipped\(prefix, self\.ignored_layers, "
+                     r"fused_mapping=self\.packed_modules_mapping\):\s+return UnquantizedLinearMethod\(\)", get)
