@@ -209,6 +209,8 @@ def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, in
         return "bf16"
     if (role, leaf) in quantized:
         return "quantized"
+    if leaf in (rules.values.get("unquantized_leaves") or {}).get(role, ()):
+        return "bf16"
     if role == "mtp_proj":  # quant_config: built with a Quark config only; any_quant_config: with any
         governed = rules["eh_proj"] == "any_quant_config" or (rules["eh_proj"] == "quant_config" and kind == "quark")
         return "governed" if governed else "bf16"

@@ -506,8 +506,8 @@ def _sglang_wo_a_quant_config(whl, quant_config):
 def test_sglang_builds_wo_a_quantized_under_block_fp8(rules, release):
     """sglang builds DeepSeek-V4's wo_a with the FP8 config whatever modules_to_not_convert says
     under 128x128 block FP8 (its FP8 wo_a GEMM, SGLANG_OPT_FP8_WO_A_GEMM on by default), and bf16
-    (no quant config) for other FP8 layouts and Quark: the wheel's own constructor statements decide
-    beside built_quantized; the class asserts the quantized weight_scale_inv and load_weights raises
+    (no quant config) whatever the exclude list says for other FP8 layouts and Quark: the wheel's own
+    constructor statements decide beside built_quantized and unquantized_leaves; the class asserts the quantized weight_scale_inv and load_weights raises
     for a wo_a not stored float8_e4m3fn."""
     from quant.engines.replay import quantized_leaves
 
@@ -518,7 +518,8 @@ def test_sglang_builds_wo_a_quantized_under_block_fp8(rules, release):
         built, quantize = _sglang_wo_a_quant_config(whl, config)
         kind = config[0]
         mine = engine_modules(modules, rules, N, kind, quantized=quantized_leaves(rules, kind, qconfig))
-        assert (mine["model.layers.1.self_attn.wo_a"].build == "quantized") == (built is not None) == quantize, config
+        assert (built is not None) == quantize, config
+        assert mine["model.layers.1.self_attn.wo_a"].build == ("quantized" if quantize else "bf16"), config
         assert mine["model.layers.1.self_attn.wo_b"].build == "governed"
     init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "MqaAttentionBase"), "__init__"))
     assert re.search(r"if quantize_wo_a:\s+assert hasattr\(self\.wo_a, 'weight_scale_inv'\)", init)
@@ -528,3 +529,34 @@ def test_sglang_builds_wo_a_quantized_under_block_fp8(rules, release):
     get = ast.unparse(method_def(class_def(whl, "sglang/srt/layers/quantization/fp8.py", "Fp8Config"), "get_quant_method"))
     assert re.search(r"if isinstance\(layer, LinearBase\):\s+if is_layer_skipped\(prefix, self\.ignored_layers, "
                      r"fused_mapping=self\.packed_modules_mapping\):\s+return UnquantizedLinearMethod\(\)", get)
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_sglang_wo_a_findings_under_block_fp8(rules, release):
+    """The replay's findings for wo_a under block FP8: an FP8 wo_a loads; a bf16 one fails listed or not
+    (load_weights' ValueError); an FP8 one listed in modules_to_not_convert fails the class's
+    weight_scale_inv assertion; per-tensor FP8 and Quark build it bf16, listed or not (a quantized one
+    meets a bf16 parameter)."""
+    from quant.engines.replay import replay
+
+    def findings(wo_a_fp8: bool, listed: list[str], block=(128, 128)):
+        modules = {"layers.1.attn.wo_a": Module(wo_a_fp8, (8, 8), "attention"),
+                   "layers.1.attn.wo_b": Module(True, (8, 8), "attention")}
+        qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": listed,
+                   **({"weight_block_size": list(block)} if block else {})}
+        return [f for f in replay(rules, modules, qconfig, FAMILY, N, "fp8", "FP8") if f.check == "engine"]
+
+    entry = ["model.layers.1.self_attn.wo_a"]
+    assert findings(True, []) == []
+    for listed in ([], entry):
+        (found,) = findings(False, listed)
+        assert found.module == "model.layers.1.self_attn.wo_a" and "SGLANG_OPT_FP8_WO_A_GEMM" in found.why, found
+    (found,) = findings(True, entry)
+    assert "weight_scale_inv" in found.why and found.fix.startswith("remove the modules_to_not_convert entries"), found
+    assert findings(False, entry, block=None) == findings(False, [], block=None) == []  # built bf16
+    (found,) = findings(True, [], block=None)
+    assert "builds wo_a unquantized (attention)" in found.why, found
+    modules = {"layers.1.attn.wo_a": Module(True, (8, 8), "attention")}
+    (found,) = [f for f in replay(rules, modules, {"quant_method": "quark", "exclude": []}, FAMILY, N, "quark", "MXFP4")
+                if f.check == "engine"]
+    assert found.module == "model.layers.1.self_attn.wo_a" and "unquantized (attention)" in found.why, found

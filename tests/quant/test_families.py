@@ -414,3 +414,69 @@ def test_deepseek_v4_fp8_names_its_expert_dtype_and_bf16_drops_it(deepseek_v4, t
     kept = [n for n in source if ".hc_" in n or n.startswith("hc_") or n.endswith("tid2eid")]
     assert kept and all(fp8[n] == source[n] for n in kept)
 
+
+
+def _fp8_with_bf16_wo_a(src, fp8, folder):
+    """A copy of DeepSeek-V4's FP8 conversion with each decoder layer's attn.wo_a put back to the
+    source's bf16 (its weight_scale_inv dropped) and listed in modules_to_not_convert, as a recipe
+    keeping wo_a bf16 would write it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(fp8, folder)
+    source = {}
+    for file in src.glob("*.safetensors"):
+        source.update(load_file(file))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    kept, total = [], 0
+    for file in folder.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name in [n for n in tensors if n.startswith("layers.") and ".attn.wo_a." in n]:
+            del tensors[name]
+            index["weight_map"].pop(name)
+            if name.endswith(".weight"):
+                tensors[name] = source[name]
+                index["weight_map"][name] = file.name
+                kept.append(name.removesuffix(".weight"))
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index["metadata"]["total_size"] = total
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["modules_to_not_convert"] += kept + [k.replace("layers.", "model.layers.", 1).replace(".attn.", ".self_attn.")
+                                            for k in kept]
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "conversion_manifest.json").unlink()
+    return folder, kept
+
+
+def test_deepseek_v4_fp8_with_bf16_wo_a_fails_sglang_only(deepseek_v4, capsys, tmp_path):
+    """sglang 0.5.21-0.5.23 build DeepSeek-V4's wo_a with the FP8 config under 128x128 blocks whatever
+    modules_to_not_convert says (models/deepseek_v4.py MqaAttentionBase.__init__, wo_a_fp8_gemm_enabled):
+    an FP8 conversion keeping wo_a bf16 fails there (load_weights' ValueError), and gate checkpoint names
+    wo_a; vLLM builds wo_a governed by the list and loads it."""
+    src, outputs = deepseek_v4
+    folder, kept = _fp8_with_bf16_wo_a(src, outputs["fp8"], tmp_path / "bf16_wo_a")
+    assert kept == sorted(kept) and len(kept) == 3  # layers 0..2
+    for engine in ("sglang==0.5.21", "sglang==0.5.22", "sglang==0.5.23"):
+        code, text = run_gate(capsys, folder, "--engine", engine)
+        assert code == 1, (engine, text)
+        assert "model.layers.0.self_attn.wo_a" in text and "SGLANG_OPT_FP8_WO_A_GEMM" in text, (engine, text)
+        assert "self_attn.wo_b" not in text and "[layout]" not in text, text
+    code, text = run_gate(capsys, folder, "--engine", "vllm")
+    assert code == 0 and "verdict: loads correctly" in text, text
+
+
+def test_deepseek_v4_fp8_recipe_keeping_attention_bf16_is_refused(deepseek_v4, tmp_path, capsys):
+    """quantize refuses an FP8 recipe that keeps DeepSeek-V4's attention bf16: sglang builds wo_a FP8
+    regardless (the replay of every release runs on the plan); the message names wo_a and the way out."""
+    src, _ = deepseek_v4
+    recipe = tmp_path / "fp8-no-attention.yaml"
+    recipe.write_text("name: fp8-no-attention\nformat: fp8\nrules:\n  - {role: attention, action: keep}\n"
+                      "  - {role: shared_expert, action: quantize}\n  - {role: routed_expert, action: quantize}\n")
+    code = quantize(["--to", "fp8", "--recipe", str(recipe), str(src), str(tmp_path / "out")])
+    text = capsys.readouterr().err
+    assert code != 0 and not (tmp_path / "out").exists(), text
+    assert "self_attn.wo_a" in text and "SGLANG_OPT_FP8_WO_A_GEMM" in text and "Traceback" not in text, text
