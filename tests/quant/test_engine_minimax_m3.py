@@ -27,7 +27,8 @@ from packaging.version import Version
 from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
 from quant.engines.match import fp8_skipped
-from quant.engines.replay import class_name, draft_name, exclude_entries
+from quant.engines.match import Exclude
+from quant.engines.replay import class_name, draft_exclude, draft_name, exclude_entries, excluded
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (
@@ -351,12 +352,48 @@ def test_vllm_main_model_skips_the_mtp_modules(platform):
     whl = engine_wheel(rules, release)
     load_weights = ast.unparse(method_def(class_def(whl, main_path("vllm", platform), "MiniMaxM3Model"), "load_weights"))
     assert "if 'mtp.' in name:\n            continue" in load_weights.replace('"', "'")
-    assert draft_name("language_model.model.mtp.layers.0.self_attn.q_proj", rules, 60) is None
-    assert draft_name("language_model.model.layers.0.self_attn.q_proj", rules, 60) is not None
-    # the draft class exists (built only under --speculative-config); its eh_proj takes the quant config
+    assert draft_name("language_model.model.layers.0.self_attn.q_proj", rules, 60) == \
+        "language_model.model.layers.0.self_attn.q_proj"
+    # the draft class (built only under --speculative-config): its eh_proj takes the quant config, looked
+    # up by Quark and FP8 alike (ReplicatedLinear is a LinearBase)
     mtp = class_def(whl, VLLM_FILES[platform] + "mtp.py", "MiniMaxM3MultiTokenPredictorLayer")
     eh = attribute_builds(method_def(mtp, "__init__"), "eh_proj")
-    assert rules["eh_proj"] == ("quant_config" if eh and eh[0].keywords.get("quant_config") == "quant_config" else "plain")
+    assert eh[0].call == "ReplicatedLinear" and eh[0].keywords.get("prefix") == "f'{prefix}.eh_proj'"
+    assert rules["eh_proj"] == ("any_quant_config" if eh[0].keywords.get("quant_config") == "quant_config" else "plain")
+
+
+DRAFT_STORED = ["language_model.model.mtp.layers.0.eh_proj", "language_model.model.mtp.layers.1.self_attn.q_proj",
+                "language_model.model.mtp.layers.0.self_attn.index_k_proj", "language_model.model.mtp.layers.0.self_attn.o_proj",
+                "language_model.model.mtp.layers.0.block_sparse_moe.experts.7.w2",
+                "language_model.model.mtp.layers.0.block_sparse_moe.shared_experts.up_proj",
+                "language_model.model.mtp.layers.0.block_sparse_moe.gate"]
+
+
+@pytest.mark.parametrize("platform", list(VLLM_FILES))
+def test_vllm_draft_names_are_the_wheels(platform):
+    """MiniMaxM3MTP's own _map_checkpoint_name gives each stored MTP module the name the replay builds
+    (model.layers.{i}.*), and the prefixes its constructors pass (model -> layers.{idx} -> eh_proj; the
+    decoder layer built with the layer's own prefix, no transformer_layer) are the ones the exclude list is
+    matched against; a main-model name maps to None (the draft does not own it)."""
+    rules, release = VLLM[0]
+    whl = engine_wheel(rules, release)
+    path = VLLM_FILES[platform] + "mtp.py"
+    cls = methods(whl, path, "MiniMaxM3MTP", ["_map_checkpoint_name"])["cls"]
+    for name in DRAFT_STORED:
+        assert cls._map_checkpoint_name(None, name + ".weight") == draft_name(name, rules, 60) + ".weight", name
+    assert cls._map_checkpoint_name(None, "language_model.model.layers.3.self_attn.q_proj.weight") is None
+    init = ast.unparse(method_def(class_def(whl, path, "MiniMaxM3MTP"), "__init__"))
+    assert "MiniMaxM3MultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, 'model'))" in init
+    pred = ast.unparse(method_def(class_def(whl, path, "MiniMaxM3MultiTokenPredictor"), "__init__"))
+    assert "f'{prefix}.layers.{idx}'" in pred and "range(self.num_mtp_layers)" in pred
+    assert "self.num_mtp_layers = config.num_mtp_modules" in pred and rules["mtp_naming"]["max_layers"] is None
+    layer = attribute_builds(method_def(class_def(whl, path, "MiniMaxM3MultiTokenPredictorLayer"), "__init__"),
+                             "transformer_layer")
+    assert layer[0].keywords["prefix"] == "prefix"  # the decoder layer's Linears: model.layers.{idx}.self_attn...
+    # no mapper, no packed mapping of its own: the target's (shared) quant config is used as the target left it
+    draft = class_def(whl, path, "MiniMaxM3MTP")
+    assert class_constant(draft, "hf_to_vllm_mapper") is None and class_constant(draft, "packed_modules_mapping") is None
+    assert rules["draft_exclude"] == {FAMILY: "none"}
 
 
 def _env_default(whl, name: str):
@@ -371,6 +408,71 @@ def _env_default(whl, name: str):
     finally:
         if saved is not None:
             os.environ[name] = saved
+
+
+# the draft's Linears as MiniMaxM3MTP builds them (model.layers.{idx}.*: a sparse-attention MoE layer and
+# eh_proj; its router is a GateLinear without quant config), and the names an exclude list may hold
+DRAFT_BUILT = ["self_attn.qkv_proj", "self_attn.o_proj", "block_sparse_moe.shared_experts.gate_up_proj",
+               "block_sparse_moe.shared_experts.down_proj", "block_sparse_moe.experts", "eh_proj"]
+DRAFT_LAYERS = ["model.layers.0.", "model.layers.1."]
+
+
+def _draft_entries() -> list[str]:
+    stored = [f"language_model.model.mtp.layers.{i}." + m for i in (0, 1) for m in STORED + ["eh_proj"]]
+    return stored + [p + m for p in DRAFT_LAYERS for m in STORED + DRAFT_BUILT] + \
+        [p + m for p in LAYERS for m in ("self_attn.q_proj", "block_sparse_moe.experts", "eh_proj")] + \
+        ["re:.*shared_experts.*", "re:.*eh_proj.*", "re:.*mtp.*"]
+
+
+@pytest.mark.parametrize("platform", list(VLLM_FILES))
+def test_vllm_draft_quark_and_fp8_decisions_equal_the_engines(platform):
+    """The draft shares the target's quant config (llm_base_proposer.py: _create_draft_vllm_config) with
+    the main class's mapper applied and its packed mapping: vLLM's own should_ignore_layer and
+    is_layer_skipped on the draft's module names, against the replay's draft_exclude and decisions, for
+    random lists in stored, draft and main names; and quantgate's writer (each stored MTP name also
+    listed as draft_name gives it) makes the draft's module unquantized exactly when its stored shards are."""
+    rules, release = VLLM[0]
+    whl = engine_wheel(rules, release)
+    setup = serving(platform)
+    modules = [p + m for p in DRAFT_LAYERS for m in DRAFT_BUILT]
+    entries = _draft_entries()
+    theirs = vllm_exclude(whl, platform)
+
+    def ours(exclude):
+        return draft_exclude(exclude_entries({"exclude": exclude}, rules, "quark", setup), rules, FAMILY, 60, "quark")[0]
+
+    def written(exclude):
+        return exclude + [draft_name(e, rules, 60) for e in exclude if e.startswith("language_model.model.mtp.")]
+
+    engine = _quark_engine(rules, whl)
+    fused = wheel_mapping(whl, "vllm", "quark", platform)
+    rng = random.Random(f"minimax_m3 draft {platform}")
+    for way in (list, written):
+        disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=16, names=4,
+                                             ours=lambda ex, w=way: ours(w(ex)), theirs=lambda ex, w=way: theirs(w(ex)))
+        assert not disagree, disagree[:3]
+        assert seen > 30
+    # a list in stored names only (quantgate's before the draft was replayed) excludes none of the draft's
+    # modules; with each entry's draft name too, all of them
+    stored_only = [e for e in entries if e.startswith("language_model.model.mtp.") and "experts.0" not in e]
+    assert not any(engine(m, theirs(stored_only), fused, m.endswith(".experts")) for m in modules)
+    assert all(engine(m, theirs(written(stored_only)), fused, m.endswith(".experts")) for m in modules)
+
+    decide = _fp8_engine(rules, whl)
+    fp8_fused = wheel_mapping(whl, "vllm", "fp8", platform)
+    disagree, seen = [], 0
+    for _ in range(200):
+        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, 12)), rng.choice(["ignored_layers", "modules_to_not_convert"]))
+        given = {k: theirs(v) if k in ("ignored_layers", "modules_to_not_convert") else v for k, v in qconfig.items()}
+        listed = draft_exclude(exclude_entries(qconfig, rules, "fp8", setup), rules, FAMILY, 60, "fp8")[0]
+        for name in rng.sample(modules, 3):
+            mine = _outcome(excluded, name, Exclude(listed), rules, "fp8", name.endswith(".experts"))
+            engines = _outcome(decide, name, given, fp8_fused)
+            seen += engines is True
+            if mine != engines:
+                disagree.append((name, qconfig, mine, engines))
+    assert not disagree, disagree[:3]
+    assert seen > 30
 
 
 def test_vllm_shared_expert_fusion_is_a_rocm_opt_in_left_off():

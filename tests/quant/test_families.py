@@ -47,11 +47,13 @@ EXPECT = {
                            "language_model.model.layers.1.feed_forward.router"], "sglang_default_loads": True},
     # sglang builds MiniMax-M3's MoE block as mlp.* and its indexer as index_qkv_proj; vLLM renames the
     # projector and patch merger under vision_tower and the tower's mlp.fc1 to fc1. sglang fuses the
-    # shared expert on MI355X whatever the exclude list says (as for GLM-4.5)
+    # shared expert on MI355X whatever the exclude list says (as for GLM-4.5); vLLM's MTP draft is
+    # model.layers.0.* (eh_proj with the quant config)
     "minimax_m3": {"aliases": ["language_model.model.layers.1.mlp.shared_experts.gate_up_proj",
                                "language_model.model.layers.1.self_attn.index_qkv_proj",
                                "language_model.model.layers.1.mlp.gate", "vision_tower.multi_modal_projector.linear_1",
-                               "vision_tower.patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.fc1"],
+                               "vision_tower.patch_merge_mlp.linear_2", "vision_tower.vision_model.encoder.layers.0.fc1",
+                               "model.layers.0.eh_proj", "model.layers.0.self_attn.qkv_proj"],
                    "sglang_default_loads": False, "fused_moe": "language_model.model.layers.1.mlp.experts"},
     # the MTP draft under both engines' names (vLLM mtp.*, sglang model.layers.0.*: main layer 0's),
     # vLLM's draft fc; sglang does not fuse the excluded shared expert (quark.py: can_fuse_shared_expert)
@@ -480,3 +482,31 @@ def test_deepseek_v4_fp8_recipe_keeping_attention_bf16_is_refused(deepseek_v4, t
     text = capsys.readouterr().err
     assert code != 0 and not (tmp_path / "out").exists(), text
     assert "self_attn.wo_a" in text and "SGLANG_OPT_FP8_WO_A_GEMM" in text and "Traceback" not in text, text
+
+
+def test_minimax_m3_vllm_draft_needs_its_own_names(tmp_path, capsys):
+    """vLLM's MiniMaxM3MTP draft (--speculative-config method mtp) builds language_model.model.mtp.layers.0.*
+    as model.layers.0.* and matches the exclude list against those names (nvidia/mtp.py, amd/mtp.py:
+    _map_checkpoint_name; the target's quant config, no mapper of its own). quantize writes each MTP
+    module's bf16 entry in both names; with the stored names only (quantgate's list before the draft was
+    replayed) vLLM builds the draft's attention, shared expert and eh_proj MXFP4 over bf16 weights, the
+    Wafer write-up's failure. sglang builds no draft from them: its verdict does not change."""
+    src = write_family_checkpoint(tmp_path / "bf16", "minimax_m3")
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    exclude = config["quantization_config"]["exclude"]
+    assert {"model.layers.0.eh_proj", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+            "model.layers.0.block_sparse_moe.shared_experts.gate_up_proj"} <= set(exclude)
+    code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
+    assert code == 0 and "verdict: loads correctly" in text, text
+    _, sglang_before = run_gate(capsys, tmp_path / "mxfp4", "--engine", "sglang==0.5.23")
+    config["quantization_config"]["exclude"] = [e for e in exclude if not e.startswith("model.layers.")]
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    code, text = run_gate(capsys, tmp_path / "mxfp4", "--engine", "vllm")
+    assert code == 1 and "meets an MXFP4 slot" in text, text
+    for name in ("model.layers.0.eh_proj", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                 "model.layers.0.block_sparse_moe.shared_experts.gate_up_proj",
+                 "model.layers.0.block_sparse_moe.shared_experts.down_proj"):
+        assert f"PROBLEM  [engine] {name}\n" in text, (name, text)
+    assert "language_model.model.layers" not in text
+    assert run_gate(capsys, tmp_path / "mxfp4", "--engine", "sglang==0.5.23")[1] == sglang_before
