@@ -85,13 +85,13 @@ def _draft_layer(module: str, rules: RuleSet, num_hidden_layers: int) -> int | N
 
 
 def _renamed(module: str, renames: dict[str, str]) -> str:
-    """The first of ``renames`` that applies (a ``^`` key renames that prefix, any other key the
-    first occurrence of that text)."""
+    """``renames`` applied in order, each once where it applies (a ``^`` key renames that prefix, any
+    other key the first occurrence of that text)."""
     for old, new in renames.items():
         if old.startswith("^") and module.startswith(old[1:]):
-            return new + module[len(old) - 1:]
-        if not old.startswith("^") and old in module:
-            return module.replace(old, new, 1)
+            module = new + module[len(old) - 1:]
+        elif not old.startswith("^") and old in module:
+            module = module.replace(old, new, 1)
     return module
 
 

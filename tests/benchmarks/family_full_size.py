@@ -198,7 +198,7 @@ def layout_minimax_m3() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     for i in range(M3_LAYERS):
         out += [(f"language_model.model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[0 if i < M3_DENSE else 1]]
     h, mtp = M3_TEXT["hidden_size"], "language_model.model.mtp.layers.0."
-    out += [(mtp + rest, d, s) for rest, d, s in per_layer[2]]
+    out += [(mtp + "transformer_layer." + rest, d, s) for rest, d, s in per_layer[2]]
     out += [(mtp + "eh_proj.weight", "BF16", (h, 2 * h))] + [(mtp + f"{n}.weight", "BF16", (h,))
                                                             for n in ("enorm", "hnorm", "final_layernorm")]
     saved = {**config.to_dict(), "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "torch_dtype": "bfloat16"}

@@ -144,12 +144,14 @@ def _minimax_m3_release(saved: dict, num_hidden_layers: int) -> None:
 
 
 def _m3_mtp(tensors: dict, config, layer: int) -> dict:
-    """The last built decoder layer becomes MTP module 0 (language_model.model.mtp.layers.0.*, a sparse
-    MoE layer as vLLM's MiniMaxM3MTP builds it) with its own eh_proj and norms."""
+    """The last built decoder layer becomes MTP module 0's transformer_layer
+    (language_model.model.mtp.layers.0.transformer_layer.*, a sparse MoE layer as vLLM's MiniMaxM3MTP
+    builds it: nvidia/mtp.py MiniMaxM3MultiTokenPredictorLayer.transformer_layer) with its own eh_proj and
+    norms at language_model.model.mtp.layers.0.*."""
     import torch
 
     old, new = f"language_model.model.layers.{layer}.", "language_model.model.mtp.layers.0."
-    out = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
+    out = {(new + "transformer_layer." + n[len(old):] if n.startswith(old) else n): t for n, t in tensors.items()}
     h = config.text_config.hidden_size
     gen = torch.Generator().manual_seed(layer)
     out[new + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.02).to(torch.bfloat16)

@@ -341,7 +341,7 @@ def test_mtp_modules_are_skipped_as_the_wheel_skips_them(rules, release):
     config = types.SimpleNamespace(num_hidden_layers=60, num_mtp_modules=2)
     for name in ("language_model.model.layers.0.block_sparse_moe.experts.3.w1",
                  "language_model.model.layers.59.self_attn.q_proj", "language_model.model.mtp.layers.0.eh_proj",
-                 "language_model.model.mtp.layers.1.block_sparse_moe.experts.0.w2"):
+                 "language_model.model.mtp.layers.1.transformer_layer.block_sparse_moe.experts.0.w2"):
         skipped = spec(config, name.removeprefix("language_model.") + ".weight") is not None
         assert skipped == (draft_name(name, rules, 60) is None), name
 
@@ -362,11 +362,12 @@ def test_vllm_main_model_skips_the_mtp_modules(platform):
     assert rules["eh_proj"] == ("any_quant_config" if eh[0].keywords.get("quant_config") == "quant_config" else "plain")
 
 
-DRAFT_STORED = ["language_model.model.mtp.layers.0.eh_proj", "language_model.model.mtp.layers.1.self_attn.q_proj",
-                "language_model.model.mtp.layers.0.self_attn.index_k_proj", "language_model.model.mtp.layers.0.self_attn.o_proj",
-                "language_model.model.mtp.layers.0.block_sparse_moe.experts.7.w2",
-                "language_model.model.mtp.layers.0.block_sparse_moe.shared_experts.up_proj",
-                "language_model.model.mtp.layers.0.block_sparse_moe.gate"]
+DRAFT_STORED = ["language_model.model.mtp.layers.0.eh_proj", "language_model.model.mtp.layers.1.transformer_layer.self_attn.q_proj",
+                "language_model.model.mtp.layers.0.transformer_layer.self_attn.index_k_proj",
+                "language_model.model.mtp.layers.0.transformer_layer.self_attn.o_proj",
+                "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.7.w2",
+                "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.shared_experts.up_proj",
+                "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.gate"]
 
 
 @pytest.mark.parametrize("platform", list(VLLM_FILES))
@@ -379,8 +380,12 @@ def test_vllm_draft_names_are_the_wheels(platform):
     whl = engine_wheel(rules, release)
     path = VLLM_FILES[platform] + "mtp.py"
     cls = methods(whl, path, "MiniMaxM3MTP", ["_map_checkpoint_name"])["cls"]
+    # the parameter it loads into: the module's attribute path (model.layers.{idx}.transformer_layer.*);
+    # the name the quant config was asked for: the prefix passed down (the same path less transformer_layer)
     for name in DRAFT_STORED:
-        assert cls._map_checkpoint_name(None, name + ".weight") == draft_name(name, rules, 60) + ".weight", name
+        param = cls._map_checkpoint_name(None, name + ".weight")
+        assert param.startswith("model.layers.") and param.removesuffix(".weight").replace(".transformer_layer.", ".", 1) \
+            == draft_name(name, rules, 60), name
     assert cls._map_checkpoint_name(None, "language_model.model.layers.3.self_attn.q_proj.weight") is None
     init = ast.unparse(method_def(class_def(whl, path, "MiniMaxM3MTP"), "__init__"))
     assert "MiniMaxM3MultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, 'model'))" in init
@@ -418,7 +423,8 @@ DRAFT_LAYERS = ["model.layers.0.", "model.layers.1."]
 
 
 def _draft_entries() -> list[str]:
-    stored = [f"language_model.model.mtp.layers.{i}." + m for i in (0, 1) for m in STORED + ["eh_proj"]]
+    stored = [f"language_model.model.mtp.layers.{i}.transformer_layer." + m for i in (0, 1) for m in STORED] + \
+        [f"language_model.model.mtp.layers.{i}.eh_proj" for i in (0, 1)]
     return stored + [p + m for p in DRAFT_LAYERS for m in STORED + DRAFT_BUILT] + \
         [p + m for p in LAYERS for m in ("self_attn.q_proj", "block_sparse_moe.experts", "eh_proj")] + \
         ["re:.*shared_experts.*", "re:.*eh_proj.*", "re:.*mtp.*"]
