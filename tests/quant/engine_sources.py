@@ -135,6 +135,16 @@ def sglang_quark_loader_additions(whl: Path) -> dict:
     return added
 
 
+def packed_mapping(whl: Path, path: str, cls: str, engine: str, kind: str) -> dict[str, list[str]]:
+    """The packed_modules_mapping a quant config holds once class ``cls`` of ``path`` is built: the
+    class's literal (vLLM: handed over by model_loader/utils.py configure_quant_config), plus, in sglang
+    with Quark, the loader's additions, which update the class's dict before __init__ hands it over."""
+    mapping = dict(class_constant(class_def(whl, path, cls), "packed_modules_mapping") or {})
+    if engine == "sglang" and kind == "quark":
+        mapping.update(sglang_quark_loader_additions(whl))
+    return {k: list(v) for k, v in mapping.items()}
+
+
 def class_constant(node: ast.ClassDef, name: str):
     """A class attribute assigned a literal in the class body (None when absent)."""
     for stmt in node.body:

@@ -23,7 +23,6 @@ import pytest
 from packaging.version import Version
 
 from quant.engines import ENGINES, rule_sets
-from quant.engines.match import fp8_skipped
 from quant.engines.replay import (
     Module,
     class_name,
@@ -40,16 +39,15 @@ from tests.quant.engine_sources import (
     load,
     method_def,
     methods,
+    packed_mapping,
     parsed,
-    sglang_quark_loader_additions,
     source,
 )
 from tests.quant.test_engine_sources import (
-    _fp8_config,
     _fp8_engine,
-    _outcome,
     _quark_engine,
     engine_wheel,
+    fp8_disagreements,
     quark_disagreements,
 )
 
@@ -111,10 +109,7 @@ def exclude_mapper(whl, engine: str, kind: str):
 def wheel_mapping(whl, engine: str, kind: str) -> dict[str, list[str]]:
     """The packed_modules_mapping the quant config holds: the class's literal, plus sglang's loader
     additions for Quark."""
-    mapping = dict(class_constant(class_def(whl, MAIN[engine], CLASS), "packed_modules_mapping") or {})
-    if engine == "sglang" and kind == "quark":
-        mapping.update(sglang_quark_loader_additions(whl))
-    return {k: list(v) for k, v in mapping.items()}
+    return packed_mapping(whl, MAIN[engine], CLASS, engine, kind)
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
@@ -207,20 +202,9 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
         ["lm_head", "model.layers.1.attn.wq_a", "model.layers.1.ffn.shared_experts.w1", "model.layers.1.mlp.experts",
          # path prefixes (sglang matches whole dotted components or a prefix path, vLLM exact names)
          "model.layers.1.self_attn", "model.layers.1", "layers.0.mlp.shared_experts", "model.layers.1.attn"]
-    skip = rules["fp8_skip"]
     rng = random.Random(f"fp8deepseek_v4{rules.id}{release}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, 14)), rng.choice(["ignored_layers", "modules_to_not_convert"]))
-        given = {k: mapper(v) if k in ("ignored_layers", "modules_to_not_convert") else v for k, v in qconfig.items()}
-        ignored = exclude_entries(qconfig, rules, "fp8")
-        for name in rng.sample(modules, 4):
-            mine = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(decide, name, given, fused)
-            seen += theirs is True
-            if mine != theirs:
-                disagree.append((name, qconfig, mine, theirs))
+    disagree, seen = fp8_disagreements(decide, rules["fp8_skip"], fused, modules, entries, rng, draws=200, most=14,
+                                       names=4, listed_by=lambda q: exclude_entries(q, rules, "fp8"), theirs=mapper)
     assert not disagree, disagree[:3]
     assert seen > 30
 

@@ -32,7 +32,7 @@ from tests.quant.engine_sources import (
     class_def,
     method_def,
     methods,
-    sglang_quark_loader_additions,
+    packed_mapping,
     source,
 )
 from tests.quant.family_checkpoints import write_family_checkpoint
@@ -57,12 +57,8 @@ def wheel_mapping(whl, engine: str, kind: str) -> dict[str, list[str]]:
     class's literal (the loader reads the architecture's class), plus the loader's Quark additions;
     vLLM: Llama4ForCausalLM's literal, which SupportsQuant puts on the config (update)."""
     if engine == "sglang":
-        mapping = dict(class_constant(class_def(whl, TOP["sglang"], CLASS), "packed_modules_mapping"))
-        if kind == "quark":
-            mapping.update(sglang_quark_loader_additions(whl))
-    else:
-        mapping = dict(class_constant(class_def(whl, TEXT["vllm"], "Llama4ForCausalLM"), "packed_modules_mapping"))
-    return {k: list(v) for k, v in mapping.items()}
+        return packed_mapping(whl, TOP["sglang"], CLASS, engine, kind)
+    return packed_mapping(whl, TEXT["vllm"], "Llama4ForCausalLM", engine, kind)
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)

@@ -26,9 +26,14 @@ from packaging.version import Version
 
 from quant.engines import ENGINES, rule_sets
 from quant.engines.fusion import no_fusion_reason
-from quant.engines.match import fp8_skipped
 from quant.engines.match import Exclude
-from quant.engines.replay import class_name, draft_exclude, draft_name, exclude_entries, excluded
+from quant.engines.replay import (
+    class_name,
+    draft_exclude,
+    draft_name,
+    exclude_entries,
+    excluded,
+)
 from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (
@@ -43,12 +48,11 @@ from tests.quant.engine_sources import (
 )
 from tests.quant.test_engine_sources import (
     GPUS,
-    _fp8_config,
     _fp8_engine,
-    _outcome,
     _quark_engine,
     _stubs,
     engine_wheel,
+    fp8_disagreements,
     quark_disagreements,
 )
 
@@ -262,20 +266,10 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release, platform):
     modules = [p + m for p in LAYERS for m in BUILT[rules.engine]] + VISION
     entries = [p + m for p in LAYERS for m in STORED + BUILT[rules.engine]] + VISION + VISION_STORED + \
         ["language_model.lm_head"]
-    skip = rules["fp8_skip"]
     rng = random.Random(f"fp8minimax_m3{rules.id}{release}{platform}")
-    disagree, seen = [], 0
-    for _ in range(200):
-        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, 16)), rng.choice(["ignored_layers", "modules_to_not_convert"]))
-        given = {k: mapper(v) if k in ("ignored_layers", "modules_to_not_convert") else v for k, v in qconfig.items()}
-        ignored = exclude_entries(qconfig, rules, "fp8", setup)
-        for name in rng.sample(modules, 4):
-            mine = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            theirs = _outcome(decide, name, given, fused)
-            seen += theirs is True
-            if mine != theirs:
-                disagree.append((name, qconfig, mine, theirs))
+    disagree, seen = fp8_disagreements(decide, rules["fp8_skip"], fused, modules, entries, rng, draws=200, most=16,
+                                       names=4, listed_by=lambda q: exclude_entries(q, rules, "fp8", setup),
+                                       theirs=mapper)
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -466,17 +460,10 @@ def test_vllm_draft_quark_and_fp8_decisions_equal_the_engines(platform):
 
     decide = _fp8_engine(rules, whl)
     fp8_fused = wheel_mapping(whl, "vllm", "fp8", platform)
-    disagree, seen = [], 0
-    for _ in range(200):
-        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, 12)), rng.choice(["ignored_layers", "modules_to_not_convert"]))
-        given = {k: theirs(v) if k in ("ignored_layers", "modules_to_not_convert") else v for k, v in qconfig.items()}
-        listed = draft_exclude(exclude_entries(qconfig, rules, "fp8", setup), rules, FAMILY, 60, "fp8")[0]
-        for name in rng.sample(modules, 3):
-            mine = _outcome(excluded, name, Exclude(listed), rules, "fp8", name.endswith(".experts"))
-            engines = _outcome(decide, name, given, fp8_fused)
-            seen += engines is True
-            if mine != engines:
-                disagree.append((name, qconfig, mine, engines))
+    disagree, seen = fp8_disagreements(
+        decide, rules["fp8_skip"], fp8_fused, modules, entries, rng, draws=200, most=12, names=3, theirs=theirs,
+        listed_by=lambda q: draft_exclude(exclude_entries(q, rules, "fp8", setup), rules, FAMILY, 60, "fp8")[0],
+        decided_by=lambda name, listed: excluded(name, Exclude(listed), rules, "fp8", name.endswith(".experts")))
     assert not disagree, disagree[:3]
     assert seen > 30
 

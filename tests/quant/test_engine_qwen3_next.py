@@ -29,14 +29,13 @@ from quant.engines.rules import UnknownEngine, releases_read
 from quant.engines.serving import serving
 from tests.quant.engine_sources import (
     attribute_builds,
-    class_constant,
     class_def,
     config_reads,
     load,
     method_def,
     methods,
+    packed_mapping,
     parsed,
-    sglang_quark_loader_additions,
     source,
 )
 from tests.quant.test_engine_sources import (
@@ -68,10 +67,7 @@ def class_mapping(whl, engine: str, cls: str, kind: str, path: str | None = None
     """The packed_modules_mapping the quant config holds: the class's literal (vLLM: handed over by
     model_loader/utils.py configure_quant_config), plus, in sglang with quark, the loader's
     additions, which update the class's dict in place before __init__ assigns it to the quant config."""
-    mapping = dict(class_constant(class_def(whl, path or MAIN[engine], cls), "packed_modules_mapping") or {})
-    if engine == "sglang" and kind == "quark":
-        mapping.update(sglang_quark_loader_additions(whl))
-    return {k: list(v) for k, v in mapping.items()}
+    return packed_mapping(whl, path or MAIN[engine], cls, engine, kind)
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)

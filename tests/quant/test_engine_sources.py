@@ -182,19 +182,30 @@ def _fp8_config(listed: list, where: str) -> dict:
 
 
 def fp8_disagreements(engine, skip, fused, modules, entries, rng, *, draws, most, names,
-                      where=("ignored_layers", "modules_to_not_convert")):
+                      where=("ignored_layers", "modules_to_not_convert"), listed_by=None, decided_by=None, theirs=None):
     """Random FP8 configs (up to ``most`` of ``entries`` listed under one of ``where``), each asked for ``names``
     random ``modules``: where the replay's skip decision (rule data ``skip``) differs from the engine's own
-    function fed ``fused``, and how many times the engine skipped."""
+    function fed ``fused``, and how many times the engine skipped. ``listed_by(qconfig)``: the replay's
+    list (default: its FP8 keys read as ``skip`` says); ``decided_by(name, listed)``: the replay's decision
+    (default: match.fp8_skipped); ``theirs(list)``: what the engine's loader makes of each listed key first
+    (a class's weight mapper; default: nothing)."""
+    def listed_default(qconfig):
+        return fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+
+    def decided_default(name, listed):
+        return fp8_skipped(name, listed, skip["fused"], match=skip["match"], experts=skip["experts"],
+                           fallback_fused=skip["fallback_fused"])
+
+    listed_by, decided_by = listed_by or listed_default, decided_by or decided_default
     disagree, seen = [], 0
     for _ in range(draws):
-        listed = rng.sample(entries, rng.randint(0, most))
-        qconfig = _fp8_config(listed, rng.choice(where))
-        ignored = fp8_ignored_layers(qconfig, skip["keys"], skip["keys_mode"], skip["model_prefix_variants"])
+        qconfig = _fp8_config(rng.sample(entries, rng.randint(0, most)), rng.choice(where))
+        given = {k: theirs(v) if theirs and k in ("ignored_layers", "modules_to_not_convert") else v
+                 for k, v in qconfig.items()}
+        listed = listed_by(qconfig)
         for name in rng.sample(modules, names):
-            mine = _outcome(fp8_skipped, name, ignored, skip["fused"], match=skip["match"], experts=skip["experts"],
-                            fallback_fused=skip["fallback_fused"])
-            engines = _outcome(engine, name, qconfig, fused)
+            mine = _outcome(decided_by, name, listed)
+            engines = _outcome(engine, name, given, fused)
             seen += engines is True
             if mine != engines:
                 disagree.append((name, qconfig, mine, engines))
