@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
-from quant.engines.replay import is_draft
+from quant.engines.replay import draft_module_name, is_draft
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -116,5 +116,6 @@ def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, f
     check_expert_agreement(kept, quantized)
     check_draft_collisions(kept, quantized, num_hidden_layers, family)
     names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family)
-    aliases = {draft_name(name, rules, num_hidden_layers) for rules in _all_rule_sets(family) for name in names}
+    aliases = {alias for rules in _all_rule_sets(family) for name in names
+               for alias in (draft_name(name, rules, num_hidden_layers), draft_module_name(name, rules, num_hidden_layers))}
     return sorted(names | {alias for alias in aliases if alias})

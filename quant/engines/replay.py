@@ -114,6 +114,24 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     return ("model." if any(part in module for part in naming["top_level"]) else "model.decoder.") + rest
 
 
+def draft_module_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:
+    """The name a separately built draft class asks its quant config for a checkpoint module under the
+    draft's prefix (rule ``draft_module_names``: DeepSeek-V4's MTP module, built as main layer
+    ``as_layer`` under the draft's own layer prefix), or None. The replay builds no such draft; the
+    converter writes these names in the exclude list beside the checkpoint's."""
+    rule = rules.values.get("draft_module_names")
+    if not rule or not module.startswith(rule["prefix"]):
+        return None
+    rest = module[len(rule["prefix"]):]
+    if rest in rule["top_level"]:
+        return rule["top_level"][rest].format(num_hidden_layers=num_hidden_layers)
+    layer = f"model.layers.{rule['as_layer']}."
+    main = class_name(f"layers.{rule['as_layer']}.{rest}", rules)
+    if not main.startswith(layer):
+        return None
+    return rule["layer_as"].format(num_hidden_layers=num_hidden_layers) + main[len(layer):]
+
+
 def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_layers: int, kind: str) \
         -> tuple[list[str], bool]:
     """The exclude list the draft (MTP) model is built with, and whether the whole draft is bf16."""

@@ -218,6 +218,10 @@ MUTATIONS = [
     data("vllm.deepseek_v4", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "v4 vLLM fuses by default"),
     # DeepSeek-V4 (DeepseekV4ForCausalLM) rules: manifests/engines/{sglang,vllm}.deepseek_v4.yaml
     # (killed by tests/quant/test_engine_deepseek_v4.py)
+    data("sglang.deepseek_v4", "0.5.21", "draft_module_names", ["layer_as"], "model.layers.",
+         "v4 sglang draft asks for main-layer names"),
+    data("vllm.deepseek_v4", "0.33.0", "draft_module_names", ["layer_as"], "model.mtp.0.",
+         "v4 vLLM draft asks for the mapped checkpoint names"),
     data("sglang.deepseek_v4", "0.5.21", "module_names", [], {}, "v4 sglang keeps the checkpoint names"),
     data("sglang.deepseek_v4", "0.5.21", "module_names", [], {"^layers.": "model.layers.", "^head": "lm_head",
          ".attn.": ".self_attn.", ".w1": ".gate_proj", ".w2": ".down_proj", ".w3": ".up_proj"}, "v4 sglang MoE under ffn"),

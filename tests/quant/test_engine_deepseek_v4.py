@@ -579,9 +579,6 @@ def _sglang_draft_entries(whl, exclude):
     return (ns["_QUARK_CKPT_TO_SGLANG_MAPPER"] | mapper(orig_to_new_prefix=prefixes)).apply_list(exclude)
 
 
-# where the default MXFP4 draft loads today (the replay does not build the V4 drafts: mtp_naming dropped)
-DRAFT_LOADS = {"sglang 0.5.21": False, "sglang 0.5.22": True, "sglang 0.5.23": True, "vllm 0.33.0 cuda": False,
-               "vllm 0.33.0 rocm": True}
 DRAFT_CASES = [(r, v, p) for r, v in CASES for p in (("cuda", "rocm") if r.engine == "vllm" else ("",))]
 
 
@@ -606,7 +603,7 @@ def _vllm_rocm_draft_entries(whl, entries, n):
 
 @pytest.mark.parametrize(("rules", "release", "platform"), DRAFT_CASES,
                          ids=[f"{r.engine} {v} {p}".strip() for r, v, p in DRAFT_CASES])
-def test_default_mxfp4_draft_exclude_coverage(rules, release, platform, default_mxfp4_exclude, request):
+def test_default_mxfp4_draft_exclude_coverage(rules, release, platform, default_mxfp4_exclude):
     """The MTP draft (built only under speculative decoding) of quantgate's default MXFP4 output: its
     attention, shared expert and e_proj / h_proj are stored bf16; does the exclude list, as each release
     hands it to the draft, name them? Decided by the wheels' own mappers and should_ignore_layer.
@@ -617,14 +614,12 @@ def test_default_mxfp4_draft_exclude_coverage(rules, release, platform, default_
     (spec_decode/llm_base_proposer.py _create_draft_vllm_config: dataclasses.replace of the target's
     VllmConfig), whose exclude list the main class's mapper renamed (mtp.0. -> model.mtp.0.); on ROCm
     (amd/mtp.py) align_mtp_quant_config re-keys model.mtp.0. onto model.layers.{N}., on CUDA (nvidia/mtp.py)
-    nothing does. The converter writes the draft's entries in checkpoint names only (mtp.0.*), so sglang
-    0.5.21 and vLLM on CUDA would build the draft's bf16 modules MXFP4: strict xfail there until the drafts
-    are replayed and the converter writes the names they match (as it does for GLM-5's model.decoder.*)."""
+    nothing does. With checkpoint names alone (mtp.0.*) sglang 0.5.21 and vLLM on CUDA built the draft's
+    bf16 modules MXFP4; the converter now also writes the names each draft asks for (rule
+    draft_module_names), as it does for GLM-5's model.decoder.*."""
     exclude, n = default_mxfp4_exclude
     whl = engine_wheel(rules, release)
     key = f"{rules.engine} {release} {platform}".strip()
-    if not DRAFT_LOADS[key]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{key}: the draft's bf16 modules are not excluded"))
     if rules.engine == "sglang":
         nextn = "sglang/srt/models/deepseek_v4_nextn.py"
         model = ast.unparse(method_def(class_def(whl, nextn, "DeepseekV4ModelNextN"), "__init__"))
