@@ -350,10 +350,10 @@ def _check_engines_load(plan: Plan) -> list[str]:
     fusing = [r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)]
     releases = release_spans(fusing, plan.family)
     gpus = "; ".join(dict.fromkeys(fusing_gpus(r) for r in fusing))  # each class's own rule, not DeepSeek-V2's
-    return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) {releases} fold the shared "
-             f"expert into the routed experts' FusedMoE, and this recipe stores them in different dtypes, so these "
-             f"releases fail to load it ({fusion[0].module}). Ways out: {fusion[0].fix}. gate checkpoint lists each "
-             "release and GPU")]
+    return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) "
+                        f"{releases} fold the shared expert into the routed experts' FusedMoE, and this recipe "
+                        f"stores them in different dtypes, so these releases fail to load it ({fusion[0].module}). "
+                        f"Ways out: {fusion[0].fix}. gate checkpoint lists each release and GPU")]
 
 
 __all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan"]

@@ -117,5 +117,6 @@ def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, f
     check_draft_collisions(kept, quantized, num_hidden_layers, family)
     names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family)
     aliases = {alias for rules in _all_rule_sets(family) for name in names
-               for alias in (draft_name(name, rules, num_hidden_layers), draft_module_name(name, rules, num_hidden_layers))}
+               for alias in (draft_name(name, rules, num_hidden_layers),
+                             draft_module_name(name, rules, num_hidden_layers))}
     return sorted(names | {alias for alias in aliases if alias})

@@ -348,7 +348,8 @@ def design(benchmark: str, assumptions: Assumptions, margin: float, drop: float,
                  "expected_at_drop": items * expected / throughput}
     return Design(benchmark=benchmark, items=items, repeats=repeats, margin=margin, drop=drop, power=p,
                   feasible=feasible, certifiable_margin=cert, expected_repeats=expected, looks=looks,
-                  assumptions={**asdict(assumptions), "differing": list(assumptions.differing)}, benchmark_items=benchmark_items, max_repeats=max_repeats,
+                  assumptions={**asdict(assumptions), "differing": list(assumptions.differing)},
+                  benchmark_items=benchmark_items, max_repeats=max_repeats,
                   gpu_hours=hours, note=note)
 
 
@@ -376,7 +377,8 @@ def _arm_matrix(rows: list[dict], where: str) -> tuple[list[str], np.ndarray]:
 
 def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, stated: Assumptions) -> Assumptions:
     """Variance components from a pilot: with both arms, ``paired_pilot`` of their paired outcomes
-    (tau2 per domain, and the share of items that differ per repeats); with the reference alone, ``within`` from its repeats (two independent arms: twice one arm's variance
+    (tau2 per domain, and the share of items that differ per repeats); with the reference alone,
+    ``within`` from its repeats (two independent arms: twice one arm's variance
     between repeats) and ``between`` as stated."""
     ref_run, ref_rows = read_bundle(reference)
     if benchmark not in ref_run["benchmarks"]:

@@ -216,7 +216,9 @@ def quantized_leaves(rules: RuleSet, kind: str, qconfig: dict) -> frozenset[tupl
     (rule ``built_quantized``, per kind, for the configs it names: sglang's DeepSeek-V4 builds wo_a
     for its FP8 GEMM under block FP8 128x128)."""
     rule = (rules.values.get("built_quantized") or {}).get(kind)
-    if not rule or ("weight_block_size" in rule and list(qconfig.get("weight_block_size") or []) != rule["weight_block_size"]):
+    if not rule:
+        return frozenset()
+    if "weight_block_size" in rule and list(qconfig.get("weight_block_size") or []) != rule["weight_block_size"]:
         return frozenset()
     return frozenset((role, leaf) for role, leaves in rule["leaves"].items() for leaf in leaves)
 
@@ -255,7 +257,8 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str, serving: Serving =
     else:
         entries = qconfig.get("exclude")
         entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
-    mapper = for_platform(rules.values.get("exclude_mapper"), serving)  # the class's weight-name mapper, for the kinds it is applied to
+    # the class's weight-name mapper, for the kinds it is applied to
+    mapper = for_platform(rules.values.get("exclude_mapper"), serving)
     if not mapper or kind not in mapper["kinds"]:
         return entries
     return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
