@@ -131,6 +131,6 @@ def gate(candidate: str | Path, reference: str | Path, *, policy: str | Path | N
     from evals.judge.gate import accuracy_gate
     from evals.judge.policy import load_policy
 
-    rules = load_policy(Path(policy) if policy else None).with_margins(margins or {})
+    rules = load_policy(policy or None).with_margins(margins or {})  # a str may be a shipped name; a Path is a path
     result = accuracy_gate(Path(candidate), Path(reference), rules, benchmarks=benchmarks)
     return Verdict(result["verdict"], list(result["blocking"]), list(result["benchmarks"]), result)

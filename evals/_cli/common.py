@@ -26,8 +26,8 @@ def add_comparison_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", type=Path, required=True, help="reference run bundle, same items and settings")
     p.add_argument("--reference-rerun", type=Path, help="a second reference run: its self-discordance is the "
                                                         "noise floor the candidate is judged against")
-    p.add_argument("--policy", help="gate policy: a YAML file, or a shipped one by name (release, arith-example; "
-                                     "default: release = manifests/gates/release.yaml)")
+    p.add_argument("--policy", help="gate policy: a shipped one by name (release, arith-example; default: release), "
+                                     "or a file by its path (./my-policy.yaml: a slash or a .yaml/.yml suffix)")
     p.add_argument("--margin", action="append", default=[], metavar="BENCH=VALUE",
                    help="override a benchmark's non-inferiority margin, e.g. gsm8k=0.03, or name one the policy "
                         "does not (such a benchmark is refused without one)")

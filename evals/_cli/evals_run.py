@@ -116,7 +116,8 @@ def register(sub) -> None:
                         "and stop once every benchmark is PASS or FAIL, or at the plan's last look; each look is "
                         "printed and kept in OUT/looks.json; exit 0 PASS, 1 FAIL or INCONCLUSIVE")
     g.add_argument("--reference", type=Path, help="the reference bundle, run with the same --plan (all its repeats)")
-    g.add_argument("--policy", type=Path, help="gate policy for --until-decided (default: manifests/gates/release.yaml)")
+    g.add_argument("--policy", help="gate policy for --until-decided: a path (./my-policy.yaml), or a shipped one by "
+                                     "name (release, arith-example; default: release)")
     p.add_argument("--json", action="store_true", help="machine-readable summary on stdout (scores, rows, timings)")
     p.set_defaults(func=run)
 

@@ -47,5 +47,6 @@ def run(args: argparse.Namespace) -> int:
     result = accuracy_of(args, benchmarks)
     if args.reference_table:
         result["unpaired"] = unpaired_against_reference(args.candidate, args.reference_table)
-    print(dumps(result) if args.json else render.text(result))
+    # the file that judged, by its full path: a shipped name and a file of one's own are never confused
+    print(dumps(result) if args.json else render.text(result) + f"\npolicy: {result['policy']['source']}")
     return EXIT_PASS if result["verdict"] == PASS else EXIT_BLOCK

@@ -37,8 +37,8 @@ still printed and written: it shows the best there is); 2 bad input"""
 def register(sub) -> None:
     p = sub.add_parser("plan", help="items x repeats per benchmark for a target power, with sequential looks",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", help="gate policy: a YAML file, or a shipped one by name (release, arith-example; "
-                                     "default: release = manifests/gates/release.yaml)")
+    p.add_argument("--policy", help="gate policy: a shipped one by name (release, arith-example; default: release), "
+                                     "or a file by its path (./my-policy.yaml: a slash or a .yaml/.yml suffix)")
     p.add_argument("--benchmarks", metavar="B1,B2", help="plan only these (default: the policy's benchmarks)")
     p.add_argument("--margin", action="append", default=[], metavar="BENCH=VALUE", help="override a margin")
     p.add_argument("--drop", action="append", default=[], metavar="[BENCH=]VALUE",
@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("--max-repeats, --items and --throughput take positive values")
     designs = []
     for bench in benchmarks:
+        rules = policy.of(bench)  # a benchmark without a margin first: no pilot can plan it
         stated = DEFAULT_ASSUMPTIONS[bench]
         if bench in between or bench in within:
             stated = Assumptions(between.get(bench, stated.between), within.get(bench, stated.within),
@@ -131,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
             from evals.tau2_run import DOMAINS
 
             tau2_tasks_per_domain(available, DOMAINS)
-        rules = policy.of(bench)
         designs.append(design(bench, assumed, rules.margin, drops.get(bench, DEFAULT_DROP), 1 - policy.confidence,
                               args.power, available, repeats.get(bench, MAX_REPEATS[bench]),
                               min(rules.min_items, available) or 1, not args.fixed, throughput.get(bench)))
@@ -149,7 +149,7 @@ def _rounded_up(margin: float) -> float:
 
 def text(plan: dict, out: Path | None) -> str:
     lines = [(f"plan at one-sided confidence {plan['confidence']} (alpha {plan['alpha']:g}), power "
-              f"{plan['power']:.0%}, {plan['spending']}")]
+              f"{plan['power']:.0%}, {plan['spending']}; policy {plan['policy']}")]
     for bench, d in plan["benchmarks"].items():
         lines.append(f"\n{bench}: {d['items']} items x {d['repeats']} repeats (of {d['benchmark_items']} x "
                      f"{d['max_repeats']} allowed), margin {d['margin']}, plausible drop {d['drop']}")

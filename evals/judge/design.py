@@ -44,7 +44,7 @@ from evals.judge import sequential
 from evals.bundle import pair, read_bundle
 from evals.errors import BadInput
 from evals.judge.plan_file import PLAN_VERSION
-from evals.judge.policy import finite_number
+from evals.judge.policy import finite_number, policies_naming
 from evals.judge import stats
 from evals.judge.stats import exact_power, variance_components
 from quant.outputs import write_atomic
@@ -382,7 +382,9 @@ def pilot_assumptions(benchmark: str, reference: Path, candidate: Path | None, s
     between repeats) and ``between`` as stated."""
     ref_run, ref_rows = read_bundle(reference)
     if benchmark not in ref_run["benchmarks"]:
-        raise BadInput(f"--pilot-reference {reference}: holds no {benchmark} (it has {sorted(ref_run['benchmarks'])})")
+        held = sorted(ref_run["benchmarks"])
+        raise BadInput(f"--pilot-reference {reference}: holds no {benchmark} (it has {held}); plan what it holds under "
+                       f"a policy that names it: {policies_naming(held)}")
     primary = ref_run["benchmarks"][benchmark].get("primary_filter", "flexible-extract")
     pick = lambda rows: [r for r in rows if r["benchmark"] == benchmark and r["filter"] == primary]
     if candidate is not None:

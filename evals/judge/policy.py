@@ -5,7 +5,10 @@ The defaults live here and only here; ``manifests/gates/release.yaml`` says whic
 release gate uses and why. A policy file is read by the validating reader (``safe_files.read_yaml``:
 a regular file, size capped, no aliases) and checked on load: a wrong key or value is a
 ``BadInput`` naming the file and the key. A policy shipped with the package is named by its file's
-stem (``--policy arith-example``: ``manifests/gates/arith-example.yaml``).
+stem (``--policy arith-example``: ``manifests/gates/arith-example.yaml``) and found only there: a file
+of that name in the working folder never stands in for it (a path is written as one: ``./release``).
+Numbers that would void the bound's promise (too few bootstrap resamples for its level, a seed numpy
+refuses) are refused, and so are numbers that would exhaust the machine (resamples past ``MAX_RESAMPLES``).
 
 A benchmark has no hidden margin: one the policy does not name is judged only at a margin the user
 names (``--margin BENCH=VALUE``), else refused.
@@ -14,13 +17,23 @@ names (``--margin BENCH=VALUE``), else refused.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+from scipy import stats as sps
 
 from evals.errors import BadInput
 from quant.layout import manifests_root, read_yaml_mapping
 
 INCONCLUSIVE_MODES = ("block", "warn")  # block: the release waits for more data; warn: reported only
+POLICY_SUFFIXES = (".yaml", ".yml", ".json")  # a --policy with one of these (or a slash) is a path, never a name
+# The bootstrap bound is a quantile of the resamples: its Monte Carlo error must stay small beside the
+# sampling error it measures (``min_resamples``). Past MAX_RESAMPLES that error is under 0.005 standard
+# errors at 95%, so more buy nothing, and each resample costs 8 bytes per array and time per benchmark.
+MONTE_CARLO_SE = 0.1  # the most Monte Carlo error allowed in the bound, in standard errors of the delta
+MAX_RESAMPLES = 1_000_000
+SEED_MAX = 2**32 - 1  # numpy's seed range, as `evals run --seeds` takes it
 
 
 @dataclass(frozen=True)
@@ -57,10 +70,8 @@ class GatePolicy:
     def of(self, benchmark: str) -> BenchmarkPolicy:
         """A benchmark's rules; one the policy does not name (nor ``--margin``) is refused, naming how to name it."""
         if benchmark not in self.benchmarks:
-            shipped = ", ".join(shipped_policies())
             raise BadInput(f"{benchmark}: the policy {self.source or '(built in)'} names no margin for it; pass "
-                           f"--margin {benchmark}=VALUE, or a policy that names it (--policy FILE, or a shipped one: "
-                           f"{shipped})")
+                           f"--margin {benchmark}=VALUE, or a policy that names it ({policies_naming([benchmark])})")
         return self.benchmarks[benchmark]
 
     @property
@@ -118,17 +129,64 @@ def shipped_policies() -> list[str]:
     return sorted(p.stem for p in (manifests_root() / "gates").glob("*.yaml"))
 
 
+def policies_naming(benchmarks: list[str]) -> str:
+    """``--policy NAME`` of the shipped policies that name any of ``benchmarks``, else how to give one."""
+    names = [name for name in shipped_policies() if set(benchmarks) & set(load_policy(name).benchmarks)]
+    if names:
+        return " or ".join(f"--policy {name} (shipped)" for name in names)
+    return f"--policy FILE; shipped: {', '.join(shipped_policies())}"
+
+
+def _shipped_hint(text: str) -> str:
+    """How to name a shipped policy, for a --policy that found nothing."""
+    stem = Path(text).name.rsplit(".", 1)[0]
+    if stem in shipped_policies():
+        return f"the shipped policy is named without a path or suffix: --policy {stem}"
+    return f"a shipped policy is named by its name alone: {', '.join(shipped_policies())}"
+
+
 def policy_path(path: Path | str | None) -> Path:
-    """The file of ``--policy``: a path, or a shipped policy's name (a bare word: no folder, no suffix)."""
+    """The file of ``--policy``: a shipped policy's name (a bare word: no slash, no suffix), found only
+    under ``manifests/gates/``, or a path (a slash or a .yaml/.yml/.json suffix; a ``Path`` given by a
+    caller is a path). A file in the working folder named like a shipped policy never replaces it: the
+    release policy must not be swapped by whatever lies where the gate runs."""
     if path is None:
         return manifests_root() / "gates" / "release.yaml"
     text = str(path)
-    if "/" in text or text.endswith((".yaml", ".yml", ".json")) or Path(text).exists():
-        return Path(path)
+    if isinstance(path, Path) or "/" in text or text.endswith(POLICY_SUFFIXES):
+        if not os.path.lexists(text):
+            raise BadInput(f"--policy {text}: no such file; {_shipped_hint(text)}")
+        return Path(text).absolute()  # the report names the file that judged, wherever the gate ran
     if text not in shipped_policies():
-        raise BadInput(f"--policy {text}: no shipped policy of that name (shipped: {', '.join(shipped_policies())}); "
-                       "give a policy file's path (e.g. ./my-policy.yaml) or one of those names")
+        here = f"; the file ./{text} here is a policy only written as a path: --policy ./{text}" \
+            if os.path.lexists(text) else "; a policy file is given by its path (e.g. ./my-policy.yaml)"
+        raise BadInput(f"--policy {text}: no shipped policy of that name (shipped: {', '.join(shipped_policies())})"
+                       + here)
     return manifests_root() / "gates" / f"{text}.yaml"
+
+
+def min_resamples(confidence: float) -> int:
+    """The fewest resamples whose bound at one-sided ``confidence`` has a Monte Carlo standard error of at
+    most ``MONTE_CARLO_SE`` standard errors of the delta: the alpha quantile of B resamples errs by
+    sqrt(alpha (1 - alpha) / B) / phi(z_alpha) standard errors (a normal bootstrap distribution), so B is
+    alpha (1 - alpha) / (MONTE_CARLO_SE phi(z_alpha))^2: 447 at 0.95, 1394 at 0.99. Fewer leave the bound
+    to the draw (one resample puts it on the delta itself, which passes what the policy's own numbers call
+    INCONCLUSIVE)."""
+    alpha = 1 - confidence
+    return math.ceil(alpha * (1 - alpha) / (MONTE_CARLO_SE * sps.norm.pdf(sps.norm.ppf(confidence))) ** 2)
+
+
+def _check_bootstrap(bootstrap: Bootstrap, confidence: float, path: Path) -> None:
+    least = min_resamples(confidence)
+    if least > MAX_RESAMPLES:
+        raise BadInput(f"{path}: confidence {confidence}: its bound needs {least} bootstrap resamples, more than the "
+                       f"{MAX_RESAMPLES} allowed; use a confidence such as 0.95 or 0.99")
+    if not least <= bootstrap.resamples <= MAX_RESAMPLES:
+        raise BadInput(f"{path}: bootstrap.resamples {bootstrap.resamples}: the bound at confidence {confidence} needs "
+                       f"from {least} (fewer leave it to chance) to {MAX_RESAMPLES} (more cost time and memory and "
+                       "change nothing), e.g. 10000")
+    if not 0 <= bootstrap.seed <= SEED_MAX:
+        raise BadInput(f"{path}: bootstrap.seed {bootstrap.seed}: a whole number from 0 to {SEED_MAX}, e.g. 0")
 
 
 def load_policy(path: Path | str | None = None) -> GatePolicy:
@@ -141,6 +199,9 @@ def load_policy(path: Path | str | None = None) -> GatePolicy:
         raise BadInput(f"{path}: benchmarks: a {type(named).__name__} where a mapping of benchmark -> rules belongs; "
                        "compare manifests/gates/release.yaml")
     for bench, rules in named.items():
+        if not isinstance(bench, str) or not bench:
+            raise BadInput(f"{path}: benchmarks: the key {bench!r} is not a benchmark's name; write names as the runs "
+                           "record them, e.g. gsm8k")
         at = f"{path}: benchmarks.{bench}"
         rules = _typed(BenchmarkPolicy, rules, at)
         if rules.inconclusive not in INCONCLUSIVE_MODES:
@@ -155,10 +216,9 @@ def load_policy(path: Path | str | None = None) -> GatePolicy:
         benchmarks[bench] = rules
     bootstrap = _typed(Bootstrap, raw.pop("bootstrap", None) or {}, f"{path}: bootstrap")
     kernels = _typed(KernelsPolicy, raw.pop("kernels", None) or {}, f"{path}: kernels")
-    if bootstrap.resamples < 1:
-        raise BadInput(f"{path}: bootstrap.resamples {bootstrap.resamples} must be at least 1, e.g. 10000")
     policy = _typed(GatePolicy, raw, str(path))
     if not 0.5 < policy.confidence < 1:
         raise BadInput(f"{path}: confidence {policy.confidence} must lie in (0.5, 1), e.g. 0.95")
+    _check_bootstrap(bootstrap, policy.confidence, path)
     return replace(policy, bootstrap=Bootstrap(int(bootstrap.resamples), int(bootstrap.seed)),
                    benchmarks=benchmarks, kernels=kernels, source=str(path))
