@@ -45,7 +45,7 @@ def register(sub) -> None:
                    help="the plausible true drop (reference - candidate) to have power against (default 0.01)")
     p.add_argument("--power", type=float, default=0.8, help="target power (default %(default)s)")
     p.add_argument("--max-repeats", action="append", default=[], metavar="BENCH=R",
-                   help="repeats allowed (default gsm8k 1 (greedy), gpqa_diamond 8, tau2 8 trials)")
+                   help="repeats allowed (default gsm8k 1 (greedy), gpqa_diamond 8, tau2 8 trials; at most 16)")
     p.add_argument("--items", action="append", default=[], metavar="BENCH=N",
                    help="items available if fewer than the benchmark has (never more)")
     p.add_argument("--between", action="append", default=[], metavar="BENCH=V",
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from evals.judge.gate import BENCHMARK_ITEMS
     from evals.judge.policy import load_policy
+    from evals.judge.stats import MAX_REPEATS as MOST_REPEATS
 
     policy = load_policy(args.policy).with_margins(margins(args.margin))
     benchmarks = [b for b in (args.benchmarks or "").split(",") if b] or sorted(policy.benchmarks)
@@ -111,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput(f"{flag}: values lie in [0, 1)")
     if any(v < 1 for v in (*repeats.values(), *items.values())) or any(v <= 0 for v in throughput.values()):
         raise BadInput("--max-repeats, --items and --throughput take positive values")
+    for bench, r in repeats.items():  # each repeat is a look the plan integrates: 2000 of them never finished
+        if r > MOST_REPEATS:
+            raise BadInput(f"--max-repeats {bench}={r}: a plan has at most {MOST_REPEATS} repeats (past them what is "
+                           f"left of one repeat's noise is under 1/{MOST_REPEATS}: more items, not repeats, lower the "
+                           f"rest); e.g. --max-repeats {bench}={MOST_REPEATS}")
     designs = []
     for bench in benchmarks:
         rules = policy.of(bench)  # a benchmark without a margin first: no pilot can plan it

@@ -452,7 +452,8 @@ def items_to_decide(sd: float, margin: float, confidence: float, power: float = 
     return math.ceil(((sps.norm.ppf(confidence) + sps.norm.ppf(power)) * sd / margin) ** 2)
 
 
-MAX_REPEATS = 16  # the most repeats guidance suggests; beyond it, more repeats barely move the bound
+# the most repeats guidance suggests and `gate plan` plans; beyond it, more repeats barely move the bound
+MAX_REPEATS = 16
 
 
 def certified_margin(lower: float) -> float:
