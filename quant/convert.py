@@ -35,6 +35,7 @@ from quant.hashing import sha256_file, sha256_of
 from quant.safe_files import read_json, refuse_link
 from quant.safetensors_io import PARTIAL_SUFFIX
 from quant.errors import ConvertError, DiskFullError, NonFiniteError
+from quant.formats.numba_threads import size_pool
 from quant.shard import ShardJob, convert_shard, file_identity
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -187,7 +188,7 @@ def _init_worker(threads: int, counter, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, _interrupt_if_converting)
     _die_with_parent(parent_pid)
     _progress_counter = counter
-    os.environ["NUMBA_NUM_THREADS"] = str(threads)  # read when numba loads, if this worker's codec needs it
+    size_pool(threads)  # numba is loaded already: unpickling this initializer imported it
 
 
 def _advance_shared(nbytes: int) -> None:

@@ -1,10 +1,21 @@
-"""How many threads a numba kernel call may use, for that call only."""
+"""How many threads numba runs: a process's pool, set once before it starts, and a kernel call's share."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import numba
+import numba.core.config
+
+
+def size_pool(threads: int) -> None:
+    """Start this process's numba pool with ``threads`` threads, whenever it starts. numba reads
+    NUMBA_NUM_THREADS when it loads, and again before each compile (every kernel's first call on an
+    empty cache), and refuses a value other than the one its running pool started with: so the variable
+    and numba's own setting are made to agree now, before the first kernel call starts the pool."""
+    os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    numba.core.config.reload_config()
 
 
 @contextmanager
