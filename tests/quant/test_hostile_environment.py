@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import quant
 from quant.cli import main as quantize_main
 
 CACHE_VARIABLES = ("NUMBA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
@@ -61,3 +63,33 @@ def test_two_workers_on_an_empty_numba_cache(to, glm_ckpt, mxfp4, tmp_path):
     assert list(cache.rglob("*.nbi")), "nothing compiled: the cache was not empty, the case was not tested"
     if to == "mxfp4":
         assert shards(out) == shards(mxfp4)  # as one worker wrote them
+
+
+def test_numba_caches_in_the_user_cache_folder(mxfp4, tmp_path):
+    """numba cached its kernels beside their source, inside the installed package (shared by every
+    user, maybe read-only, stale after an upgrade); now under ~/.cache/quantgate, nothing in $TMPDIR."""
+    env = fresh_env(tmp_path)
+    package = Path(quant.__file__).parent
+    started = time.time()
+    done = run_quantize(env, "--to", "bf16", mxfp4, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "home" / ".cache" / "quantgate" / "numba").rglob("*.nbi"))
+    assert not [p for p in package.rglob("*.nb[ic]") if p.stat().st_mtime >= started - 1]
+    assert not list((tmp_path / "tmpdir").iterdir())
+
+
+@pytest.mark.parametrize("given, numba, inductor", [
+    ({}, "home/.cache/quantgate/numba", "home/.cache/quantgate/torchinductor"),
+    ({"XDG_CACHE_HOME": "xdg"}, "xdg/quantgate/numba", "xdg/quantgate/torchinductor"),
+    ({"XDG_CACHE_HOME": "relative/xdg"}, "home/.cache/quantgate/numba", "home/.cache/quantgate/torchinductor"),
+    ({"NUMBA_CACHE_DIR": "mine/numba", "TORCHINDUCTOR_CACHE_DIR": "mine/inductor"}, "mine/numba", "mine/inductor"),
+])
+def test_cache_folders_follow_the_user(given, numba, inductor, tmp_path):
+    """XDG_CACHE_HOME (when absolute, as its specification asks) over ~/.cache; a cache variable the
+    user set is theirs. Seen by a converting process and by an evaluating one."""
+    env = fresh_env(tmp_path, **{k: v if v.startswith("relative") else str(tmp_path / v) for k, v in given.items()})
+    for package in ("quant", "evals"):
+        shown = subprocess.run([sys.executable, "-c", f"import os, {package}; "
+                                "print(os.environ['NUMBA_CACHE_DIR']); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
+                               env=env, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+        assert shown.split() == [str(tmp_path / numba), str(tmp_path / inductor)]
