@@ -178,12 +178,24 @@ def _infra_verdict(verdict: str, rule: str, kept: list, dropped: list, breaches:
     return verdict, rule, True
 
 
+def greedy_decoding(benchmark: str, entry: dict | None = None) -> bool:
+    """Whether a repeat reproduces the answers (temperature 0), so no guidance asks for another: as the
+    run recorded its sampling (``settings``: lm-eval's ``do_sample`` and ``temperature``), else as the
+    benchmark's protocol decodes (``design.MAX_REPEATS``: one repeat for the greedy ones; tau2's trials
+    vary through its user simulator)."""
+    settings = (entry or {}).get("settings") or {}
+    if "do_sample" in settings or "temperature" in settings:
+        return settings.get("do_sample") is False or settings.get("temperature") == 0
+    return design.MAX_REPEATS.get(benchmark) == 1
+
+
 def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: GatePolicy,
-                      rerun_pairs: list[tuple[dict, dict]] | None = None) -> BenchmarkResult:
+                      rerun_pairs: list[tuple[dict, dict]] | None = None, greedy: bool | None = None) -> BenchmarkResult:
     """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy.
 
     ``policy.confidence`` is the level of the one-sided bounds; a caller judging repeated looks at
-    one run passes a policy with the adjusted level (``dataclasses.replace``)."""
+    one run passes a policy with the adjusted level (``dataclasses.replace``). ``greedy``: whether
+    repeats reproduce the answers (default: as the benchmark's protocol decodes, ``greedy_decoding``)."""
     rules = policy.of(benchmark)
     confidence, margin = policy.confidence, rules.margin
     infra, breaches, kept, dropped = None, [], pairs, []
@@ -216,7 +228,8 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
         b, c = discordance(ref_scores, cand_scores)
         result.discordant_ref_only, result.discordant_cand_only, result.mcnemar_p = b, c, mcnemar_exact_p(b, c)
     if verdict == INCONCLUSIVE and result.decidable:  # the bounds straddle the margin: what would settle it
-        g = guidance(_delta_matrix(pairs), p, margin, confidence, BENCHMARK_ITEMS.get(benchmark))
+        g = guidance(_delta_matrix(pairs), p, margin, confidence, BENCHMARK_ITEMS.get(benchmark),
+                     greedy=greedy_decoding(benchmark) if greedy is None else greedy)
         result.items_to_decide = g.items_needed
         result.guidance = asdict(g)
     if strata is not None:
@@ -358,7 +371,8 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
             if look["follows"]:  # the level spends alpha on the information observed, not the plan's guess of it
                 look = _observed_look(look, bench, plan, all_pairs[bench], 1 - policy.confidence)
         level = replace(policy, confidence=look["confidence"]) if look and look["follows"] else policy
-        result = compare_benchmark(bench, all_pairs[bench], level, rerun_pairs)
+        result = compare_benchmark(bench, all_pairs[bench], level, rerun_pairs,
+                                   greedy_decoding(bench, ref_run["benchmarks"][bench]))
         if look:
             design.judge_look(result, look)
         result.setting_differences = differences.get(bench)

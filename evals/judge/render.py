@@ -105,15 +105,27 @@ def _power(p: float) -> str:
 def guidance(g: dict) -> str:
     """What it takes from here to decide an INCONCLUSIVE result (``stats.guidance``): a design the run
     does not have yet, with its conditional power at the observed delta and at 0, or why none
-    would; always the margin the data certify now."""
+    would; always the margin the data certify now. Where no item differed the power is at the rate the
+    data leave plausible, said so, or none is promised; a greedy run is never told to repeat."""
     size, n, r, m = g["benchmark_items"] or g["n_items"], g["n_items"], g["repeats"], g["margin"]
     at = f"at the observed delta {g['observed_delta']:+.4f}"
     design = f"{g['design_items']} items x {g['design_repeats']}"
-    power = ("" if g["power_at_observed"] is None else
-             f"{_power(g['power_at_observed'])} power {at}, {_power(g['power_at_zero'])} were the true delta 0")
+    unmeasured = f"none of these {n} items differed, so how often items differ is unmeasured"
+    rate = g.get("assumed_discordance")
+    if g["power_at_observed"] is None:
+        power = ""
+    elif rate is not None:  # the observed delta is 0 and so is the delta the power is taken at
+        power = (f"{_power(g['power_at_observed'])} power were items to differ {rate:.1%} of the time ({unmeasured}; "
+                 f"{rate:.1%} is the most the data leave plausible, and fewer only raise the power)")
+    else:
+        power = f"{_power(g['power_at_observed'])} power {at}, {_power(g['power_at_zero'])} were the true delta 0"
     if g["action"] == "loss":
         out = (f"the observed delta {versus(g['observed_delta'], -m)} is beyond the margin -{m}: more data would more likely "
                f"FAIL it than pass it" + (f" ({design}: {power})" if power else ""))
+    elif g["action"] == "items" and not power:
+        out = (f"at least {g['items_needed'] - n} more items ({g['items_needed']} of the benchmark's {size}) at {r} "
+               f"repeat{'s' if r > 1 else ''}: the fewest that could certify {m} were none of them to differ; "
+               f"{unmeasured}: no power is promised")
     elif g["action"] == "items":
         out = (f"{g['items_needed'] - n} more items ({g['items_needed']} of the benchmark's {size}) at {r} "
                f"repeat{'s' if r > 1 else ''} would reach {power}")
@@ -124,6 +136,11 @@ def guidance(g: dict) -> str:
         out = ((f"{design} would not reach it ({power}); " if power else f"the benchmark has no items beyond these {n}; ")
                + "with one repeat the noise between repeats is unknown: run a second repeat (another seed, same "
                "temperature) to learn whether repeats would decide it")
+    elif g.get("greedy"):
+        out = ("repeats at temperature 0 (greedy) reproduce the answers, so only more items add information"
+               + (f", and all {g['design_items']} items would reach only {power}" if power else
+                  f", and the benchmark has no items beyond these {n}")
+               + f"; the most it could certify there is about {g['best_margin']:.3f}")
     else:
         out = (f"no number of repeats on {size} items certifies {m} {at}" + (f" ({design}: {power})" if power else "")
                + f"; the most it could certify there is about {g['best_margin']:.3f}")

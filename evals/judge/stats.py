@@ -489,9 +489,12 @@ class Guidance:
     disagreement between an item's repeats. A design is what the run would be after adding data;
     its conditional power (``conditional_power``) is shown at the observed delta and at 0.
     ``action``: ``items`` (run more of the benchmark's items), ``repeats`` (more repeats on all of
-    them), ``second_repeat`` (one repeat: the noise between repeats is unknown), ``none`` (no design
-    within the benchmark reaches the power at the observed delta) or ``loss`` (the observed delta is
-    beyond the margin: more data would more likely FAIL it)."""
+    them), ``second_repeat`` (one repeat at a temperature: the noise between repeats is unknown), ``none``
+    (no design within the benchmark reaches the power at the observed delta; under greedy decoding
+    repeats reproduce the answers, so only items count) or ``loss`` (the observed delta is beyond the
+    margin: more data would more likely FAIL it). Where no item differed, how often items differ is
+    unmeasured: the powers are those at ``assumed_discordance``, the most often they may differ that the
+    data leave plausible, or none is given (``power_at_observed`` None: a design's size alone is no promise)."""
     action: str
     observed_delta: float
     margin: float
@@ -508,6 +511,15 @@ class Guidance:
     within: float
     best_margin: float  # what the largest design is expected to certify at the observed delta (rounded up)
     certified_margin: float  # what the data certify now (rounded up)
+    greedy: bool = False  # temperature 0: a repeat reproduces the answers, so more items are the only data to add
+    assumed_discordance: float | None = None  # no item differed: the rate of differing items the powers assume
+
+
+def unmeasured_discordance(n: int, confidence: float) -> float:
+    """How often items may differ when none of ``n`` did: the one-sided exact (Clopper-Pearson) upper
+    bound of 0 of n at ``confidence``, about 3 / n at 95%. Fewer differing items only raise a design's
+    power at a delta of 0, so a power at this rate is one the design delivers at any rate the data allow."""
+    return 1 - (1 - confidence) ** (1 / n)
 
 
 def variance_components(deltas: np.ndarray) -> tuple[float, float]:
@@ -524,11 +536,12 @@ def variance_components(deltas: np.ndarray) -> tuple[float, float]:
 
 
 def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, benchmark_items: int | None,
-             power: float = POWER) -> Guidance:
+             power: float = POWER, greedy: bool = False) -> Guidance:
     """The smallest design that reaches ``power`` at the observed delta, never one the run already has:
     more items at the current repeats while the benchmark has them, else more repeats (up to
-    ``MAX_REPEATS``) on all of its items. ``deltas``: items x repeats of paired deltas; ``p``: the
-    comparison's ``paired_delta``."""
+    ``MAX_REPEATS``) on all of its items; never another repeat of a ``greedy`` run (temperature 0: it
+    reproduces the answers). ``deltas``: items x repeats of paired deltas; ``p``: the comparison's
+    ``paired_delta``."""
     between, within = variance_components(deltas)
     n, repeats = p.n, deltas.shape[1]
     # the gate's bound may lie further below the delta than z standard errors: powers use its distance
@@ -539,17 +552,18 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
     one_outcome = repeats == 1 and p.method.startswith("exact unconditional")  # the gate's exact rule decides
     if one_outcome and p.delta > -margin:
         return _exact_guidance(int((deltas < 0).sum()), int((deltas > 0).sum()), p, margin, confidence, size,
-                               benchmark_items, power, between)
+                               benchmark_items, power, between, greedy)
     if var_now == 0:  # no item differs: only the exact bound (rule of three) limits it, and only items move it
+        # The fewest items that could certify the margin were none of them to differ: a floor, not a design
+        # with a power (how often items differ is unmeasured, and each one that does widens the bound).
         needed = math.floor(math.log(1 - confidence) / math.log(1 - margin)) + 1 if margin > 0 else None
         ok = needed is not None and n < needed <= size
         return Guidance(action="items" if ok else "none", observed_delta=p.delta, margin=margin, n_items=n,
                         repeats=repeats, benchmark_items=benchmark_items, items_needed=needed if ok else None,
                         repeats_needed=repeats if ok else None, design_items=needed if ok else n, design_repeats=repeats,
-                        power_at_observed=1.0 if ok else None, power_at_zero=1.0 if ok else None,
-                        between=between, within=within,
+                        power_at_observed=None, power_at_zero=None, between=between, within=within,
                         best_margin=certified_margin(exact_loss_bound(0, size, confidence)),
-                        certified_margin=certified_margin(p.lower))
+                        certified_margin=certified_margin(p.lower), greedy=greedy)
 
     def var(items, reps):  # the current variance scaled to other designs (arrays of items and repeats)
         return var_now * (n / items) * ((between + within / reps) / per_item if per_item > 0 else 1.0)
@@ -566,7 +580,7 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
         action = "loss"
     elif found:
         action = "items" if found[1] == repeats else "repeats"
-    elif repeats < 2:
+    elif repeats < 2 and not greedy:
         action = "second_repeat"
     else:
         action = "none"
@@ -579,23 +593,35 @@ def guidance(deltas: np.ndarray, p: Paired, margin: float, confidence: float, be
                     repeats_needed=design[1] if found else None, design_items=design[0], design_repeats=design[1],
                     power_at_observed=cp(p.delta) if designs else None,
                     power_at_zero=cp(0.0) if designs else None, between=between, within=within,
-                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower))
+                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower), greedy=greedy)
 
 
 def _exact_guidance(b: int, c: int, p: Paired, margin: float, confidence: float, size: int,
-                    benchmark_items: int | None, power: float, between: float) -> Guidance:
+                    benchmark_items: int | None, power: float, between: float, greedy: bool = False) -> Guidance:
     """``guidance`` for one 0/1 outcome per item: the powers are the exact rule's (``exact_power`` of
     the items still to run, at the observed loss and win rates, and at a delta of 0 with the observed
     discordance). The design is found by the normal approximation with the exact bound's distance
     below the delta (each exact power costs ~0.3 s), then checked exactly and enlarged (up to three
-    times) while its exact power falls short: the power printed is always the design's exact power."""
+    times) while its exact power falls short: the power printed is always the design's exact power.
+    Where no item differed (b = c = 0) the rates are unmeasured: the powers are at a delta of 0 with
+    items differing at ``unmeasured_discordance`` (the design is the fewest items reaching the power
+    there, by bisection), never the certain pass of a design none of whose new items would differ."""
     n = p.n
-    at_observed = lambda items: exact_power(items, b / n, c / n, margin, confidence, b, c, n)  # noqa: E731
-    at_zero = lambda items: exact_power(items, (b + c) / (2 * n), (b + c) / (2 * n), margin, confidence, b, c, n)  # noqa: E731
+    assumed = unmeasured_discordance(n, confidence) if b + c == 0 else None
+    lost, won = (assumed / 2, assumed / 2) if assumed else (b / n, c / n)
+    at_observed = lambda items: exact_power(items, lost, won, margin, confidence, b, c, n)  # noqa: E731
+    tied = (lost + won) / 2
+    at_zero = lambda items: exact_power(items, tied, tied, margin, confidence, b, c, n)  # noqa: E731
     if size <= n:
         design = None
-    elif b + c == 0:  # every new item concordant too: the exact bound at (0, 0) of the design decides
-        design = next((items for items in _doubling(n + 1, size) if exact_passes(0, 0, items, margin, confidence)), None)
+    elif assumed:  # power rises with the items: the fewest that reach it, if all of them do
+        design = None
+        if at_observed(size) >= power:
+            lo, hi = n + 1, size
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if at_observed(mid) >= power else (mid + 1, hi)
+            design = hi
     else:
         z = max(float(sps.norm.ppf(confidence)), (p.delta - p.lower) / p.se)
         grid = np.arange(n + 1, size + 1)
@@ -609,22 +635,17 @@ def _exact_guidance(b: int, c: int, p: Paired, margin: float, confidence: float,
     found = design if design is not None and at_observed(design) >= power else None
     shown = design if design is not None else size
     # what the largest design is expected to certify at the observed delta: its bound at the expected counts
-    best = exact_bounds(round(b * size / n), round(c * size / n), size, confidence)[0]
-    return Guidance(action="items" if found else ("second_repeat" if b + c else "none"), observed_delta=p.delta,
+    best = exact_bounds(round(lost * size), round(won * size), size, confidence)[0]
+    # a second repeat can show how noisy repeats are only where they vary: not under greedy decoding,
+    # and not where no item differed (a repeat would not make the items that differ fewer)
+    action = "items" if found else ("second_repeat" if b + c and not greedy else "none")
+    return Guidance(action=action, observed_delta=p.delta,
                     margin=margin, n_items=n, repeats=1, benchmark_items=benchmark_items, items_needed=found,
                     repeats_needed=1 if found else None, design_items=shown, design_repeats=1,
                     power_at_observed=at_observed(shown) if size > n else None,
                     power_at_zero=at_zero(shown) if size > n else None, between=between, within=0.0,
-                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower))
-
-
-def _doubling(first: int, last: int):
-    """first, 2 first, 4 first, ... then last: designs of every size up to the benchmark's, few of them."""
-    items = first
-    while items < last:
-        yield items
-        items *= 2
-    yield last
+                    best_margin=certified_margin(best), certified_margin=certified_margin(p.lower), greedy=greedy,
+                    assumed_discordance=assumed)
 
 
 def discordance(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int]:

@@ -4,6 +4,7 @@ assumed a delta of 0, a certified margin rounded down)."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 
@@ -15,7 +16,8 @@ from evals.judge import render
 from evals.cli import main as gate
 from evals.judge.gate import compare_benchmark
 from evals.judge.policy import load_policy
-from evals.judge.stats import certified_margin, conditional_power, exact_power, guidance, paired_delta, variance_components
+from evals.judge.stats import (certified_margin, conditional_power, exact_passes, exact_power, guidance, paired_delta,
+                                unmeasured_discordance, variance_components)
 from tests.evals.test_gate import binary_pair, bundle
 from tests.evals.test_stats import pairs_of
 
@@ -78,9 +80,9 @@ def test_the_certified_margin_is_rounded_up():
 def test_a_full_benchmark_is_never_told_to_run_items_it_has():
     """"about 749 items would decide it ... the benchmark has 1319" on a 1319-item run."""
     result, text = judged(pairs_of(*binary_pair(1319, 40, 22)), "gsm8k")
-    assert result.verdict == "INCONCLUSIVE" and result.guidance["action"] == "second_repeat"
+    assert result.verdict == "INCONCLUSIVE" and result.guidance["action"] == "none"  # GSM8K is greedy: no repeat
     assert result.items_to_decide is None and not re.search(r"\d+ more items", text)
-    assert "the benchmark has no items beyond these 1319" in text
+    assert "the benchmark has no items beyond these 1319" in text and "another seed" not in text
 
 
 def test_more_items_are_named_only_beyond_those_run_with_the_power_at_the_observed_delta_and_at_0():
@@ -164,3 +166,68 @@ def test_the_cli_names_the_guidance_on_a_write_up_sized_gpqa_run(tmp_path, capsy
     for line in lines:
         counts = [int(n) for n in re.findall(r"(\d+) items", line)]
         assert all(n <= 198 for n in counts), line
+
+
+# ---- fourth campaign: no promise where nothing differed; greedy runs are never told to repeat ----------
+
+def test_no_item_differing_promises_no_certain_pass():
+    """40 arith items, 0 vs 0 discordant: "124 more items (164 of 250) would reach 100% power"; run that
+    way, items differ and it is INCONCLUSIVE again. The power is now the exact rule's at the most often
+    items may differ that 0 of 40 leaves plausible (7.2%), and 250 items do not reach 80% there."""
+    result, text = judged(pairs_of(*binary_pair(40, 0, 0, wrong_both=3)), "arith", arith=0.025)
+    g, rate = result.guidance, unmeasured_discordance(40, 0.95)
+    assert result.verdict == "INCONCLUSIVE" and g["assumed_discordance"] == pytest.approx(rate)
+    assert "100%" not in text and "164 of" not in text and g["action"] == "none"
+    assert g["power_at_observed"] == pytest.approx(exact_power(250, rate / 2, rate / 2, 0.025, 0.95, 0, 0, 40))
+    assert 0.3 < g["power_at_observed"] < 0.8 and f"were items to differ {rate:.1%} of the time" in text
+    assert "none of these 40 items differed" in text and "another seed" not in text
+    assert exact_power(164, rate / 2, rate / 2, 0.025, 0.95, 0, 0, 40) < 0.5  # the design once promised 100%
+    assert exact_passes(0, 0, 164, 0.025, 0.95)  # ... which only a run with no item differing would deliver
+
+
+def test_no_item_differing_names_the_design_that_reaches_the_power_at_the_plausible_rate():
+    result, text = judged(pairs_of(*binary_pair(130, 0, 0, wrong_both=5)), "gsm8k", gsm8k=0.02)
+    g, rate = result.guidance, unmeasured_discordance(130, 0.95)
+    at = lambda items: exact_power(items, rate / 2, rate / 2, 0.02, 0.95, 0, 0, 130)  # noqa: E731
+    assert result.verdict == "INCONCLUSIVE" and g["action"] == "items", text
+    assert at(g["items_needed"]) >= 0.8 > at(g["items_needed"] - 1)
+    assert g["power_at_observed"] == pytest.approx(at(g["items_needed"])) and g["power_at_observed"] < 1
+    assert f"{g['items_needed'] - 130} more items ({g['items_needed']} of the benchmark's 1319)" in text
+
+
+def test_repeated_items_none_differing_get_a_floor_of_items_not_a_power():
+    """GPQA 80 questions x 2 repeats, the arms alike on every one: the rule-of-three count of items is
+    the fewest that could certify the margin were none to differ, not a design with "100% power"."""
+    same = np.array([[1, 1]] * 72 + [[0, 0]] * 8)
+    result, text = judged(repeated_pairs(same, same.copy()), "gpqa_diamond", gpqa_diamond=0.03)
+    g = result.guidance
+    assert result.verdict == "INCONCLUSIVE" and g["action"] == "items" and g["power_at_observed"] is None, text
+    assert "power" not in text.split("; the data certify")[0].replace("no power is promised", "")
+    assert f"at least {g['items_needed'] - 80} more items" in text and "no power is promised" in text
+
+
+def _record_sampling(bundle_dir, benchmark, **settings):
+    run = json.loads((bundle_dir / "run.json").read_text())
+    run["benchmarks"][benchmark]["settings"] = settings
+    (bundle_dir / "run.json").write_text(json.dumps(run))
+
+
+@pytest.mark.parametrize("sampling, repeat_advised", [
+    ({"do_sample": False, "temperature": 0.0}, False),  # greedy, as the run recorded it
+    ({"do_sample": True, "temperature": 1.0}, True),  # sampled: a second repeat shows the noise
+])
+def test_a_second_seed_is_advised_only_where_repeats_differ(sampling, repeat_advised, tmp_path, capsys):
+    """One repeat of 198 GPQA questions, 10 lost and 6 won, at 0.04: a sampled run is told to run a second
+    repeat; a greedy one (temperature 0: a repeat reproduces the answers) is told that only items add."""
+    ref, cand = binary_pair(198, 10, 6)
+    r, c = bundle(tmp_path / "ref", "gpqa_diamond", ref), bundle(tmp_path / "cand", "gpqa_diamond", cand)
+    for arm in (r, c):
+        _record_sampling(arm, "gpqa_diamond", **sampling)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("benchmarks:\n  gpqa_diamond: {margin: 0.04}\n")
+    code = gate(["accuracy", "--candidate", str(c), "--reference", str(r), "--policy", str(policy)])
+    out = capsys.readouterr().out
+    assert code == 1 and "INCONCLUSIVE" in out
+    assert ("run a second repeat (another seed" in out) == repeat_advised, out
+    assert ("repeats at temperature 0 (greedy) reproduce the answers, so only more items add information" in out) \
+        != repeat_advised
