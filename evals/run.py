@@ -19,15 +19,16 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-from evals import budget
+from evals import budget, checkpoint_identity
 from evals import tasks as run_tasks
 from evals.bundle import BundleWriter
+from evals.checkpoint_identity import KEY as IDENTITY_KEY
 from evals.data import dataset_for
 from evals.errors import BadInput, RunFailed
 from evals.tau2_run import Tau2Settings
 from quant.hashing import sha256_of
 from quant.outputs import MANIFEST_NAME, DestinationLock
-from quant.safe_files import read_json, read_regular
+from quant.safe_files import read_json
 
 PROTOCOLS = {
     # limit: items per run; seeds: one unit per seed; primary_filter: the lm-eval filter the gate
@@ -227,35 +228,26 @@ def _versions() -> dict:
     return out
 
 
-def checkpoint_manifest_sha256(folder: Path) -> str | None:
-    """A quantgate checkpoint's identity: the sha256 of its ``conversion_manifest.json`` (it holds every
-    output shard's sha256), or None for a folder without one. ``evals run`` records it in run.json (a
-    local ``--model``'s, or a server's ``--checkpoint``: this one function for both) and ``gate
-    release`` checks the released checkpoint against it."""
-    manifest = Path(folder) / MANIFEST_NAME
-    if not os.path.lexists(manifest):
-        return None
-    return sha256_of(read_regular(manifest, error=BadInput))  # a regular file (a FIFO is refused, not waited on)
-
-
 def served_checkpoint_sha256(folder: Path) -> str:
     """``--checkpoint``'s identity: the folder a server serves must be a checkpoint quantgate wrote."""
-    digest = checkpoint_manifest_sha256(folder)
-    if digest is None:
+    ident = checkpoint_identity.identity(folder)
+    if ident is None:
         raise BadInput(f"--checkpoint {folder}: no {MANIFEST_NAME}, so not a checkpoint `quantize` wrote; "
                        "give the folder it wrote (the one served), or leave --checkpoint out")
-    return digest
+    return ident.sha256
 
 
-def _checkpoint_provenance(spec: RunSpec) -> dict:
-    """Manifest hash of the quantgate checkpoint measured (local, or served with --checkpoint); chat template hash if any."""
+def checkpoint_provenance(spec: RunSpec) -> dict:
+    """The identity of the quantgate checkpoint measured (local, or served with --checkpoint), its
+    shards hashed against its manifest now, so a run (or a --resume) never measures a checkpoint whose
+    shards changed under the same manifest; the chat template's hash if any."""
     out: dict = {}
     path = Path(spec.tokenizer or spec.model)
     if spec.base_url and spec.checkpoint:
         out["checkpoint"] = str(spec.checkpoint)
-        out["checkpoint_manifest_sha256"] = served_checkpoint_sha256(spec.checkpoint)
-    elif not spec.base_url and (digest := checkpoint_manifest_sha256(Path(spec.model))):
-        out["checkpoint_manifest_sha256"] = digest
+        out[IDENTITY_KEY] = served_checkpoint_sha256(spec.checkpoint)
+    elif not spec.base_url and (ident := checkpoint_identity.identity(Path(spec.model))):
+        out[IDENTITY_KEY] = ident.sha256
     config, jinja = path / "tokenizer_config.json", path / "chat_template.jinja"
     # transformers 5 saves the template as chat_template.jinja, and when that file exists it wins over
     # tokenizer_config.json's entry (tokenization_utils_base.py, PreTrainedTokenizerBase._from_pretrained)
@@ -407,6 +399,7 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
     for local in ([] if spec.base_url else [spec.model]) + ([spec.tokenizer] if spec.tokenizer else []):
         refuse_remote_code(Path(local))
     BundleWriter(spec.out, resume)  # a folder it would refuse is refused before anything loads
+    provenance = checkpoint_provenance(spec)  # the shards measured are the manifest's, before they load
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]
     datasets = {b: dataset_for(b, spec.data_dir) for b in lm_eval_benchmarks}
     with ExitStack() as open_data:
@@ -420,12 +413,12 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
         if not spec.base_url and lm_eval_benchmarks:  # load (or refuse) a local checkpoint before any unit runs
             local = spec.local_record(_local_model(spec)[1])
         with _one_writer(spec.out):
-            return _run_units(spec, resume, datasets, tasks, generation, eos, local)
+            return _run_units(spec, resume, datasets, tasks, generation, eos, local, provenance)
 
 
-def _run_units(spec: RunSpec, resume: bool, datasets: dict, tasks: dict, generation, eos, local) -> dict:
+def _run_units(spec: RunSpec, resume: bool, datasets: dict, tasks: dict, generation, eos, local,
+               provenance: dict) -> dict:
     started, timings = time.time(), {}
-    provenance = _checkpoint_provenance(spec)
     benchmarks: dict[str, dict] = {}
     units: dict[str, tuple] = {}  # name: (benchmark, repeat, seed, identity)
     for benchmark, task in tasks.items():
@@ -437,8 +430,8 @@ def _run_units(spec: RunSpec, resume: bool, datasets: dict, tasks: dict, generat
             # A unit is reused only if measured the same way, of the same model, on the same data.
             identity = {"settings": settings, "seed": seed, "model": spec.model,
                         "dataset_sha256": datasets[benchmark].entry["files"]}
-            if "checkpoint_manifest_sha256" in provenance:  # the checkpoint measured, not only its name
-                identity["checkpoint_manifest_sha256"] = provenance["checkpoint_manifest_sha256"]
+            if IDENTITY_KEY in provenance:  # the checkpoint measured (its shards), not only its name
+                identity[IDENTITY_KEY] = provenance[IDENTITY_KEY]
             units[f"{benchmark}-r{repeat}"] = (benchmark, repeat, seed, identity)
     writer = BundleWriter(spec.out, resume)  # checked again, now that this run holds the folder
     writer.begin({name: unit[3] for name, unit in units.items()}, spec.model, list(spec.benchmarks),

@@ -7,15 +7,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
+
+CHUNK = 8 << 20  # bytes read at a time: any file is hashed in this much memory
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+def sha256_fileobj(f: BinaryIO, chunk: int = CHUNK, on_block: Callable[[int], object] | None = None) -> str:
+    """The sha256 of what is left to read in ``f``, streamed; ``on_block(nbytes)`` after each block (progress)."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+    while block := f.read(chunk):
+        digest.update(block)
+        if on_block:
+            on_block(len(block))
     return digest.hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = CHUNK) -> str:
+    with path.open("rb") as f:
+        return sha256_fileobj(f, chunk)
 
 
 def sha256_of(value: Path | bytes | str | object) -> str:

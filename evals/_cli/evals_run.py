@@ -63,9 +63,10 @@ def register(sub) -> None:
                                       "127.0.0.1:30000 is refused: say http:// or https://); checked on /v1/models "
                                       "first")
     p.add_argument("--checkpoint", type=Path, metavar="DIR",
-                   help="with --base-url: the quantgate checkpoint folder the server serves; its "
-                        "conversion_manifest.json's sha256 is recorded in run.json (checkpoint_manifest_sha256, as a "
-                        "local --model's is), so `gate release` can check it is the checkpoint being released")
+                   help="with --base-url: the quantgate checkpoint folder the server serves; its shards are hashed "
+                        "against its conversion_manifest.json and their identity recorded in run.json "
+                        "(checkpoint_sha256, as a local --model's is), so `gate release` can check it is the "
+                        "checkpoint being released")
     p.add_argument("--tokenizer", help="tokenizer path for the served model (recorded; chat template hashed)")
     p.add_argument("--api", choices=["completions", "chat"], default="completions", help="endpoint flavour")
     p.add_argument("--limit", type=int,

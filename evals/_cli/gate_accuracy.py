@@ -25,7 +25,7 @@ policy requires; --benchmarks limits the comparison (and the verdict) to those n
 exit codes: 0 PASS; 1 FAIL or a blocking INCONCLUSIVE (including a required benchmark not
 compared); 2 bad input or refused (bundles that do not pair: different items, documents, data
 files, filters or settings; candidate and reference that are one run, a copy of it, or runs of
-one checkpoint: run.json checkpoint_manifest_sha256)"""
+one checkpoint, the same shards: run.json checkpoint_sha256)"""
 
 
 def register(sub) -> None:

@@ -1,10 +1,11 @@
 """A verdict bound to its artifacts: the two runs are two, the released checkpoint is the one the
 candidate run evaluated, and the report says what judged them.
 
-A checkpoint's identity is the sha256 of its ``conversion_manifest.json`` (``run.checkpoint_manifest_sha256``:
-the manifest holds every output shard's sha256); ``evals run`` records it in run.json under
-``checkpoint_manifest_sha256`` (a local ``--model DIR``, or ``--checkpoint DIR`` for a served one).
-Every refusal here is one line naming what differs and what to do (exit 2).
+A checkpoint is identified by its shards (``evals.checkpoint_identity``: their sha256s as its
+conversion manifest records them, each shard hashed against that record, with config.json and the
+index); ``evals run`` records the identity in run.json under ``checkpoint_sha256`` (a local
+``--model DIR``, or ``--checkpoint DIR`` for a served one). Every refusal here is one line naming
+what differs and what to do (exit 2).
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from evals.errors import BadInput, Refused
+from evals.checkpoint_identity import KEY, identity
+from evals.errors import Refused
 from quant.hashing import sha256_of
 
-KEY = "checkpoint_manifest_sha256"
 UNVERIFIED_FLAG = "--unverified-checkpoint"
+FAST_FLAG = "--fast"
 
 
 def distinct_arms(candidate: Path, reference: Path, cand_run: dict, ref_run: dict) -> None:
     """Refuse a candidate and reference that are one run (the same folder, or a copy of it)
-    or that evaluated the same checkpoint: a comparison with itself passes whatever the model is."""
+    or that evaluated the same checkpoint (the same shards, whatever folder or conversion they
+    came from): a comparison with itself passes whatever the model is."""
     candidate, reference = Path(candidate), Path(reference)
     if candidate.resolve() == reference.resolve():
         raise Refused(f"--candidate and --reference are the same run ({candidate}): compare two runs, "
@@ -32,27 +35,32 @@ def distinct_arms(candidate: Path, reference: Path, cand_run: dict, ref_run: dic
     cand_sha, ref_sha = cand_run.get(KEY), ref_run.get(KEY)
     if cand_sha and cand_sha == ref_sha:
         raise Refused(f"--candidate {candidate} and --reference {reference} evaluated the same checkpoint "
-                      f"({KEY} {cand_sha}): the reference must be another checkpoint (e.g. the FP8 one)")
+                      f"({KEY} {cand_sha}: the same shards, e.g. two conversions of one source with one recipe): "
+                      "the reference must be another checkpoint (e.g. the FP8 one)")
 
 
-def bind_checkpoint(checkpoint: Path, candidate: Path, cand_run: dict, unverified: bool = False) -> dict:
-    """``{"sha256", "verified"}`` of the released checkpoint, refusing one the candidate run did not
-    evaluate. A run without a recorded checkpoint (against a server, without ``--checkpoint``) or a
-    checkpoint without a manifest is refused too, unless ``unverified``; the report then says so."""
-    from evals.run import checkpoint_manifest_sha256
-
-    actual, recorded = checkpoint_manifest_sha256(checkpoint), cand_run.get(KEY)
+def bind_checkpoint(checkpoint: Path, candidate: Path, cand_run: dict, unverified: bool = False,
+                    fast: bool = False) -> dict:
+    """``{"sha256", "verified", "shards_verified", "recipe"}`` of the released checkpoint, refusing one
+    the candidate run did not evaluate or whose shards are not those its manifest records (``fast``:
+    their sizes only, and the report says so). A run without a recorded checkpoint (against a server,
+    without ``--checkpoint``) or a checkpoint without a manifest is refused too, unless
+    ``unverified``; the report then says so."""
+    ident, recorded = identity(checkpoint, verify=not fast), cand_run.get(KEY)
+    actual = ident.sha256 if ident else None
     if actual and recorded and actual != recorded:
-        raise Refused(f"{checkpoint} is not the checkpoint {candidate} evaluated: its conversion_manifest.json "
-                      f"has sha256 {actual}, {candidate}/run.json records {KEY} {recorded}; release the "
-                      "checkpoint that run evaluated, or evaluate this one")
+        raise Refused(f"{checkpoint} is not the checkpoint {candidate} evaluated: its shards give {KEY} {actual}, "
+                      f"{candidate}/run.json records {recorded}; release the checkpoint that run evaluated, or "
+                      "evaluate this one")
+    bound = {"sha256": actual, "verified": bool(actual and recorded), "shards_verified": bool(ident and ident.verified),
+             "shards": ident.shards if ident else 0, "recipe": ident.recipe if ident else None}
     if actual and recorded:
-        return {"sha256": actual, "verified": True}
+        return bound
     if not unverified:
         if not recorded and actual:
-            raise Refused(f"{candidate}/run.json records no {KEY} (a run against a server), so nothing shows it "
-                          f"evaluated {checkpoint}: rerun it with `evals run --checkpoint {checkpoint} ...`, or pass "
-                          f"{UNVERIFIED_FLAG}")
+            raise Refused(f"{candidate}/run.json records no {KEY} (a run against a server, or by a quantgate before "
+                          f"checkpoints were identified by their shards), so nothing shows it evaluated {checkpoint}: "
+                          f"rerun it with `evals run --checkpoint {checkpoint} ...`, or pass {UNVERIFIED_FLAG}")
         if not recorded:
             raise Refused(f"{checkpoint} has no conversion_manifest.json and {candidate}/run.json records no {KEY}: "
                           "nothing shows the run evaluated this checkpoint; release a quantgate conversion evaluated "
@@ -60,28 +68,25 @@ def bind_checkpoint(checkpoint: Path, candidate: Path, cand_run: dict, unverifie
                           f"{UNVERIFIED_FLAG}")
         raise Refused(f"{checkpoint} has no conversion_manifest.json, so it cannot be the checkpoint {candidate} "
                       f"evaluated ({KEY} {recorded}); release that checkpoint, or pass {UNVERIFIED_FLAG}")
-    return {"sha256": actual, "verified": False}
+    return bound
 
 
-def provenance(checkpoint: Path, binding: dict, ref_run: dict, policy_source: str | None,
+def provenance(binding: dict, ref_run: dict, policy_source: str | None,
                margins: dict[str, float] | None = None) -> dict:
     """What judged the release and what it judged: policy (path, sha256, --margin overrides), tool
-    version, date (UTC), the checkpoint's recipe and both arms' checkpoint hashes."""
+    version, date (UTC), the checkpoint's recipe and both arms' checkpoint identities."""
     import quant
-    from quant.safe_files import read_json
 
-    manifest = Path(checkpoint) / "conversion_manifest.json"
-    recipe = None
-    if manifest.is_file():
-        recipe = (read_json(manifest, BadInput) or {}).get("recipe")
     return {
         "policy": {"path": policy_source, "sha256": sha256_of(Path(policy_source)) if policy_source else None,
                    "margin_overrides": margins or {}},
         "tool": {"name": "quantgate", "version": quant.__version__},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "recipe": recipe.get("name") if isinstance(recipe, dict) else recipe,
+        "recipe": binding["recipe"],
         "candidate_checkpoint_sha256": binding["sha256"],
         "checkpoint_verified": binding["verified"],
+        "shards_verified": binding["shards_verified"],
+        "shards": binding["shards"],
         "reference_checkpoint_sha256": ref_run.get(KEY),
     }
 
@@ -94,8 +99,13 @@ def lines(prov: dict | None) -> list[tuple[str, str]]:
     overrides = ", ".join(f"{b}={m:g}" for b, m in pol["margin_overrides"].items())
     ref = prov["reference_checkpoint_sha256"] or "not recorded (a run without a conversion manifest, e.g. bf16 or a server)"
     sha = prov["candidate_checkpoint_sha256"]
-    cand = ((f"sha256 {sha}" if sha else "no conversion_manifest.json")
-            + ("" if prov["checkpoint_verified"] else f" (UNVERIFIED: released with {UNVERIFIED_FLAG})"))
+    cand = f"sha256 {sha}" if sha else "no conversion_manifest.json"
+    if sha and "shards_verified" in prov:  # (a report written before shards were hashed says nothing)
+        cand += (f" ({prov['shards']} shards hashed, each the sha256 its conversion_manifest.json records)"
+                 if prov["shards_verified"] else
+                 f" (shards NOT verified: released with {FAST_FLAG}, only their names and sizes were checked)")
+    if not prov["checkpoint_verified"]:
+        cand += f" (UNVERIFIED: released with {UNVERIFIED_FLAG})"
     return [("policy", f"{pol['path']} (sha256 {pol['sha256']})" + (f", --margin {overrides}" if overrides else "")),
             ("tool", f"{prov['tool']['name']} {prov['tool']['version']}"), ("date", prov["date"]),
             ("recipe", prov["recipe"] or "-"),

@@ -31,11 +31,13 @@ _EXPERT_INDEX = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def load(candidate=None, reference=None, checkpoint=None, report=None, load_candidate=None,
-         load_reference=None, policy=None) -> dict:
+         load_reference=None, policy=None, saved: dict | None = None) -> dict:
     """Everything the dashboard shows: from a gate report.json (given, or the one `gate release` wrote
     beside the candidate run for these two runs), or computed from the bundles by the gate's own
     ``accuracy_gate`` under ``policy`` (default: the release policy), so the notebook, the page and
-    the CLI cannot disagree. A report judged under another policy than ``policy`` is refused."""
+    the CLI cannot disagree. A report judged under another policy than ``policy`` is refused.
+    ``saved``: the report itself, as it is about to be written to ``report`` (the page is rendered
+    before anything is written, so a release writes both or neither)."""
     data: dict = {"candidate": candidate, "reference": reference, "checkpoint": checkpoint}
     if load_candidate and load_reference:
         from evals.judge.knee import load_gate
@@ -43,7 +45,8 @@ def load(candidate=None, reference=None, checkpoint=None, report=None, load_cand
         data["load"] = load_gate(Path(load_candidate), Path(load_reference))
     report = report or (release_report_beside(candidate, reference) if candidate and reference else None)
     if report:
-        saved = read_json(Path(report), BadInput, "give the report.json that `gate release` wrote")
+        if saved is None:
+            saved = read_json(Path(report), BadInput, "give the report.json that `gate release` wrote")
         if policy is not None:
             _same_policy(saved["accuracy"]["policy"], load_policy(policy), report)
         data["report"] = str(report)

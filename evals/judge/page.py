@@ -1,4 +1,5 @@
-"""The release report as one self-contained HTML page (``gate release --plots DIR``).
+"""The release report as one self-contained HTML page (``gate release --plots DIR``), rendered with
+its figures before the release writes anything.
 
 Inline CSS, figures embedded as base64 PNG data URIs, no script and nothing fetched: the page
 opens the same from a file, a mail attachment or an artifact store. Verdict first (colour and
@@ -18,7 +19,6 @@ import pandas as pd
 
 from evals.judge import binding, dashboard, render
 from evals.judge.report import LOAD_COLUMNS, load_summary
-from quant.outputs import write_atomic  # bytes: complete or absent, never half-written
 
 TONE = {"RELEASE": "good", "PASS": "good", "OK": "good", "BLOCK": "bad", "FAIL": "bad", "PROBLEM": "bad",
         "INCONCLUSIVE": "unsure"}
@@ -135,15 +135,13 @@ def html(data: dict, pngs: dict[str, bytes]) -> str:
             "<h1>quantgate release report</h1>" + "\n".join(x for x in out if x) + "</main></body></html>")
 
 
-def write(data: dict, out_dir: Path) -> list[Path]:
-    """A PNG per figure and ``report.html``, the page with all of them embedded."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pngs, paths = {}, []
+def files(data: dict, out_dir: Path) -> dict[Path, bytes]:
+    """A PNG per figure and ``report.html``, the page with all of them embedded, as the bytes each
+    file under ``out_dir`` will hold (``gate release`` renders them before it writes anything)."""
+    pngs, out = {}, {}
     for name, fig in dashboard.figures(data).items():
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
-        pngs[name] = buf.getvalue()
-        write_atomic(out_dir / f"{name}.png", pngs[name])
-        paths.append(out_dir / f"{name}.png")
-    write_atomic(out_dir / "report.html", html(data, pngs).encode())
-    return paths + [out_dir / "report.html"]
+        pngs[name] = out[out_dir / f"{name}.png"] = buf.getvalue()
+    out[out_dir / "report.html"] = html(data, pngs).encode()
+    return out

@@ -1,13 +1,18 @@
-"""report.md / report.json for ``gate release``: the verdict, why, the accuracy table and structure."""
+"""report.md / report.json for ``gate release``: the verdict, why, the accuracy table and structure.
+
+A report is replaced only by the same release (checkpoint, runs, policy) unless ``--overwrite``,
+and never away from its page: the page a replaced report names must be rewritten with it."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
+from evals.errors import Refused
 from evals.judge import binding, render
-from quant.outputs import write_atomic
+from quant.safe_files import read_json
 
 
 def _finite(obj):
@@ -34,6 +39,7 @@ def markdown(report: dict) -> str:
     lines = [f"# Release gate: {report['verdict']}", "",
              f"- checkpoint: `{report['checkpoint']}` - structure: {loads}",
              f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`",
+             *([f"- page: `{report['page']}`"] if report.get("page") else []),
              *[f"- {label}: {text}" for label, text in binding.lines(report.get("provenance"))], "",
              *render.markdown(acc)]
     if report["reasons"]:
@@ -80,9 +86,44 @@ def load_markdown(load: dict) -> list[str]:
     return lines + ["", f"{load['why']}", ""]
 
 
-def write(report: dict, out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / "report.md", out_dir / "report.json"
-    write_atomic(js, strict_json(report))
-    write_atomic(md, markdown(report))
-    return md, js
+def files(report: dict, out_dir: Path) -> dict[Path, bytes]:
+    """report.json and report.md under ``out_dir``, as the bytes each will hold."""
+    return {out_dir / "report.json": strict_json(report).encode(), out_dir / "report.md": markdown(report).encode()}
+
+
+def release_of(report: dict) -> dict:
+    """What makes one release, as its report records it: the checkpoint (its identity), both runs,
+    the policy (its sha256 and --margin overrides). A report of another of these is another release."""
+    prov, acc = report.get("provenance") or {}, report.get("accuracy") or {}
+    policy = prov.get("policy") or {}
+    where = lambda p: str(Path(p).resolve()) if isinstance(p, str) else None
+    return {"checkpoint": prov.get("candidate_checkpoint_sha256") or where(report.get("checkpoint")),
+            "candidate run": where(acc.get("candidate")), "reference run": where(acc.get("reference")),
+            "policy": f"sha256 {policy.get('sha256')}" + "".join(
+                f", --margin {b}={m}" for b, m in sorted((policy.get("margin_overrides") or {}).items()))}
+
+
+def check_replaceable(report: dict, out_dir: Path, overwrite: bool) -> None:
+    """Refuse (exit 2, before anything is written) what writing ``report`` into ``out_dir`` would
+    silently lose: a report there of another release (unless ``overwrite``), the page that report
+    names left behind with the old verdict, or a page at ``report["page"]`` that is not this
+    report's (unless ``overwrite``)."""
+    js = out_dir / "report.json"
+    saved = None
+    if os.path.lexists(js) or os.path.lexists(out_dir / "report.md"):
+        saved = read_json(js, Refused, follow=False) if os.path.lexists(js) else {}
+        saved = saved if isinstance(saved, dict) and "verdict" in saved else {}
+        old, new = release_of(saved) if saved else {}, release_of(json.loads(strict_json(report)))
+        differs = [k for k in new if old.get(k) != new[k]]
+        if differs and not overwrite:
+            what = "; ".join(f"{k}: {old.get(k) or 'not recorded'}, this release's {new[k]}" for k in differs)
+            raise Refused(f"{js} is the report of another release ({what}): pass --overwrite to replace it, or "
+                          "--report-dir another folder")
+    old_page, page = (saved or {}).get("page"), report.get("page")
+    if isinstance(old_page, str) and old_page != page and os.path.isfile(old_page):
+        raise Refused(f"{old_page} is the page of {js}, which this release replaces: pass --plots "
+                      f"{Path(old_page).parent} to rewrite it with the report (or remove it), so the two never "
+                      "disagree")
+    if page and old_page != page and os.path.lexists(page) and not overwrite:
+        raise Refused(f"{page} is the page of another report than {js}: pass --overwrite to replace it, or "
+                      "--plots another folder")

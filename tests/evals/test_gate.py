@@ -36,10 +36,10 @@ def bundle(path, benchmark: str, scores, repeats: int = 1, domains=None, doc="d"
 
 def evaluated(path: Path, checkpoint: Path) -> Path:
     """A synthetic bundle that records ``checkpoint`` as the one it evaluated, as `evals run --model DIR` does."""
-    from evals.run import checkpoint_manifest_sha256
+    from evals.checkpoint_identity import identity
 
     run = json.loads((path / "run.json").read_text())
-    run["checkpoint_manifest_sha256"] = checkpoint_manifest_sha256(checkpoint)
+    run["checkpoint_sha256"] = identity(checkpoint).sha256
     (path / "run.json").write_text(json.dumps(run))
     return path
 
@@ -176,7 +176,9 @@ def test_release_writes_reports_and_blocks_on_structure(glm_ckpt, tmp_path, caps
     config["quantization_config"]["exclude"] = [e for e in config["quantization_config"]["exclude"]
                                                 if not e.startswith("model.decoder.")]
     (ckpt / "config.json").write_text(json.dumps(config))
-    code, report = run_gate(capsys, "release", ckpt, "--candidate", c, "--reference", r, "--policy", policy)
+    # config.json is part of the checkpoint's identity: this is another checkpoint, as if evaluated again
+    code, report = run_gate(capsys, "release", ckpt, "--candidate", evaluated(c, ckpt), "--reference", r, "--policy",
+                            policy, "--overwrite")
     assert code == 1 and report["verdict"] == "BLOCK"
     assert "model.decoder.mlp.shared_experts.gate_up_proj" in (c / "report.md").read_text()
 

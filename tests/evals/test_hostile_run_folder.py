@@ -302,32 +302,32 @@ def test_resume_into_a_finished_bundle_with_another_model_or_settings_keeps_it(r
 
 # ---- issue 37 item 1 (evals run's part): the served checkpoint's identity -------------------------------
 
-def served_checkpoint(folder: Path) -> Path:
-    """A folder with a conversion_manifest.json, as `quantize` writes (its content is what is hashed)."""
+def served_checkpoint(folder: Path, weights: bytes = b"weights") -> Path:
+    """A folder as `quantize` writes it: a shard and the conversion_manifest.json that records its sha256."""
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    (folder / "conversion_manifest.json").write_text(json.dumps({"format": "mxfp4", "shards": {"a": "0" * 64}}))
+    (folder / "model.safetensors").write_bytes(weights)
+    shard = {"file": "model.safetensors", "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}
+    (folder / "conversion_manifest.json").write_text(json.dumps({"format": "mxfp4", "shards": [shard]}))
     return folder
 
 
-def test_a_server_run_records_the_served_checkpoints_manifest_sha256(recorder, tmp_path, capsys):
-    from evals.run import checkpoint_manifest_sha256
+def test_a_server_run_records_the_served_checkpoints_identity(recorder, tmp_path, capsys):
+    from evals.checkpoint_identity import identity
 
     ckpt = served_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
     common = ["--benchmarks", "gsm8k", "--base-url", recorder, "--model", "served", "--limit", 2, *GEN]
     assert run(*common, "--out", out, "--checkpoint", ckpt) == 0
     run_json = read_bundle(out)[0]
-    want = hashlib.sha256((ckpt / "conversion_manifest.json").read_bytes()).hexdigest()
-    assert run_json["checkpoint_manifest_sha256"] == want == checkpoint_manifest_sha256(ckpt)  # the local --model path's function
+    assert run_json["checkpoint_sha256"] == identity(ckpt).sha256  # the local --model path's function
     assert run_json["checkpoint"] == str(ckpt)
     # resuming the finished bundle with another served checkpoint would mix two checkpoints: refused, kept
-    other = served_checkpoint(tmp_path / "other")
-    (other / "conversion_manifest.json").write_text(json.dumps({"format": "mxfp4", "shards": {"a": "1" * 64}}))
+    other = served_checkpoint(tmp_path / "other", b"other weights")
     before = tree_hashes(out)
     capsys.readouterr()
     assert run(*common, "--out", out, "--checkpoint", other, "--resume") == 2
-    one_line(capsys.readouterr().err, "checkpoint_manifest_sha256", "the bundle is kept")
+    one_line(capsys.readouterr().err, "checkpoint_sha256", "the bundle is kept")
     assert tree_hashes(out) == before
 
 
