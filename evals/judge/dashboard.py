@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import (
@@ -186,10 +187,20 @@ def _kind_order(kind: str) -> tuple:
     return group, {"gate_proj": 0, "up_proj": 1, "down_proj": 2}.get(projection, 3), projection
 
 
+# The heatmap's colours span at least this much either side of the format's own error (+-10%): a cell a
+# few percent off it stays pale, one 10% or more off it is full colour, and the scale widens to the worst cell.
+MIN_SPAN = 0.10
+
+
 def error_heatmap(data: dict):
     """Layers across, projection kinds down, one cell per (layer, kind); the figure grows with the
     model (GLM-5: 78 layers + the MTP layer) so every label stays readable, and the MTP draft's
-    layers (from ``num_hidden_layers`` on) are labelled and framed in red."""
+    layers (from ``num_hidden_layers`` on) are labelled and framed.
+
+    Colour is each cell's error against the format's own on Gaussian weights (``format_error``; the
+    median cell where the format has none), in percent, on a diverging scale: white where a cell
+    quantizes like Gaussian weights, red where worse, blue where better. An absolute scale from 0 put
+    every cell of a conversion (all near the format's error) in one colour."""
     matrix = error_matrix(data["manifest"]).T  # kinds x layers
     kinds, layers = list(matrix.index), list(matrix.columns)
     first_mtp = data.get("num_hidden_layers")
@@ -197,26 +208,28 @@ def error_heatmap(data: dict):
     fig = Figure(figsize=(max(7.0, 3.0 + 0.17 * len(layers)), 2.0 + 0.32 * len(kinds)), layout="constrained")
     ax = fig.subplots()
     values = matrix.to_numpy(dtype=float)
-    expected = format_error((data["manifest"] or {}).get("format") or "mxfp4")
-    observed = float(np.nanmax(values)) if np.isfinite(values).any() else 0.0
-    top = max(2 * expected, observed) if expected == expected else observed
-    # Anchored at 0 and at twice the format's own error on Gaussian weights, so a typical cell sits
-    # mid-scale and small differences between cells look small (an auto-scaled bar made 0.105 vs 0.12 dramatic).
-    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis", interpolation="nearest",
-                      vmin=0.0, vmax=top)
+    finite = values[np.isfinite(values)]
+    fmt = (data["manifest"] or {}).get("format") or "mxfp4"
+    expected = format_error(fmt)
+    known = expected == expected and expected > 0
+    median = float(np.median(finite)) if finite.size else 0.0
+    centre = expected if known else (median if median > 0 else 1.0)
+    percent = 100 * (values / centre - 1)
+    worst = float(np.abs(percent[np.isfinite(percent)]).max()) / 100 if finite.size else 0.0
+    span = 100 * max(MIN_SPAN, worst)
+    colours = matplotlib.colormaps["RdBu_r"].with_extremes(bad="lightgrey")  # grey: no such projection there
+    image = ax.imshow(np.ma.masked_invalid(percent), aspect="auto", cmap=colours, interpolation="nearest",
+                      vmin=-span, vmax=span)
     ax.set_xticks(range(len(layers)), [f"{layer} MTP" if i in mtp else str(layer) for i, layer in enumerate(layers)],
                   rotation=90, fontsize=7)
-    for i in mtp:
-        ax.get_xticklabels()[i].set_color("tab:red")
-        ax.add_patch(Rectangle((i - 0.5, -0.5), 1, len(kinds), fill=False, edgecolor="tab:red", linewidth=2))
+    for i in mtp:  # framed in black: red and blue are the colours of the errors
+        ax.get_xticklabels()[i].set_fontweight("bold")
+        ax.add_patch(Rectangle((i - 0.5, -0.5), 1, len(kinds), fill=False, edgecolor="black", linewidth=2))
     ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
-    ax.set_xlabel("decoder layer" + (" (red: the MTP draft's layers)" if mtp else ""))
-    label = "relative RMS error" + (f"\n(0 to 2x dashed: {expected:.3f} on Gaussian)"
-                                     if expected == expected else "")
-    bar = fig.colorbar(image, ax=ax, label=label, fraction=0.03, pad=0.01)
-    if expected == expected:
-        bar.ax.axhline(expected, color="white", linestyle="--", linewidth=1)
-    ax.set_title("MXFP4 quantization error per layer and projection", fontsize=11)
+    ax.set_xlabel("decoder layer" + (" (framed: the MTP draft's layers)" if mtp else ""))
+    yardstick = f"{fmt.upper()} on Gaussian weights" if known else "the median cell"
+    fig.colorbar(image, ax=ax, label=f"relative RMS error, % vs\n{yardstick} ({centre:.3f})", fraction=0.03, pad=0.01)
+    ax.set_title(f"{fmt.upper()} quantization error per layer and projection", fontsize=11)
     return fig
 
 
