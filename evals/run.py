@@ -228,9 +228,10 @@ def _versions() -> dict:
     return out
 
 
-def served_checkpoint_sha256(folder: Path) -> str:
-    """``--checkpoint``'s identity: the folder a server serves must be a checkpoint quantgate wrote."""
-    ident = checkpoint_identity.identity(folder)
+def served_checkpoint_sha256(folder: Path, verify: bool = True) -> str:
+    """``--checkpoint``'s identity: the folder a server serves must be a checkpoint quantgate wrote
+    (``verify=False``: its shards' names and sizes only, the early check before the run hashes them)."""
+    ident = checkpoint_identity.identity(folder, verify)
     if ident is None:
         raise BadInput(f"--checkpoint {folder}: no {MANIFEST_NAME}, so not a checkpoint `quantize` wrote; "
                        "give the folder it wrote (the one served), or leave --checkpoint out")

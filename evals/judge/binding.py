@@ -17,6 +17,7 @@ from evals.checkpoint_identity import KEY, identity
 from evals.errors import Refused
 from quant.hashing import sha256_of
 
+LEGACY_KEY = "checkpoint_manifest_sha256"  # what runs recorded before: the manifest's own sha256
 UNVERIFIED_FLAG = "--unverified-checkpoint"
 FAST_FLAG = "--fast"
 
@@ -32,11 +33,12 @@ def distinct_arms(candidate: Path, reference: Path, cand_run: dict, ref_run: dic
     if all(sha256_of(candidate / name) == sha256_of(reference / name) for name in ("run.json", "samples.jsonl")):
         raise Refused(f"--candidate {candidate} and --reference {reference} are copies of one run (identical "
                       "run.json and samples.jsonl): compare two runs, the candidate's and the reference's")
-    cand_sha, ref_sha = cand_run.get(KEY), ref_run.get(KEY)
-    if cand_sha and cand_sha == ref_sha:
-        raise Refused(f"--candidate {candidate} and --reference {reference} evaluated the same checkpoint "
-                      f"({KEY} {cand_sha}: the same shards, e.g. two conversions of one source with one recipe): "
-                      "the reference must be another checkpoint (e.g. the FP8 one)")
+    for key in (KEY, LEGACY_KEY):  # runs recorded before checkpoints were identified by their shards: one manifest
+        cand_sha, ref_sha = cand_run.get(key), ref_run.get(key)
+        if cand_sha and cand_sha == ref_sha:
+            raise Refused(f"--candidate {candidate} and --reference {reference} evaluated the same checkpoint "
+                          f"({key} {cand_sha}: the same shards, e.g. two conversions of one source with one recipe): "
+                          "the reference must be another checkpoint (e.g. the FP8 one)")
 
 
 def bind_checkpoint(checkpoint: Path, candidate: Path, cand_run: dict, unverified: bool = False,

@@ -91,16 +91,26 @@ def files(report: dict, out_dir: Path) -> dict[Path, bytes]:
     return {out_dir / "report.json": strict_json(report).encode(), out_dir / "report.md": markdown(report).encode()}
 
 
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _where(path) -> str | None:
+    try:
+        return str(Path(path).resolve()) if isinstance(path, str) else None
+    except (OSError, ValueError):  # a report.json written by hand: a name no file can have
+        return path
+
+
 def release_of(report: dict) -> dict:
     """What makes one release, as its report records it: the checkpoint (its identity), both runs,
     the policy (its sha256 and --margin overrides). A report of another of these is another release."""
-    prov, acc = report.get("provenance") or {}, report.get("accuracy") or {}
-    policy = prov.get("policy") or {}
-    where = lambda p: str(Path(p).resolve()) if isinstance(p, str) else None
-    return {"checkpoint": prov.get("candidate_checkpoint_sha256") or where(report.get("checkpoint")),
-            "candidate run": where(acc.get("candidate")), "reference run": where(acc.get("reference")),
-            "policy": f"sha256 {policy.get('sha256')}" + "".join(
-                f", --margin {b}={m}" for b, m in sorted((policy.get("margin_overrides") or {}).items()))}
+    prov, acc = _mapping(report.get("provenance")), _mapping(report.get("accuracy"))
+    policy = _mapping(prov.get("policy"))
+    margins = sorted((str(b), str(m)) for b, m in _mapping(policy.get("margin_overrides")).items())
+    return {"checkpoint": prov.get("candidate_checkpoint_sha256") or _where(report.get("checkpoint")),
+            "candidate run": _where(acc.get("candidate")), "reference run": _where(acc.get("reference")),
+            "policy": f"sha256 {policy.get('sha256')}" + "".join(f", --margin {b}={m}" for b, m in margins)}
 
 
 def check_replaceable(report: dict, out_dir: Path, overwrite: bool) -> None:
@@ -117,10 +127,12 @@ def check_replaceable(report: dict, out_dir: Path, overwrite: bool) -> None:
         differs = [k for k in new if old.get(k) != new[k]]
         if differs and not overwrite:
             what = "; ".join(f"{k}: {old.get(k) or 'not recorded'}, this release's {new[k]}" for k in differs)
-            raise Refused(f"{js} is the report of another release ({what}): pass --overwrite to replace it, or "
-                          "--report-dir another folder")
+            raise Refused((f"{js} is the report of another release ({what})" if saved else
+                           f"{out_dir} holds a report.md or report.json that is not a `gate release` report")
+                          + ": pass --overwrite to replace it, or --report-dir another folder")
     old_page, page = (saved or {}).get("page"), report.get("page")
-    if isinstance(old_page, str) and old_page != page and os.path.isfile(old_page):
+    if isinstance(old_page, str) and old_page != page and Path(old_page).name == "report.html" \
+            and os.path.isfile(old_page):
         raise Refused(f"{old_page} is the page of {js}, which this release replaces: pass --plots "
                       f"{Path(old_page).parent} to rewrite it with the report (or remove it), so the two never "
                       "disagree")

@@ -369,3 +369,17 @@ def test_a_release_refused_for_a_missing_extra_writes_nothing(example, tmp_path)
                    prelude="sys.modules['matplotlib'] = None; ")  # as on a core install
     one_line(done, "pip install 'quantgate[evals]'")
     assert not (tmp_path / "report").exists() and not (tmp_path / "page").exists()
+
+
+def test_two_runs_recorded_before_checkpoints_were_identified_by_shards_are_still_one_checkpoint(example, capsys,
+                                                                                                  tmp_path):
+    _, _, runs = example
+    for i, name in enumerate(("old-a", "old-b")):  # run.json as an older quantgate wrote it: the manifest's sha256
+        shutil.copytree(runs / "mxfp4", tmp_path / name)
+        run = json.loads((tmp_path / name / "run.json").read_text())
+        del run["checkpoint_sha256"]
+        run |= {"checkpoint_manifest_sha256": "ab" * 32, "created_unix": run["created_unix"] + i}
+        (tmp_path / name / "run.json").write_text(json.dumps(run))
+    code, _, err = gate(capsys, "accuracy", "--candidate", tmp_path / "old-a", "--reference", tmp_path / "old-b",
+                        "--policy", POLICY)
+    refused(code, err, "evaluated the same checkpoint", "checkpoint_manifest_sha256")
