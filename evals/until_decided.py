@@ -33,6 +33,8 @@ def run_until_decided(spec, reference: Path, policy, resume: bool = False) -> di
     if not spec.plan:
         raise BadInput("--until-decided needs --plan: the plan fixes the looks and the level each is judged at")
     plan_under_policy(spec.plan, policy, "--plan")  # a plan made under another confidence is refused before any run
+    for benchmark in spec.benchmarks:  # and a benchmark the policy names no margin for (it names the shipped one)
+        policy.of(benchmark)
     looks = {b: spec.plan["benchmarks"][b]["looks"] for b in spec.benchmarks}
     at = dict.fromkeys(spec.benchmarks, 0)  # each benchmark's current look (index)
     history: list[dict] = []

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from evals.cli import main as gate_main
+from evals.cli import evals_main, main as gate_main
 from evals.judge.policy import MAX_RESAMPLES, load_policy, min_resamples
 from quant.layout import manifests_root
 from tests.evals.test_gate import binary_pair, bundle, evaluated
@@ -212,3 +212,19 @@ def test_kernels_blocking_must_be_a_bool(straddles, capsys):
     code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
     assert code == 2
     one_line(err, str(policy), "kernels.blocking: 'no' is not a bool")
+
+
+def test_a_planned_run_under_a_policy_without_its_benchmark_runs_nothing(glm_ckpt, tmp_path, capsys):
+    """`evals run --until-decided` on an arith plan without --policy ran look 1 on the model, then failed at the
+    gate; the release policy names no margin for arith, so it is refused before any model runs, naming the
+    shipped policy that does."""
+    plan = tmp_path / "plan.yaml"
+    assert gate_main(["plan", "--policy", "arith-example", "--items", "arith=3", "--out", str(plan)]) in (0, 1)
+    ref = bundle(tmp_path / "ref", "arith", [1, 1, 1])
+    cand = tmp_path / "cand"
+    capsys.readouterr()
+    code, _, err = cli(capsys, evals_main, "run", "--benchmarks", "arith", "--model", glm_ckpt, "--plan", plan,
+                       "--until-decided", "--reference", ref, "--out", cand, "--max-gen-toks", 8)
+    assert code == 2
+    one_line(err, "arith: the policy", "names no margin for it", "--policy arith-example (shipped)")
+    assert not cand.exists()
