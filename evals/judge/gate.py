@@ -190,7 +190,8 @@ def greedy_decoding(benchmark: str, entry: dict | None = None) -> bool:
 
 
 def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: GatePolicy,
-                      rerun_pairs: list[tuple[dict, dict]] | None = None, greedy: bool | None = None) -> BenchmarkResult:
+                      rerun_pairs: list[tuple[dict, dict]] | None = None,
+                      greedy: bool | None = None) -> BenchmarkResult:
     """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy.
 
     ``policy.confidence`` is the level of the one-sided bounds; a caller judging repeated looks at

@@ -46,4 +46,4 @@ def test_gate_plan_refuses_more_repeats_than_it_plans_at_once():
 def test_gate_plan_refuses_one_repeat_past_the_most_for_every_benchmark(capsys):
     code, _, err = cli(capsys, gate_main, "plan", "--max-repeats", str(MAX_REPEATS + 1))
     assert code == 2
-    one_line(err, f"--max-repeats ", f"={MAX_REPEATS + 1}: a plan has at most {MAX_REPEATS} repeats")
+    one_line(err, "--max-repeats ", f"={MAX_REPEATS + 1}: a plan has at most {MAX_REPEATS} repeats")

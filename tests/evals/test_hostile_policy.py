@@ -49,6 +49,10 @@ def test_a_file_named_like_a_shipped_policy_never_replaces_it(worse, capsys):
     code, out, _ = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref,
                        "--policy", "arith-example", "--json")
     assert code == 1 and json.loads(out)["policy"]["source"] == str(SHIPPED / "arith-example.yaml")
+    # the planted ./release passed it too; the shipped release policy names no margin for arith
+    code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", "release")
+    assert code == 2
+    one_line(err, f"arith: the policy {SHIPPED / 'release.yaml'} names no margin for it")
     # written as a path, the file is the policy, and named by its full path
     code, out, _ = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref,
                        "--policy", "./arith-example")
