@@ -41,10 +41,11 @@ from evals.tau2 import Tau2Error, infra_simulations, load_results
 from quant.outputs import write_atomic
 
 DOMAINS = ("airline", "retail", "telecom")
-# Each infrastructure retry runs every simulation still errored in the domain again; an error that outlives
-# this many passes is the serving's, not a dropped connection, and against a server that fails every call
-# more passes would only keep the run from finishing (fix the serving, then `evals run --resume`).
-MAX_INFRA_RETRIES = 10
+# The most retries of either kind (litellm's per call, ``max_retries``; ours per errored simulation,
+# ``infra_retries``, each a pass over every simulation still errored in the domain): an error that outlives
+# this many is the serving's, not a dropped connection, and against a server that fails every call more
+# would only keep the run from finishing (fix the serving, then `evals run --resume`).
+MAX_RETRIES = 10
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,10 @@ class Tau2Settings:
     agent_temperature: float = 0.0
     agent_max_tokens: int | None = None  # the agent's generation budget per turn (evals' --max-gen-toks)
     concurrency: int = 8  # simulations in flight per domain (tau2's max_concurrency)
-    max_retries: int = 3  # litellm retries per LLM call (tau2's max_retries)
+    max_retries: int = 3  # litellm retries per LLM call (tau2's max_retries); at most MAX_RETRIES
     # A simulation that ended in an infrastructure error is run again (same task, trial and seed) up to this
     # many times before the run finishes, so dropped pairs are the exception (each retry is recorded).
-    infra_retries: int = 2  # at most MAX_INFRA_RETRIES
+    infra_retries: int = 2  # at most MAX_RETRIES
 
     def recorded(self) -> dict:
         return {**asdict(self), "domains": list(self.domains), "skip_failed_samples": True,

@@ -124,7 +124,7 @@ def register(sub) -> None:
 
 
 def tau2_flags(run: argparse.ArgumentParser) -> None:
-    from evals.tau2_run import DOMAINS, MAX_INFRA_RETRIES, Tau2Settings
+    from evals.tau2_run import DOMAINS, MAX_RETRIES, Tau2Settings
 
     d = Tau2Settings(model="", api_base="", user_llm="")
     g = run.add_argument_group("tau2 (drives tau2-bench's `tau2 run` per domain against --base-url; README: tau2)")
@@ -143,11 +143,12 @@ def tau2_flags(run: argparse.ArgumentParser) -> None:
     g.add_argument("--tau2-concurrency", type=int, default=d.concurrency,
                    help="simulations in flight per domain (tau2's max_concurrency; default: %(default)s)")
     g.add_argument("--tau2-max-retries", type=int, default=d.max_retries,
-                   help="litellm retries per LLM call before a simulation counts as failed (default: %(default)s)")
+                   help=f"litellm retries per LLM call before a simulation counts as failed (default: %(default)s; "
+                        f"0 to {MAX_RETRIES})")
     g.add_argument("--tau2-infra-retries", type=int, default=d.infra_retries,
                    help="times a simulation that ended in an infrastructure error (a dropped connection, a server or "
                         "user-simulator failure) is run again before the run finishes; each retry is recorded per "
-                        f"task (default: %(default)s; 0 to {MAX_INFRA_RETRIES})")
+                        f"task (default: %(default)s; 0 to {MAX_RETRIES})")
 
 
 def tau2_settings(args: argparse.Namespace):
@@ -216,12 +217,13 @@ def check_flags(args: argparse.Namespace) -> None:
                              ("--tau2-max-retries", args.tau2_max_retries, 0),
                              ("--tau2-infra-retries", args.tau2_infra_retries, 0)):
         _at_least(flag, value, low)
-    from evals.tau2_run import MAX_INFRA_RETRIES
+    from evals.tau2_run import MAX_RETRIES
 
-    if args.tau2_infra_retries > MAX_INFRA_RETRIES:
-        raise BadInput(f"--tau2-infra-retries {args.tau2_infra_retries}: at most {MAX_INFRA_RETRIES} (each retry runs "
-                       "every errored simulation again; errors that outlive them are the serving's: fix it and "
-                       "--resume)")
+    for flag, value in (("--tau2-max-retries", args.tau2_max_retries),
+                        ("--tau2-infra-retries", args.tau2_infra_retries)):
+        if value > MAX_RETRIES:
+            raise BadInput(f"{flag} {value}: at most {MAX_RETRIES} (more only keep a run against a failing server from "
+                           "finishing; errors that outlive them are the serving's: fix it, then --resume)")
     if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
         raise BadInput(f"--request-timeout {args.request_timeout}: must be a positive finite number of seconds "
                        "(0 does not mean no limit), e.g. 600")

@@ -13,7 +13,7 @@ import pytest
 
 from evals.cli import evals_main, main as gate_main
 from evals.judge.stats import MAX_REPEATS
-from evals.tau2_run import MAX_INFRA_RETRIES
+from evals.tau2_run import MAX_RETRIES
 from tests.evals.test_hostile_evals import as_process, cli, one_line, outside  # noqa: F401  (outside: a fixture)
 
 pytestmark = pytest.mark.usefixtures("outside")
@@ -21,15 +21,17 @@ pytestmark = pytest.mark.usefixtures("outside")
 
 @pytest.mark.parametrize("retries, says", [
     (-1, "--tau2-infra-retries -1: give a whole number of at least 0"),
-    (MAX_INFRA_RETRIES + 1, f"--tau2-infra-retries {MAX_INFRA_RETRIES + 1}: at most {MAX_INFRA_RETRIES}"),
-    (1000000000, f"--tau2-infra-retries 1000000000: at most {MAX_INFRA_RETRIES}"),
+    (MAX_RETRIES + 1, f"--tau2-infra-retries {MAX_RETRIES + 1}: at most {MAX_RETRIES}"),
+    (1000000000, f"--tau2-infra-retries 1000000000: at most {MAX_RETRIES}"),
+    ("--tau2-max-retries", f"--tau2-max-retries 1000000000: at most {MAX_RETRIES}"),  # litellm's, per call
 ])
-def test_tau2_infra_retries_out_of_range_are_refused_before_any_server_is_asked(retries, says, tmp_path, capsys):
+def test_tau2_retries_out_of_range_are_refused_before_any_server_is_asked(retries, says, tmp_path, capsys):
     started = time.monotonic()
     # port 9 (discard): nothing answers; a refusal that asked it first would name the server instead
     code, _, err = cli(capsys, evals_main, "run", "--benchmarks", "tau2", "--model", "m", "--base-url",
-                       "http://127.0.0.1:9/v1", "--tau2-user-llm", "openai/u", "--tau2-infra-retries", retries,
-                       "--out", tmp_path / "out")
+                       "http://127.0.0.1:9/v1", "--tau2-user-llm", "openai/u", "--out", tmp_path / "out",
+                       *(["--tau2-max-retries", 1000000000] if retries == "--tau2-max-retries" else
+                         ["--tau2-infra-retries", retries]))
     assert code == 2 and time.monotonic() - started < 5, err
     one_line(err, says)
     assert not (tmp_path / "out").exists()
