@@ -26,6 +26,7 @@ from evals.checkpoint_identity import KEY as IDENTITY_KEY
 from evals.data import dataset_for
 from evals.errors import BadInput, RunFailed
 from evals.tau2_run import Tau2Settings
+from quant.checkpoint import TOKENIZER_FIX, tokenizer_problem
 from quant.hashing import sha256_of
 from quant.outputs import MANIFEST_NAME, DestinationLock
 from quant.safe_files import read_json
@@ -371,6 +372,14 @@ def refuse_remote_code(folder: Path) -> None:
                            "--base-url")
 
 
+def require_tokenizer(folder: Path) -> None:
+    """A local checkpoint is evaluated with its own tokenizer (every prompt, the generation budget, the
+    stop string): a folder without one (a model's ``save_pretrained`` writes none) is refused before
+    anything is written, instead of prompts counted as 0 tokens and lm-eval failing mid-run."""
+    if why := tokenizer_problem(folder):
+        raise BadInput(f"{folder}: {why}, so no prompt can be tokenized; {TOKENIZER_FIX}; nothing was written")
+
+
 @contextmanager
 def _one_writer(out: Path):
     """``out`` held by this run alone (the converter's lock, ``quant.outputs.DestinationLock``): a
@@ -399,6 +408,8 @@ def run(spec: RunSpec, resume: bool = False) -> dict:
     quiet_libraries()
     for local in ([] if spec.base_url else [spec.model]) + ([spec.tokenizer] if spec.tokenizer else []):
         refuse_remote_code(Path(local))
+    if not spec.base_url:
+        require_tokenizer(Path(spec.model))
     BundleWriter(spec.out, resume)  # a folder it would refuse is refused before anything loads
     provenance = checkpoint_provenance(spec)  # the shards measured are the manifest's, before they load
     lm_eval_benchmarks = [b for b in spec.benchmarks if b != "tau2"]

@@ -30,6 +30,18 @@ from quant.safe_files import check_source_file, read_json
 from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, read_header
 
 SHARD_SUFFIX = ".safetensors"
+# What the engines and lm-eval load a tokenizer from (transformers' fast tokenizer, sentencepiece's, tiktoken's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
+TOKENIZER_FIX = ("copy in the tokenizer files of the model it was saved from (tokenizer.json and "
+                 "tokenizer_config.json, or tokenizer.model)")
+
+
+def tokenizer_problem(folder: Path) -> str | None:
+    """Why ``folder`` has no tokenizer, or None: a model's ``save_pretrained`` writes weights and
+    config only, so a newcomer's first folder often lacks one, and nothing can tokenize for it."""
+    if any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
+    return f"no tokenizer file ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]})"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from quant.plan import (
     ShardPlan,
     TensorPlan,
     _index_warnings,
+    tokenizer_warnings,
 )
 from quant.safetensors_io import ShardHeader, TensorInfo, numel
 
@@ -177,7 +178,7 @@ def make_decode_plan(source: Path | Checkpoint, family: Family | None = None) ->
         codec = get_codec("mxfp4") if native else codec_for_config(checkpoint.config)
     except ValueError as exc:
         raise PlanError(f"{checkpoint.config_path}: {exc}") from None
-    warnings = _index_warnings(checkpoint)
+    warnings = _index_warnings(checkpoint) + tokenizer_warnings(checkpoint)
     assembled = _blocks_back(checkpoint, family) if native else _fused_back(checkpoint, family, codec)
     shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec, assembled.get(file, [])),
                              header.identity, header.header_sha256) for file, header in checkpoint.headers.items())

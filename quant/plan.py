@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 from quant import blocks
-from quant.checkpoint import Checkpoint, config_int
+from quant.checkpoint import TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.fusion import fusing_gpus
@@ -191,6 +191,14 @@ def _index_warnings(checkpoint: Checkpoint) -> list[str]:
             "the others and listed in the output index" for file, names in sorted(by_file.items())]
 
 
+def tokenizer_warnings(checkpoint: Checkpoint) -> list[str]:
+    """A source without a tokenizer converts (the output's weights are sound, and the tokenizer can
+    follow), but no engine serves the output until one is copied in: said before converting."""
+    why = tokenizer_problem(checkpoint.folder)
+    return [f"{checkpoint.folder}: {why}: the engines cannot serve the output without one; {TOKENIZER_FIX}: "
+            "into SRC before converting (they are carried over) or into the output after"] if why else []
+
+
 def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Recipe, num_hidden_layers: int,
                 file: str, text_config: dict, config_path: Path) -> TensorPlan:
     """A fused expert tensor: planned per expert and projection, from its header and the config."""
@@ -280,7 +288,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     family = family or family_for(config)
     num_hidden_layers = config_int(family.text_config(config), family.num_layers_key, checkpoint.config_path)
     checkpoint.check_declared_counts()  # 10**9 layers: refused before anything walks them
-    warnings = _index_warnings(checkpoint)
+    warnings = _index_warnings(checkpoint) + tokenizer_warnings(checkpoint)
 
     shards = []
     for file, header in checkpoint.headers.items():

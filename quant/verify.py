@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from quant import blocks
-from quant.checkpoint import INDEX_NAME, Checkpoint, config_int
+from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Finding, Module, UnknownEngine, replay, select
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.replay import loads_under
@@ -26,7 +26,6 @@ from quant.layout import UnknownFamilyError, family_for
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 GLOB_CHARS = set("*?[")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 
 
 class UnreadableCheckpoint(QuantgateError, ValueError):
@@ -94,9 +93,9 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
         if total is not None and total not in (file_bytes, data_bytes):
             findings.append(Finding("layout", None, INDEX_NAME, f"total_size {total} matches neither the tensor bytes "
                                     f"({data_bytes}) nor the shard sizes ({file_bytes})", "regenerate the index"))
-    if not any((checkpoint.folder / f).exists() for f in TOKENIZER_FILES):
-        findings.append(Finding("layout", None, "tokenizer", "no tokenizer file; the engines cannot start without one",
-                                "copy the source checkpoint's tokenizer files"))
+    if why := tokenizer_problem(checkpoint.folder):
+        findings.append(Finding("layout", None, "tokenizer", f"{why}; the engines cannot start without one",
+                                TOKENIZER_FIX))
     return findings
 
 

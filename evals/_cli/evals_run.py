@@ -19,8 +19,8 @@ x scoring filter), which `gate accuracy` pairs with a reference bundle question 
 Protocols default to the Wafer write-up's: GSM8K first 200 test questions, 5-shot, greedy;
 GPQA-Diamond 198 questions, temperature 1.0, two repeats that differ only in the request seed.
 GSM8K ships with quantgate; GPQA-Diamond is gated: prepare it once with `evals data --gpqa`.
-The model is checked first (the folder exists, or the server answers on /v1/models and serves
-it), so a typo costs nothing and leaves nothing behind.
+The model is checked first (the folder exists and holds a tokenizer, or the server answers on
+/v1/models and serves it), so a typo costs nothing and leaves nothing behind.
 
 examples:
   evals run --benchmarks gsm8k --limit 20 --model ex/bf16 --out runs/bf16

@@ -1,0 +1,98 @@
+"""A newcomer's first model of their own, fourth campaign: a folder without a tokenizer (what a
+model's ``save_pretrained`` writes), and an evaluation that leaves nothing in ``$TMPDIR``.
+
+``evals run --model`` refuses a tokenizer-less folder in one line before anything is written
+(it counted every prompt as 0 tokens, then lm-eval failed mid-run, exit 3, leaving tasks/ and
+units/; on Mixtral a traceback, exit 1); ``quantize`` converts one but says so first, as
+``gate checkpoint`` does, from the same check (``quant.checkpoint.tokenizer_problem``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evals.cli import evals_main
+from evals.cli import main as gate_main
+from quant.checkpoint import TOKENIZER_FILES
+from quant.cli import main as quantize_main
+from tests.quant.family_checkpoints import write_family_checkpoint
+
+TOKENIZER_LESS = ("qwen3_moe", "mixtral")
+
+
+def without_tokenizer(folder: Path) -> Path:
+    """``folder`` as a model's ``save_pretrained`` leaves it: weights and config, no tokenizer."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *TOKENIZER_FILES):
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("first_model")
+    return {family: without_tokenizer(write_family_checkpoint(root / family, family)) for family in TOKENIZER_LESS}
+
+
+@pytest.mark.parametrize("family", TOKENIZER_LESS)
+@pytest.mark.parametrize("resume", [False, True])
+def test_evals_run_refuses_a_folder_without_tokenizer(saved, family, resume, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = evals_main(["run", "--benchmarks", "gsm8k", "--limit", "1", "--model", str(saved[family]),
+                       "--out", str(out), *(["--resume"] if resume else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and str(saved[family]) in lines[0], err
+    assert "no tokenizer file" in lines[0] and "tokenizer.json and tokenizer_config.json" in lines[0]
+    assert not out.exists()  # no tasks/, no units/, no lock
+
+
+@pytest.mark.parametrize("to", ["mxfp4", "bf16"])
+def test_quantize_says_a_source_has_no_tokenizer(saved, to, tmp_path, capsys):
+    """Converted (the weights are sound and the tokenizer can follow) but said first, in the plan a
+    --dry-run shows too, naming the folder and what to copy in; ``gate checkpoint`` names it on the output."""
+    src = saved["qwen3_moe"]
+    if to == "bf16":  # a quantized checkpoint without its tokenizer, decoded back
+        assert quantize_main(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
+        capsys.readouterr()
+        src = tmp_path / "mxfp4"
+    for dry_run in (True, False):
+        out = tmp_path / "out"
+        assert quantize_main(["--to", to, "-q", *(["--dry-run"] if dry_run else []), str(src), str(out)]) == 0
+        said = capsys.readouterr()
+        warnings = [line for line in said.out.splitlines() if "no tokenizer file" in line]
+        assert len(warnings) == 1 and "Traceback" not in said.err, said
+        assert warnings[0].startswith(f"warning     {src}: ") and "tokenizer.json and tokenizer_config.json" in warnings[0]
+        assert out.exists() != dry_run
+    assert gate_main(["checkpoint", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert "[layout] tokenizer" in report and "tokenizer.json and tokenizer_config.json" in report, report
+
+
+def test_a_source_with_its_tokenizer_converts_without_the_warning(glm_ckpt, capsys):
+    assert quantize_main(["--to", "mxfp4", "--dry-run", str(glm_ckpt), "unused"]) == 0
+    assert "tokenizer" not in capsys.readouterr().out
+
+
+def test_a_local_evaluation_leaves_nothing_in_tmpdir(tmp_path):
+    """torch made $TMPDIR/torchinductor_<user> as lm-eval loaded torch._dynamo: now under the user's
+    cache folder (XDG_CACHE_HOME here), nothing in $TMPDIR or in the installed package."""
+    model = write_family_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    home, cache, tmpdir = (tmp_path / name for name in ("home", "cache", "tmpdir"))
+    for folder in (home, cache, tmpdir):
+        folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(cache), TMPDIR=str(tmpdir))
+    argv = ["run", "--benchmarks", "gsm8k", "--limit", "1", "--max-gen-toks", "1", "--model", str(model),
+            "--out", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-c", f"import sys; from evals.cli import evals_main; "
+                           f"sys.exit(evals_main({argv!r}))"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not list(tmpdir.iterdir())
+    assert (cache / "quantgate" / "torchinductor").is_dir()
