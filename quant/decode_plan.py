@@ -25,8 +25,10 @@ from quant.plan import (
     TensorPlan,
     _index_warnings,
     tokenizer_warnings,
+    check_structure,
 )
 from quant.safetensors_io import ShardHeader, TensorInfo, numel
+from quant.structure import declared_counts
 
 
 def _decoded_shape(header: ShardHeader, info: TensorInfo, scale: TensorInfo, codec: Codec) -> tuple[int, int]:
@@ -179,7 +181,10 @@ def make_decode_plan(source: Path | Checkpoint, family: Family | None = None) ->
     except ValueError as exc:
         raise PlanError(f"{checkpoint.config_path}: {exc}") from None
     warnings = _index_warnings(checkpoint) + tokenizer_warnings(checkpoint)
+    declared = declared_counts(checkpoint, family) if family is not None else None
     assembled = _blocks_back(checkpoint, family) if native else _fused_back(checkpoint, family, codec)
+    if family is not None:  # the experts put back must all be there, each written once
+        check_structure(checkpoint, family, declared)
     shards = tuple(ShardPlan(file, header.file_size, _plan_decode(header, codec, assembled.get(file, [])),
                              header.identity, header.header_sha256) for file, header in checkpoint.headers.items())
     if not any(t.action in (DECODE, ASSEMBLE) for s in shards for t in s.tensors):

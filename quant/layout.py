@@ -9,6 +9,7 @@ manifest plus the engine rules read for its classes, not new code.
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +24,7 @@ class Role:
     pattern: re.Pattern[str]
     linear: bool
     quantizable: bool
+    expert_ids: bool = False  # its values are routed expert ids (a hash routing table): checked in range
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class FusedTensor:
     # in ``\.<name>$``. The pattern must match only what the release stores fused (Qwen3.5's MTP
     # layer is per expert): a per-expert name is fused back only where its fused name matches it.
     name: str = ""
+    bias: bool = False  # the release stores ``<fused>_bias`` [experts, out] beside it (gpt-oss)
 
     def per_expert_name(self, fused_name: str, expert: int, projection: str) -> str:
         return self.names.format(experts=fused_name.rpartition(".")[0], e=expert, proj=projection)
@@ -108,7 +111,8 @@ def _load_fused(data: dict | None) -> FusedExperts | None:
             raise ValueError(f"fused_experts: pattern {entry['pattern']!r} does not end in \\.NAME$; give the fused "
                              "tensor's last name component as name: (--to bf16 writes it back under that name)")
         tensors.append(FusedTensor(re.compile(entry["pattern"]), axes, tuple(entry["projections"]), entry["out"],
-                                   entry["in"], split, entry.get("names", FusedTensor.names), last))
+                                   entry["in"], split, entry.get("names", FusedTensor.names), last,
+                                   entry.get("bias", False) is True))
     writes = data.get("writes", "per_expert")
     if writes not in WRITES:
         raise ValueError(f"fused_experts: writes {writes!r} is not an output layout quantgate writes ({', '.join(WRITES)})")
@@ -117,6 +121,33 @@ def _load_fused(data: dict | None) -> FusedExperts | None:
         raise ValueError("fused_experts: writes: blocks needs blocks_config (the release's quantization_config), "
                          "and only it takes one")
     return FusedExperts(data["experts_key"], tuple(tensors), writes, blocks_config)
+
+
+# Where a required tensor is looked for: under every decoder layer, every MTP module the checkpoint
+# holds, once where it holds a draft, or once per checkpoint; ``{prefix}`` is the layer's or module's
+# name prefix (``model.layers.3``, ``mtp.0``), the only field a name may use
+REQUIRED_PER = {"layer": ("prefix",), "mtp": ("prefix",), "draft": (), "model": ()}
+
+
+@dataclass(frozen=True)
+class Required:
+    name: str  # a template: ``{prefix}.eh_proj.weight``
+    per: str  # a key of REQUIRED_PER
+
+
+def _load_required(entries) -> tuple[Required, ...]:
+    """The manifest's ``required_tensors``; a template naming another field, or formatting one, is refused."""
+    required = []
+    for entry in entries or ():
+        name, per = entry["name"], entry["per"]
+        if per not in REQUIRED_PER or not isinstance(name, str):
+            raise ValueError(f"required_tensors: per {per!r} is not one of {', '.join(REQUIRED_PER)}")
+        for _, field, spec, conversion in string.Formatter().parse(name):
+            if field is not None and (field not in REQUIRED_PER[per] or spec or conversion):
+                raise ValueError(f"required_tensors: {name!r}: a per-{per} name may use "
+                                 f"{', '.join('{' + f + '}' for f in REQUIRED_PER[per]) or 'no field'} (plain)")
+        required.append(Required(name, per))
+    return tuple(required)
 
 
 @dataclass(frozen=True)
@@ -144,6 +175,11 @@ class Family:
     # where an engine reads the format from the config rather than the quantization_config
     # (DeepSeek-V4: vLLM's expert_dtype); a --to bf16 decode drops them again
     config_keys: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    # The text config key counting each MoE layer's routed experts (the first present of these: a
+    # release may write either name); the routed_expert role's pattern names each one's index with a
+    # (?P<expert>...) group. A fused family: fused_experts.experts_key unless given.
+    experts_keys: tuple[str, ...] = ()
+    required_tensors: tuple[Required, ...] = ()  # tensors the release always holds (REQUIRED_PER)
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -160,6 +196,26 @@ class Family:
             return None
         index, dot, _ = tensor_name[len(head):].partition(".")
         return int(index) if dot and index.isascii() and index.isdigit() else None
+
+    def role_named(self, name: str) -> Role | None:
+        return next((role for role in self.roles if role.name == name), None)
+
+    def expert_match(self, tensor_name: str) -> re.Match | None:
+        """The routed_expert pattern's match of a per-expert tensor (its ``expert`` group: the index),
+        None for any other tensor (a fused one included)."""
+        role = self.role_named("routed_expert")
+        if role is None or "expert" not in role.pattern.groupindex:
+            return None
+        match = role.pattern.search(tensor_name)
+        if match is None or match.group("expert") is None or self.classify(tensor_name, 0).role != "routed_expert":
+            return None
+        return match
+
+    def mtp_module_prefix(self, layer: int, num_hidden_layers: int) -> str:
+        """The name prefix of MTP layer ``layer`` (``mtp.layers.0``, or ``model.layers.61``)."""
+        if self.mtp_prefix:
+            return f"{self.mtp_prefix}.{layer - num_hidden_layers}"
+        return f"{self.layers_prefix}.{layer}"
 
     @property
     def engine_class(self) -> dict[str, str]:
@@ -201,9 +257,17 @@ def load_family(path: Path) -> Family:
     try:
         roles = tuple(
             Role(r["role"], re.compile(r["pattern"]), bool(r.get("linear", False)),
-                 bool(r.get("quantizable", r.get("linear", False))))
+                 bool(r.get("quantizable", r.get("linear", False))), r.get("expert_ids", False) is True)
             for r in data["roles"]
         )
+        fused = _load_fused(data.get("fused_experts"))
+        experts_keys = data.get("experts_key", fused.experts_key if fused else [])
+        experts_keys = tuple([experts_keys] if isinstance(experts_keys, str) else experts_keys)
+        routed = next((r for r in roles if r.name == "routed_expert"), None)
+        if experts_keys and (not all(isinstance(k, str) for k in experts_keys) or routed is None
+                             or "expert" not in routed.pattern.groupindex):
+            raise ValueError(f"experts_key {list(experts_keys)!r}: give the config key (or keys), and name the "
+                             "expert index in the routed_expert role's pattern as (?P<expert>\\d+)")
         return Family(
             name=data["family"],
             model_types=tuple(data["model_types"]),
@@ -213,12 +277,14 @@ def load_family(path: Path) -> Family:
             mtp_layers_key=data.get("mtp_layers_key", "num_nextn_predict_layers"),
             text_config_key=data.get("text_config_key"),
             layers_prefix=data.get("layers_prefix", "model.layers"),
-            fused_experts=_load_fused(data.get("fused_experts")),
+            fused_experts=fused,
             mtp_prefix=data.get("mtp_prefix"),
             mtp_layers_default=int(data.get("mtp_layers_default", 0)),
             layer_kinds=tuple((str(k), str(r)) for k, r in (data.get("layer_kinds") or {}).items()),
             config_keys=tuple((str(f), tuple(sorted(dict(keys).items()))) for f, keys in
                               (data.get("config_keys") or {}).items()),
+            experts_keys=experts_keys,
+            required_tensors=_load_required(data.get("required_tensors")),
         )
     except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
         raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "

@@ -2,9 +2,10 @@
 
 Here, and only here, each tensor's fate is decided: ``copy`` it, ``encode`` it into the plan's
 codec (``make_plan``), ``decode`` it from the codec back to bf16 (``quant.decode_plan``, for
-``--to bf16``), or nothing for a scale its weight's decode consumes. Never reads tensor data, so
-``quantize --dry-run`` answers for a 1.5 TB checkpoint from headers alone, and the one executor
-(``convert``) only moves bytes the plan already sized.
+``--to bf16``), or nothing for a scale its weight's decode consumes. Reads no tensor data but the
+few small tables of expert ids it checks (``quant.structure``), so ``quantize --dry-run`` answers
+for a 1.5 TB checkpoint from headers alone, and the one executor (``convert``) only moves bytes the
+plan already sized.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import NamingError, build_exclude
+from quant.structure import declared_counts, expert_id_findings, structure_findings
 
 QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
 Entry = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of an output tensor
@@ -288,6 +290,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     family = family or family_for(config)
     num_hidden_layers = config_int(family.text_config(config), family.num_layers_key, checkpoint.config_path)
     checkpoint.check_declared_counts()  # 10**9 layers: refused before anything walks them
+    declared = declared_counts(checkpoint, family)
     warnings = _index_warnings(checkpoint) + tokenizer_warnings(checkpoint)
 
     shards = []
@@ -297,6 +300,9 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
         shards.append(ShardPlan(file, header.file_size, tensors, header.identity, header.header_sha256))
 
     _check_roles(shards, family)
+    check_structure(checkpoint, family, declared)
+    for finding in expert_id_findings(checkpoint, family, declared):  # the hash tables' values: small, read here
+        raise PlanError(f"{checkpoint.folder}: {finding.module}: {finding.why}; {finding.fix}")
     kept, quantized = set(), set()
     for shard in shards:
         for tensor in shard.tensors:
@@ -316,6 +322,16 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
     fusion = _check_engines_load(plan)
     return replace(plan, warnings=plan.warnings + tuple(fusion)) if fusion else plan
+
+
+def check_structure(checkpoint: Checkpoint, family: Family, declared) -> None:
+    """Refuse a source that is not whole (``quant.structure``: an expert, a layer's fused tensor or a
+    required tensor missing, an index written twice): converted, it would pass for a complete model."""
+    findings = structure_findings(checkpoint, family, declared)
+    if findings:
+        first = findings[0]
+        more = f" (and {len(findings) - 1} more problem(s): gate checkpoint lists them)" if len(findings) > 1 else ""
+        raise PlanError(f"{checkpoint.folder}: {first.module}: {first.why}; {first.fix}{more}")
 
 
 def _check_roles(shards: list[ShardPlan], family: Family) -> None:

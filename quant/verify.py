@@ -23,6 +23,7 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
+from quant.structure import declared_counts, expert_id_findings, structure_findings
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 GLOB_CHARS = set("*?[")
@@ -99,31 +100,19 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
     return findings
 
 
-def _missing_modules(tensors, config: dict, num_hidden_layers: int, prefix: str = "model.layers") -> list[Finding]:
-    """What the config declares but no shard holds: decoder layers, and routed experts of a MoE
-    layer (a dropped shard, an index cut short)."""
-    findings, layers, experts = [], {}, {}
+def _missing_layers(tensors, num_hidden_layers: int, prefix: str = "model.layers") -> list[Finding]:
+    """Decoder layers the config declares but no shard holds (a dropped shard, an index cut short);
+    routed experts: ``quant.structure``."""
+    findings, layers = [], {}
     for name in tensors:
-        if m := re.match(re.escape(prefix) + r"\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name):
-            layer = int(m.group(1))
-            layers[layer] = True
-            if m.group(2) is not None:
-                experts.setdefault(layer, set()).add(int(m.group(2)))
+        if m := re.match(re.escape(prefix) + r"\.(\d+)\.", name):
+            layers[int(m.group(1))] = True
     absent, n_absent = _first_absent(num_hidden_layers, layers)
     if absent:
         shown = ", ".join(map(str, absent)) + (f" and {n_absent - len(absent)} more" if n_absent > len(absent) else "")
         findings.append(Finding("layout", None, f"{prefix}.{absent[0]}",
                                 f"config.json declares {num_hidden_layers} layers but layers {shown} have no tensor "
                                 "in the checkpoint", "re-copy the missing shards (or fix the index that omits them)"))
-    n_experts = config.get("n_routed_experts")
-    if isinstance(n_experts, int) and not isinstance(n_experts, bool):
-        for layer, present in sorted(experts.items()):
-            lacking, n_lacking = _first_absent(n_experts, present)
-            if lacking:
-                findings.append(Finding("layout", None, f"{prefix}.{layer}.mlp.experts",
-                                        f"config.json declares {n_experts} routed experts but experts "
-                                        f"{', '.join(map(str, lacking))}{' ...' if n_lacking > len(lacking) else ''} "
-                                        "have no tensor", "re-copy the missing shards (or fix the index)"))
     return findings
 
 
@@ -275,6 +264,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         family = family_for(checkpoint.config)
         num_hidden_layers = config_int(family.text_config(checkpoint.config), family.num_layers_key,
                                        checkpoint.config_path)
+        declared = declared_counts(checkpoint, family)  # before anything is sized from config.json's counts
         rule_sets = select(engine, family)  # the rules read for this family's model classes only
     except (CheckpointError, UnknownFamilyError, UnknownEngine) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
@@ -315,7 +305,8 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.findings.append(Finding("layout", None, "checkpoint", f"no Linear module of family {family.name} "
                                        "found: nothing the engines would load was checked",
                                        "check that the shards and index are the model's"))
-    report.findings += _missing_modules(tensors, text, num_hidden_layers, family.layers_prefix)
+    report.findings += _missing_layers(tensors, num_hidden_layers, family.layers_prefix)
+    report.findings += structure_findings(checkpoint, family, declared)
     report.findings += _layout_findings(checkpoint, fmt)
     if family.fused_experts:
         report.findings += _blocks_findings(tensors, family, text)
@@ -349,6 +340,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
+        report.findings += expert_id_findings(checkpoint, family, declared)
         if native and family.fused_experts:
             report.findings += _deep_blocks_findings(checkpoint, fmt)
     return report
