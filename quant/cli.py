@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plan (what is quantized, kept, aliased; bytes in/out) from headers only")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing checkpoint folder at DST (refused for folders that are not one)")
+                   help="replace a previous conversion at DST (one quantize wrote: its manifest or progress file); "
+                        "any other folder, a checkpoint that may be your source included, is refused")
     p.add_argument("--resume", action="store_true",
                    help="finish an interrupted conversion in DST: shards recorded as done are re-checked "
                         "(size, sha256) and kept, the rest redone; same options as the first run")

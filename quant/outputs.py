@@ -161,8 +161,9 @@ def prepare_destination(dst: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise _not_empty(dst)
-    if not (dst / "config.json").exists() and not any(dst.glob("*.safetensors*")) \
-            and not (dst / PROGRESS_NAME).exists():
+    if _foreign_checkpoint(dst):
+        raise _swapped_or_foreign(None, dst)
+    if not _holds_checkpoint(dst) and not (dst / PROGRESS_NAME).exists():
         raise ConvertError(f"--overwrite refuses {dst}: it does not look like a checkpoint folder "
                            "(no config.json or shards); remove it yourself if you mean it")
     for path in entries:  # the folder itself stays: the lock lives in it
@@ -178,11 +179,44 @@ def _not_empty(dst: Path) -> ConvertError:
                         f"to replace a previous conversion there{hint}")
 
 
+def _holds_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").exists() or any(folder.glob("*.safetensors*"))
+
+
+def _written_by_quantize(folder: Path) -> bool:
+    """A finished conversion (its manifest) or an unfinished one (its progress file)."""
+    return (folder / MANIFEST_NAME).exists() or (folder / PROGRESS_NAME).exists()
+
+
+def _foreign_checkpoint(folder: Path) -> bool:
+    """A checkpoint quantize did not write: a source, most likely; never replaced (``--overwrite``
+    replaces a previous conversion only) nor resumed."""
+    return _holds_checkpoint(folder) and not _written_by_quantize(folder)
+
+
+def _swapped_or_foreign(src: Path | None, dst: Path) -> ConvertError:
+    """DST holds a checkpoint that may be the user's source: say why SRC and DST look swapped where
+    SRC shows it (absent, or quantize's own output), and never suggest --overwrite."""
+    evidence = ("" if src is None else f"{src} does not exist" if not src.exists()
+                else f"{src} is quantize's output ({MANIFEST_NAME})" if _written_by_quantize(src) else "")
+    what = (f"a checkpoint quantize did not write (no {MANIFEST_NAME}), maybe your source, which it never writes "
+            "over" if _foreign_checkpoint(dst) else "a checkpoint, maybe your source")
+    swapped = f"SRC and DST look swapped: {evidence}" if evidence else "if it is, SRC and DST are swapped"
+    return ConvertError(f"output folder {dst} holds {what}; {swapped}; give the source first "
+                        "(quantize --to FORMAT SRC DST), or an empty output folder")
+
+
 def check_destination(src: Path, dst: Path, overwrite: bool, resume: bool) -> None:
     """Read-only and early (before a plan is made or printed): the refusals the run would reach
-    only after planning, an output folder that overlaps the input or holds something else."""
+    only after planning, an output folder that overlaps the input or holds something else. A DST
+    that may be the user's source (a checkpoint quantize did not write, or any checkpoint where SRC
+    does not exist) is refused whatever the flags, saying what looks swapped."""
     check_overlap(src, dst)
-    if overwrite or resume or not dst.is_dir():
+    if not dst.is_dir():
+        return
+    if _foreign_checkpoint(dst) or (not src.exists() and _holds_checkpoint(dst)):
+        raise _swapped_or_foreign(src, dst)
+    if overwrite or resume:
         return
     if any(p.name != LOCK_NAME for p in dst.iterdir()):
         raise _not_empty(dst)

@@ -10,6 +10,7 @@ units/; on Mixtral a traceback, exit 1); ``quantize`` converts one but says so f
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,41 @@ def test_a_local_evaluation_leaves_nothing_in_tmpdir(tmp_path):
     assert done.returncode == 0, done.stderr
     assert not list(tmpdir.iterdir())
     assert (cache / "quantgate" / "torchinductor").is_dir()
+
+
+# ---- SRC and DST swapped: never a suggestion to overwrite the source --------------------------------
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def converted(glm_ckpt, tmp_path_factory) -> Path:
+    """A finished conversion of the tiny GLM-5 checkpoint (quantize's output, with its manifest)."""
+    out = tmp_path_factory.mktemp("swapped") / "mxfp4"
+    assert quantize_main(["--to", "mxfp4", "-q", str(glm_ckpt), str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("src, dst, to, says", [
+    ("missing", "source", "mxfp4", "SRC and DST look swapped: {src} does not exist"),
+    ("converted", "source", "mxfp4", "SRC and DST look swapped: {src} is quantize's output"),
+    ("missing", "converted", "bf16", "SRC and DST look swapped: {src} does not exist"),  # decoding it was meant
+    ("other", "source", "mxfp4", "if it is, SRC and DST are swapped"),
+])
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"]])
+def test_swapped_src_and_dst_never_suggest_overwriting_the_source(glm_ckpt, converted, tmp_path, capsys, src, dst, to,
+                                                                  says, flags):
+    """quantize SRC DST given as DST SRC: the source folder is not empty, and the refusal said "pass
+    --overwrite to replace a previous conversion there" about the user's source. Now one line says
+    what looks swapped, with any flag, and the folder is left as it was."""
+    folders = {"missing": tmp_path / "new", "source": Path(shutil.copytree(glm_ckpt, tmp_path / "source")),
+               "converted": Path(shutil.copytree(converted, tmp_path / "converted")), "other": glm_ckpt}
+    before = tree(folders[dst])
+    code = quantize_main(["--to", to, "-q", *flags, str(folders[src]), str(folders[dst])])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"output folder {folders[dst]} holds a checkpoint" in lines[0], err
+    assert says.format(src=folders[src]) in lines[0] and "--overwrite" not in lines[0], lines[0]
+    assert tree(folders[dst]) == before and not (tmp_path / "new").exists()
