@@ -29,6 +29,7 @@ from quant.layout import Family
 
 INDEX_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 SHOWN = 4  # examples named in one finding
+ID_ROWS = 1 << 16  # rows of an expert id table read at a time
 
 
 @dataclass(frozen=True)
@@ -281,19 +282,19 @@ def expert_id_findings(checkpoint: Checkpoint, family: Family, declared: Declare
     a bounded number of rows at a time."""
     if declared.experts is None:
         return []
-    from safetensors import safe_open
-
     findings = []
     for file, header in checkpoint.headers.items():
         tables = [info for name, info in sorted(header.tensors.items())
                   if _expert_ids(family, name) and info.dtype in INDEX_DTYPES and len(info.shape) == 2]
         if not tables:
             continue
-        with safe_open(str(checkpoint.path(file)), "pt") as handle:
+        from safetensors import safe_open  # only here: a dry run of any other family loads no numeric stack
+
+        with safe_open(str(checkpoint.path(file)), "np") as handle:
             for info in tables:
                 table = handle.get_slice(info.name)
                 for start in range(0, info.shape[0], ID_ROWS):
-                    rows = table[start:start + ID_ROWS]
+                    rows = table[start:min(start + ID_ROWS, info.shape[0])]  # safetensors does not clamp
                     bad = (rows < 0) | (rows >= declared.experts)
                     if bad.any():
                         row = start + int(bad.nonzero()[0][0])
@@ -304,5 +305,3 @@ def expert_id_findings(checkpoint: Checkpoint, family: Family, declared: Declare
                         break
     return findings
 
-
-ID_ROWS = 1 << 16  # rows of an expert id table read at a time

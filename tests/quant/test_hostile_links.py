@@ -348,8 +348,8 @@ def _limited(megabytes: int):
 @pytest.mark.parametrize("key", ["num_hidden_layers", "n_routed_experts"])
 def test_a_billion_declared_layers_or_experts_take_constant_memory(key, mxfp4_ckpt, glm_ckpt, outside, tmp_path):
     """Before: ``gate checkpoint`` grew to 21.6 GB and the OOM killer took the machine. Now both
-    commands finish under a 3 GB address-space limit, in seconds: quantize refuses the config,
-    the gate lists the first missing layers or experts and how many more."""
+    commands finish under a 3 GB address-space limit, in seconds, refusing the config in one line:
+    a count beyond what the shards can hold is not this checkpoint's."""
     for name, folder in (("gate", mxfp4_ckpt), ("quantize", glm_ckpt)):
         src = Path(shutil.copytree(folder, tmp_path / name))
         edit_json(src / "config.json", lambda c: c.update({key: 10**9}))
@@ -358,12 +358,8 @@ def test_a_billion_declared_layers_or_experts_take_constant_memory(key, mxfp4_ck
         started = time.monotonic()
         out = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=_limited(3072))
         assert "Traceback" not in out.stderr and "MemoryError" not in out.stderr, out.stderr
-        if name == "quantize":  # refused: the output would lack what the config declares
-            assert out.returncode == 2, (out.returncode, out.stderr)
-            one_line_error(out.stderr, str(src / "config.json"), f"{key} is {10**9}", "restore config.json")
-        else:  # listed as missing (the gate's finding), in memory bounded by the files
-            assert out.returncode == 1, (out.returncode, out.stdout[-500:], out.stderr)
-            assert f"declares {10**9}" in out.stdout
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        one_line_error(out.stderr, str(src / "config.json"), f"{key} is {10**9}", "restore config.json")
         assert time.monotonic() - started < 120
 
 
