@@ -9,13 +9,15 @@ manifest plus the engine rules read for its classes, not new code.
 from __future__ import annotations
 
 import re
-import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from quant.safe_files import read_yaml
-
+from quant.schema import JsonValue, Schema, template_problem, validate
 
 
 @dataclass(frozen=True)
@@ -94,35 +96,6 @@ class FusedExperts:
         return next((t for t in self.tensors if t.pattern.search(name)), None)
 
 
-def _load_fused(data: dict | None) -> FusedExperts | None:
-    """The manifest's ``fused_experts``; a layout this code does not know is refused, not guessed."""
-    if data is None:
-        return None
-    tensors = []
-    for entry in data["tensors"]:
-        axes = tuple(entry["axes"])
-        split = entry.get("split", "halves")
-        if axes not in AXES or split not in SPLITS:
-            raise ValueError(f"fused_experts: axes {list(axes)} / split {split!r} is not a layout quantgate reads "
-                             f"(axes: {sorted(map(list, AXES))}; split: {', '.join(SPLITS)})")
-        ending = re.search(r"\\\.(\w+)\$$", entry["pattern"])  # the pattern's literal \.NAME$
-        last = entry.get("name") or (ending.group(1) if ending else None)
-        if not last:
-            raise ValueError(f"fused_experts: pattern {entry['pattern']!r} does not end in \\.NAME$; give the fused "
-                             "tensor's last name component as name: (--to bf16 writes it back under that name)")
-        tensors.append(FusedTensor(re.compile(entry["pattern"]), axes, tuple(entry["projections"]), entry["out"],
-                                   entry["in"], split, entry.get("names", FusedTensor.names), last,
-                                   entry.get("bias", False) is True))
-    writes = data.get("writes", "per_expert")
-    if writes not in WRITES:
-        raise ValueError(f"fused_experts: writes {writes!r} is not an output layout quantgate writes ({', '.join(WRITES)})")
-    blocks_config = data.get("blocks_config")
-    if (writes == "blocks") != isinstance(blocks_config, dict):
-        raise ValueError("fused_experts: writes: blocks needs blocks_config (the release's quantization_config), "
-                         "and only it takes one")
-    return FusedExperts(data["experts_key"], tuple(tensors), writes, blocks_config)
-
-
 # Where a required tensor is looked for: under every decoder layer, every MTP module the checkpoint
 # holds, once where it holds a draft, or once per checkpoint; ``{prefix}`` is the layer's or module's
 # name prefix (``model.layers.3``, ``mtp.0``), the only field a name may use
@@ -133,21 +106,6 @@ REQUIRED_PER = {"layer": ("prefix",), "mtp": ("prefix",), "draft": (), "model": 
 class Required:
     name: str  # a template: ``{prefix}.eh_proj.weight``
     per: str  # a key of REQUIRED_PER
-
-
-def _load_required(entries) -> tuple[Required, ...]:
-    """The manifest's ``required_tensors``; a template naming another field, or formatting one, is refused."""
-    required = []
-    for entry in entries or ():
-        name, per = entry["name"], entry["per"]
-        if per not in REQUIRED_PER or not isinstance(name, str):
-            raise ValueError(f"required_tensors: per {per!r} is not one of {', '.join(REQUIRED_PER)}")
-        for _, field, spec, conversion in string.Formatter().parse(name):
-            if field is not None and (field not in REQUIRED_PER[per] or spec or conversion):
-                raise ValueError(f"required_tensors: {name!r}: a per-{per} name may use "
-                                 f"{', '.join('{' + f + '}' for f in REQUIRED_PER[per]) or 'no field'} (plain)")
-        required.append(Required(name, per))
-    return tuple(required)
 
 
 @dataclass(frozen=True)
@@ -180,6 +138,7 @@ class Family:
     # (?P<expert>...) group. A fused family: fused_experts.experts_key unless given.
     experts_keys: tuple[str, ...] = ()
     required_tensors: tuple[Required, ...] = ()  # tensors the release always holds (REQUIRED_PER)
+    path: Path | None = field(default=None, compare=False)  # the manifest it was read from, for messages
 
     def text_config(self, config: dict) -> dict:
         """The language model's config: the keys the engines' text model reads (layers, experts,
@@ -238,6 +197,145 @@ class UnknownFamilyError(ValueError):
     pass
 
 
+MTP_LAYERS_MAX = 64  # draft layers an engine builds by default: released families build one
+TEMPLATE_FIELDS = ("experts", "e", "proj")  # what FusedTensor.per_expert_name supplies to ``names``
+
+
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise ValueError(f"{text!r:.80} is not a regular expression ({exc})") from None
+    return text
+
+
+Regex = Annotated[str, AfterValidator(_regex)]
+
+
+class RoleEntry(Schema):
+    role: str
+    pattern: Regex
+    linear: bool = False
+    quantizable: bool | None = None  # None: as linear
+    expert_ids: bool = False
+
+
+class FusedTensorEntry(Schema):
+    pattern: Regex
+    axes: list[str]
+    split: Literal[SPLITS] = "halves"
+    projections: list[str] = Field(min_length=1)
+    out: str
+    in_: str = Field(alias="in")
+    names: str = FusedTensor.names
+    name: str = ""
+    bias: bool = False
+
+    @field_validator("axes")
+    @classmethod
+    def _axes(cls, axes: list[str]) -> list[str]:
+        if tuple(axes) not in AXES:
+            raise ValueError(f"{axes} is not a layout quantgate reads (axes: {sorted(map(list, AXES))})")
+        return axes
+
+    @field_validator("projections")
+    @classmethod
+    def _distinct(cls, projections: list[str]) -> list[str]:
+        if len(set(projections)) != len(projections):  # two pieces of one expert would share a name
+            raise ValueError(f"{projections} names a projection twice")
+        return projections
+
+    @field_validator("names")
+    @classmethod
+    def _template(cls, names: str) -> str:
+        if problem := template_problem(names, TEMPLATE_FIELDS):
+            raise ValueError(problem)
+        return names
+
+    @property
+    def last_name(self) -> str:
+        """The fused tensor's last name component: ``name``, else the pattern's literal ``\\.NAME$``."""
+        ending = re.search(r"\\\.(\w+)\$$", self.pattern)
+        return self.name or (ending.group(1) if ending else "")
+
+    @model_validator(mode="after")
+    def _named(self):
+        if not self.last_name:
+            raise ValueError(f"pattern {self.pattern!r:.80} does not end in \\.NAME$; give the fused tensor's last "
+                             "name component as name: (--to bf16 writes it back under that name)")
+        return self
+
+
+class FusedExpertsEntry(Schema):
+    experts_key: str
+    writes: Literal[WRITES] = "per_expert"
+    blocks_config: dict[str, JsonValue] | None = None
+    tensors: list[FusedTensorEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if (self.writes == "blocks") != (self.blocks_config is not None):
+            raise ValueError("writes: blocks needs blocks_config (the release's quantization_config), and only it "
+                             "takes one")
+        projections = [p for t in self.tensors for p in t.projections]
+        if twice := next((p for p in projections if projections.count(p) > 1), None):
+            # both tensors' experts would be written under one name
+            raise ValueError(f"projection {twice!r} is in more than one of tensors; each per-expert name must be "
+                             "written once")
+        return self
+
+
+class RequiredEntry(Schema):
+    name: str
+    per: str
+
+    @field_validator("per")
+    @classmethod
+    def _per(cls, per: str) -> str:
+        if per not in REQUIRED_PER:
+            raise ValueError(f"per {per!r:.60} is not one of {', '.join(REQUIRED_PER)}")
+        return per
+
+    @model_validator(mode="after")
+    def _template(self):
+        if problem := template_problem(self.name, REQUIRED_PER[self.per], every=False):
+            fields = ", ".join(f"{{{f}}}" for f in REQUIRED_PER[self.per]) or "no field"
+            raise ValueError(f"a per-{self.per} name may use {fields} (plain): {problem}")
+        return self
+
+
+class FamilyFile(Schema):
+    """A family manifest as written (``manifests/models/*.yaml``; the fields are ``Family``'s)."""
+    family: str
+    model_types: list[str] = Field(min_length=1)
+    num_layers_key: str = "num_hidden_layers"
+    roles: list[RoleEntry]
+    engine_classes: dict[str, str] = Field(default_factory=dict)
+    mtp_layers_key: str = "num_nextn_predict_layers"
+    text_config_key: str | None = None
+    layers_prefix: str = "model.layers"
+    fused_experts: FusedExpertsEntry | None = None
+    mtp_prefix: str | None = None
+    mtp_layers_default: int = Field(0, ge=0, le=MTP_LAYERS_MAX)
+    layer_kinds: dict[str, str] = Field(default_factory=dict)
+    config_keys: dict[str, dict[str, JsonValue]] = Field(default_factory=dict)
+    experts_key: str | list[str] | None = None  # None: fused_experts.experts_key, if any
+    required_tensors: list[RequiredEntry] = Field(default_factory=list)
+
+    @property
+    def experts_keys(self) -> tuple[str, ...]:
+        keys = self.experts_key or (self.fused_experts.experts_key if self.fused_experts else [])
+        return (keys,) if isinstance(keys, str) else tuple(keys)
+
+    @model_validator(mode="after")
+    def _expert_index(self):
+        routed = next((r for r in self.roles if r.role == "routed_expert"), None)
+        if self.experts_keys and (routed is None or "expert" not in re.compile(routed.pattern).groupindex):
+            raise ValueError(f"experts_key {list(self.experts_keys)!r}: name the expert index in the routed_expert "
+                             "role's pattern as (?P<expert>\\d+)")
+        return self
+
+
 def manifests_root() -> Path:
     return Path(str(resources.files("manifests")))
 
@@ -253,42 +351,34 @@ def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
 
 
 def load_family(path: Path) -> Family:
-    data = read_yaml_mapping(path, "family manifest", UnknownFamilyError)
-    try:
-        roles = tuple(
-            Role(r["role"], re.compile(r["pattern"]), bool(r.get("linear", False)),
-                 bool(r.get("quantizable", r.get("linear", False))), r.get("expert_ids", False) is True)
-            for r in data["roles"]
-        )
-        fused = _load_fused(data.get("fused_experts"))
-        experts_keys = data.get("experts_key", fused.experts_key if fused else [])
-        experts_keys = tuple([experts_keys] if isinstance(experts_keys, str) else experts_keys)
-        routed = next((r for r in roles if r.name == "routed_expert"), None)
-        if experts_keys and (not all(isinstance(k, str) for k in experts_keys) or routed is None
-                             or "expert" not in routed.pattern.groupindex):
-            raise ValueError(f"experts_key {list(experts_keys)!r}: give the config key (or keys), and name the "
-                             "expert index in the routed_expert role's pattern as (?P<expert>\\d+)")
-        return Family(
-            name=data["family"],
-            model_types=tuple(data["model_types"]),
-            num_layers_key=data.get("num_layers_key", "num_hidden_layers"),
-            roles=roles,
-            engine_classes=tuple(sorted((str(e), str(c)) for e, c in (data.get("engine_classes") or {}).items())),
-            mtp_layers_key=data.get("mtp_layers_key", "num_nextn_predict_layers"),
-            text_config_key=data.get("text_config_key"),
-            layers_prefix=data.get("layers_prefix", "model.layers"),
-            fused_experts=fused,
-            mtp_prefix=data.get("mtp_prefix"),
-            mtp_layers_default=int(data.get("mtp_layers_default", 0)),
-            layer_kinds=tuple((str(k), str(r)) for k, r in (data.get("layer_kinds") or {}).items()),
-            config_keys=tuple((str(f), tuple(sorted(dict(keys).items()))) for f, keys in
-                              (data.get("config_keys") or {}).items()),
-            experts_keys=experts_keys,
-            required_tensors=_load_required(data.get("required_tensors")),
-        )
-    except (KeyError, TypeError, AttributeError, ValueError, re.error) as exc:  # a field missing or of the wrong type
-        raise UnknownFamilyError(f"{path}: not a valid family manifest ({type(exc).__name__}: {exc}); compare it with "
-                                 f"{manifests_root() / 'models' / 'glm_moe_dsa.yaml'}") from None
+    """The family manifest at ``path``, checked against ``FamilyFile`` before anything uses it."""
+    data = validate(read_yaml_mapping(path, "family manifest", UnknownFamilyError), FamilyFile, path,
+                    "family manifest", UnknownFamilyError,
+                    f"compare it with {manifests_root() / 'models' / 'glm_moe_dsa.yaml'}")
+    fused = data.fused_experts
+    return Family(
+        name=data.family,
+        model_types=tuple(data.model_types),
+        num_layers_key=data.num_layers_key,
+        roles=tuple(Role(r.role, re.compile(r.pattern), r.linear, r.linear if r.quantizable is None else r.quantizable,
+                         r.expert_ids) for r in data.roles),
+        engine_classes=tuple(sorted(data.engine_classes.items())),
+        mtp_layers_key=data.mtp_layers_key,
+        text_config_key=data.text_config_key,
+        layers_prefix=data.layers_prefix,
+        fused_experts=fused and FusedExperts(
+            fused.experts_key,
+            tuple(FusedTensor(re.compile(t.pattern), tuple(t.axes), tuple(t.projections), t.out, t.in_, t.split,
+                              t.names, t.last_name, t.bias) for t in fused.tensors),
+            fused.writes, fused.blocks_config),
+        mtp_prefix=data.mtp_prefix,
+        mtp_layers_default=data.mtp_layers_default,
+        layer_kinds=tuple(data.layer_kinds.items()),
+        config_keys=tuple((f, tuple(sorted(keys.items()))) for f, keys in data.config_keys.items()),
+        experts_keys=data.experts_keys,
+        required_tensors=tuple(Required(r.name, r.per) for r in data.required_tensors),
+        path=Path(path),
+    )
 
 
 def _known() -> list[Family]:

@@ -300,6 +300,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
         shards.append(ShardPlan(file, header.file_size, tensors, header.identity, header.header_sha256))
 
     _check_roles(shards, family)
+    _check_distinct_outputs(shards, family)
     check_structure(checkpoint, family, declared)
     for finding in expert_id_findings(checkpoint, family, declared):  # the hash tables' values: small, read here
         raise PlanError(f"{checkpoint.folder}: {finding.module}: {finding.why}; {finding.fix}")
@@ -348,6 +349,30 @@ def _check_roles(shards: list[ShardPlan], family: Family) -> None:
                         "patterns (--family-manifest FILE)")
 
 
+def _check_distinct_outputs(shards: list[ShardPlan], family: Family) -> None:
+    """Refuse two outputs of one name (a per-expert name a fused tensor's experts are written as,
+    also stored as it is): a shard's header holds one of them, the index maps the name to one file."""
+    written: dict[str, str] = {}
+    for shard in shards:
+        for name, _, _ in shard.entries:
+            if name in written:
+                raise PlanError(f"{shard.file}: tensor {name} would be written twice (from {written[name]} and "
+                                f"{shard.file}): the checkpoint stores it beside a fused tensor whose experts family "
+                                f"{family.name}'s manifest writes under that name; remove the stale copy, or fix "
+                                "fused_experts.tensors' names")
+            written[name] = shard.file
+
+
+def _check_native_rules(plan: Plan) -> None:
+    """``fused_experts.writes: blocks`` is loaded by each engine's own MXFP4 path, replayed from its rule
+    ``mxfp4_native``: a class whose rules were not read for it cannot be checked, so it is refused."""
+    for rules in select("all", plan.family):
+        if "mxfp4_native" not in rules.values:
+            raise PlanError(f"{plan.family.path or plan.family.name}: fused_experts.writes: blocks, but {rules.id}'s "
+                            f"rules for {rules.model_class} were not read to load that layout (no rule mxfp4_native); "
+                            "write per_expert, or read the class's MXFP4 loader and add the rule")
+
+
 def _check_engines_load(plan: Plan) -> list[str]:
     """Replay every known engine release on the planned checkpoint (served on the default setup,
     MI355X with TP); refuse what one would not load. Shared-expert fusion is a serving choice, not
@@ -355,6 +380,8 @@ def _check_engines_load(plan: Plan) -> list[str]:
     modules = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors
                for module, shape in t.linear_modules()}
     kind = "mxfp4" if plan.writes_blocks else "fp8" if plan.recipe.format == "fp8" else "quark"
+    if kind == "mxfp4":
+        _check_native_rules(plan)
     qconfig = plan.quantization_config()
     findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,
                                                               plan.num_hidden_layers, kind, plan.recipe.format.upper(),

@@ -471,9 +471,9 @@ MANIFEST_CASES = {
     "family not YAML": ("--family-manifest", "roles: [1\n", ":2: not valid YAML"),
     "family a list": ("--family-manifest", "- 1\n", "a YAML list, not a mapping"),
     "family role without pattern": ("--family-manifest", "family: f\nmodel_types: [x]\nroles: [{role: r}]\n",
-                                    "not a valid family manifest (KeyError: 'pattern')"),
+                                    "roles.0.pattern: a required key, missing"),
     "family bad regex": ("--family-manifest", "family: f\nmodel_types: [x]\nroles: [{role: r, pattern: '('}]\n",
-                         "not a valid family manifest (error:"),
+                         "roles.0.pattern: '(' is not a regular expression"),
 }
 
 
