@@ -68,7 +68,8 @@ def test_quantize_says_a_source_has_no_tokenizer(saved, to, tmp_path, capsys):
         said = capsys.readouterr()
         warnings = [line for line in said.out.splitlines() if "no tokenizer file" in line]
         assert len(warnings) == 1 and "Traceback" not in said.err, said
-        assert warnings[0].startswith(f"warning     {src}: ") and "tokenizer.json and tokenizer_config.json" in warnings[0]
+        assert warnings[0].startswith(f"warning     {src}: ")
+        assert "tokenizer.json and tokenizer_config.json" in warnings[0]
         assert out.exists() != dry_run
     assert gate_main(["checkpoint", str(out)]) == 1
     report = capsys.readouterr().out
@@ -135,3 +136,25 @@ def test_swapped_src_and_dst_never_suggest_overwriting_the_source(glm_ckpt, conv
     assert len(lines) == 1 and f"output folder {folders[dst]} holds a checkpoint" in lines[0], err
     assert says.format(src=folders[src]) in lines[0] and "--overwrite" not in lines[0], lines[0]
     assert tree(folders[dst]) == before and not (tmp_path / "new").exists()
+
+
+# ---- the README's word on a release without --policy -------------------------------------------------
+
+def test_a_release_of_the_example_without_its_policy_is_refused_as_the_readme_says(converted, tmp_path, capsys):
+    """The README said such a release is "BLOCKed as not compared" (exit 1); it is refused, exit 2, in
+    one line naming the shipped policy that names arith, and writes no report."""
+    from tests.evals.test_gate import binary_pair, bundle, evaluated
+
+    ref, cand = binary_pair(250, 2, 3)
+    reference = bundle(tmp_path / "ref", "arith", ref)
+    candidate = evaluated(bundle(tmp_path / "cand", "arith", cand), converted)
+    before = tree(candidate)
+    code = gate_main(["release", str(converted), "--candidate", str(candidate), "--reference", str(reference)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "names no margin for it" in lines[0] and "--policy arith-example" in lines[0], err
+    assert tree(candidate) == before
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "BLOCKed as not compared" not in readme
+    assert "without it the comparison is refused, exit 2, naming `--policy arith-example`" in readme

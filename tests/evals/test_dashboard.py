@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +112,24 @@ def test_notebook_executes_headless(runs, tmp_path):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 3  # forest plot, load curves and heatmap
+
+
+def test_the_readme_notebook_command_runs_from_any_folder(runs, tmp_path):
+    """The README's headless command as written, started in a folder that is not the clone (its
+    ``$CLONE`` is the clone, its runs and checkpoint the test's): it named the policy by its path in
+    the clone, manifests/gates/release.yaml, found only from the clone's root."""
+    pytest.importorskip("papermill")
+    cand, ref, ckpt = runs
+    command = re.search(r"`(papermill [^`]+)`", (NOTEBOOK.parents[1] / "README.md").read_text()).group(1)
+    argv = shlex.split(command.replace("$CLONE", str(NOTEBOOK.parents[1])).replace("/ckpt/GLM-5-mxfp4", str(ckpt)))
+    for run, copy in ((cand, "runs/mxfp4"), (ref, "runs/fp8")):
+        shutil.copytree(run, tmp_path / copy)
+    done = subprocess.run([sys.executable, "-m", *argv, "--kernel", "python3", "--no-progress-bar"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [o.get("text", "") for c in json.loads((tmp_path / "out.ipynb").read_text())["cells"]
+               for o in c.get("outputs", [])]
+    assert any("verdict:" in "".join(t) for t in printed) and any("release.yaml" in "".join(t) for t in printed)
 
 
 def test_scales_a_reader_can_trust(runs):
