@@ -6,12 +6,12 @@ names the module or tensor, why it fails and what to do.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+import numpy as np
 
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
@@ -23,6 +23,8 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
+from quant.safe_files import open_regular_fd
+from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -174,65 +176,111 @@ def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
     return findings
 
 
-def _tensor(handles: dict, checkpoint: Checkpoint, file: str, name: str) -> torch.Tensor:
-    if file not in handles:
-        handles[file] = safe_open(str(checkpoint.path(file)), "pt")
-    return handles[file].get_tensor(name)
+# --deep reads a tensor this many bytes at a time (its bf16 decode too), so its memory is a few of
+# these whatever a tensor's size; a quantized weight's scales, 1/16 of its bytes at most, are read whole
+DEEP_CHUNK_BYTES = 16 << 20
 
 
-def _raw(handles: dict, checkpoint: Checkpoint, file: str, name: str):
-    """2-D tensor ``name`` of shard ``file`` as its raw bytes, uint8 ``[rows, bytes a row]``."""
-    return _tensor(handles, checkpoint, file, name).view(torch.uint8).numpy()
+class _TensorReader:
+    """Tensor bytes of a checkpoint's shards by ``pread``, a bounded piece at a time: never mapped or
+    loaded whole, and a shard cut short since its header was read is an error naming it."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint, self.fds = checkpoint, {}
+        self.where = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self.fds.values():
+            os.close(fd)
+
+    def read(self, info: TensorInfo, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` of tensor ``info`` from ``offset`` into it."""
+        file = self.where[info.name]
+        if file not in self.fds:
+            self.fds[file] = open_regular_fd(self.checkpoint.path(file), UnreadableCheckpoint)
+        data = os.pread(self.fds[file], nbytes, info.begin + offset)
+        while len(data) < nbytes and (more := os.pread(self.fds[file], nbytes - len(data), info.begin + offset
+                                                         + len(data))):
+            data += more
+        if len(data) < nbytes:
+            raise UnreadableCheckpoint(f"{self.checkpoint.path(file)}: ends inside tensor {info.name}, shorter than "
+                                       "its header says (changed while checked?); rerun gate checkpoint")
+        return data
+
+    def rows(self, info: TensorInfo, rows: int, step: int):
+        """(first row, uint8 ``[count, bytes a row]``) of ``info`` seen as ``rows`` rows, ``step`` rows at a time."""
+        row_bytes = info.nbytes // rows if rows else 0
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            data = self.read(info, start * row_bytes, count * row_bytes)
+            yield start, np.frombuffer(data, np.uint8).reshape(count, row_bytes)
+
+    def whole(self, info: TensorInfo, rows: int):
+        """``info`` as uint8 ``[rows, bytes a row]`` (a scale tensor: small beside its weight)."""
+        return np.frombuffer(self.read(info, 0, info.nbytes), np.uint8).reshape(rows, -1)
+
+    def step(self, row_bytes: int, multiple: int = 1) -> int:
+        """Rows a chunk holds: whole multiples of ``multiple``, about ``DEEP_CHUNK_BYTES`` of ``row_bytes`` rows."""
+        return max(multiple, DEEP_CHUNK_BYTES // max(row_bytes, 1) // multiple * multiple)
 
 
-DEEP_DECODE_ROWS = 1 << 12  # a weight is decoded this many rows at a time (a multiple of the FP8 tile)
-
-
-def _decode_findings(fmt: Codec, name: str, scale_name: str, weight, scales) -> list[Finding]:
-    """What the decoder would refuse in one quantized weight: a scale or code the format forbids,
-    or a value decoding to NaN/Inf (``shard._decode_tensor`` runs the same checks)."""
+def _decode_findings(fmt: Codec, reader: _TensorReader, weight: TensorInfo, scale: TensorInfo, rows: int,
+                     cols: int) -> list[Finding]:
+    """What the decoder would refuse in one quantized weight (``rows`` x ``cols`` values): a scale or
+    code the format forbids, or a value decoding to NaN/Inf (``shard._decoded_rows`` runs the same
+    checks), decoded a chunk of rows at a time."""
     from quant.source import first_non_finite
 
     fix = "re-export the checkpoint (the engines would serve NaN, Inf or sign-flipped weights)"
+    multiple = fmt.row_multiple
+    scales = reader.whole(scale, -(-rows // multiple))
     if problem := fmt.scale_problem(scales):
-        return [Finding("values", None, scale_name, problem, fix)]
-    cols = fmt.logical_shape(weight.shape)[1]
-    for start in range(0, weight.shape[0], DEEP_DECODE_ROWS):
-        rows = weight[start:start + DEEP_DECODE_ROWS]
-        if problem := fmt.code_problem(rows, start):
-            return [Finding("values", None, name, problem, fix)]
-        first = start // fmt.row_multiple
-        out = fmt.decode_bytes(rows, scales[first:first + -(-rows.shape[0] // fmt.row_multiple)])
+        return [Finding("values", None, scale.name, problem, fix)]
+    for start, codes in reader.rows(weight, rows, reader.step(cols * 2, multiple)):  # bounded by the bf16 decoded
+        if problem := fmt.code_problem(codes, start):
+            return [Finding("values", None, weight.name, problem, fix)]
+        first = start // multiple
+        out = fmt.decode_bytes(codes, scales[first:first + -(-codes.shape[0] // multiple)])
         if (bad := first_non_finite(out.data, "BF16")) is not None:
-            return [Finding("values", None, name, f"decodes to NaN/Inf at row {start + bad // cols}, column "
+            return [Finding("values", None, weight.name, f"decodes to NaN/Inf at row {start + bad // cols}, column "
                             f"{bad % cols}: its scale is too large for bf16", fix)]
     return []
 
 
 def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
+    from quant.source import first_non_finite
+
     findings = []
     tensors = checkpoint.tensors()
-    where = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
-    handles: dict = {}
-    for file, header in checkpoint.headers.items():
-        for name, info in header.tensors.items():
-            if fmt and info.dtype == fmt.weight_dtype and name.endswith(".weight"):
-                scale = tensors.get(name + fmt.scale_suffix)
-                if scale is None or fmt.stored_shape_problem(info.shape) or \
-                        (scale.dtype, scale.shape) != fmt.outputs(name, fmt.logical_shape(info.shape))[1][1:]:
-                    continue  # the layout findings name it; there is nothing to decode it with
-                findings += _decode_findings(fmt, name, scale.name, _raw(handles, checkpoint, file, name),
-                                             _raw(handles, checkpoint, where[scale.name], scale.name))
-            elif name.endswith(".weight_scale") and info.dtype == "U8" and len(info.shape) == 2:  # MX scales
-                tensor = _raw(handles, checkpoint, file, name)
-                if (fmt is None or fmt.scale_dtype != "U8") and (tensor == 255).any():
-                    findings.append(Finding("values", None, name, "scale byte 255 (E8M0 NaN)", "re-export"))
-                zero_rows = int((tensor == 0).all(axis=-1).sum())
-                if zero_rows:
-                    findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
-                                            "written?)", "re-export this shard"))
-            elif info.dtype in FLOAT_DTYPES and not torch.isfinite(_tensor(handles, checkpoint, file, name)).all():
-                findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
+    with _TensorReader(checkpoint) as reader:
+        for header in checkpoint.headers.values():
+            for name, info in header.tensors.items():
+                if fmt and info.dtype == fmt.weight_dtype and name.endswith(".weight"):
+                    scale = tensors.get(name + fmt.scale_suffix)
+                    if scale is None or fmt.stored_shape_problem(info.shape) or \
+                            (scale.dtype, scale.shape) != fmt.outputs(name, fmt.logical_shape(info.shape))[1][1:]:
+                        continue  # the layout findings name it; there is nothing to decode it with
+                    rows, cols = fmt.logical_shape(info.shape)
+                    findings += _decode_findings(fmt, reader, info, scale, rows, cols)
+                elif name.endswith(".weight_scale") and info.dtype == "U8" and len(info.shape) == 2:  # MX scales
+                    nan, zero_rows = False, 0
+                    for _, chunk in reader.rows(info, info.shape[0], reader.step(info.shape[1])):
+                        nan = nan or bool((chunk == 255).any())
+                        zero_rows += int((chunk == 0).all(axis=-1).sum())
+                    if (fmt is None or fmt.scale_dtype != "U8") and nan:
+                        findings.append(Finding("values", None, name, "scale byte 255 (E8M0 NaN)", "re-export"))
+                    if zero_rows:
+                        findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
+                                                "written?)", "re-export this shard"))
+                elif info.dtype in FLOAT_DTYPES:  # element by element: a chunk needs no whole rows
+                    item = DTYPE_BYTES[info.dtype]
+                    elements = info.nbytes // item
+                    if any(first_non_finite(chunk.data, info.dtype) is not None
+                           for _, chunk in reader.rows(info, elements, reader.step(item))):
+                        findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
     return findings
 
 
@@ -383,20 +431,19 @@ def _blocks_findings(tensors, family, text: dict) -> list[Finding]:
 
 
 def _deep_blocks_findings(checkpoint: Checkpoint, fmt: Codec) -> list[Finding]:
-    """Every ``*_blocks`` tensor decoded with its ``*_scales`` (E8M0 0xFF, NaN/Inf), one expert's rows
-    after another: what the engines would serve."""
+    """Every ``*_blocks`` tensor decoded with its ``*_scales`` (E8M0 0xFF, NaN/Inf), a chunk of
+    experts' rows after another: what the engines would serve."""
     findings = []
     tensors = checkpoint.tensors()
-    where = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
-    handles: dict = {}
-    for name, info in sorted(tensors.items()):
-        stored = blocks.fused_name(name)
-        scale = tensors.get(stored + blocks.SCALES) if stored else None
-        if scale is None or info.dtype != "U8" or len(info.shape) != 4 or tuple(scale.shape) != tuple(info.shape[:3]):
-            continue  # the layout findings name it
-        weight = _raw(handles, checkpoint, where[name], name).reshape(-1, info.shape[2] * info.shape[3])
-        scales = _raw(handles, checkpoint, where[scale.name], scale.name).reshape(-1, info.shape[2])
-        findings += _decode_findings(fmt, name, scale.name, weight, scales)
+    with _TensorReader(checkpoint) as reader:
+        for name, info in sorted(tensors.items()):
+            stored = blocks.fused_name(name)
+            scale = tensors.get(stored + blocks.SCALES) if stored else None
+            if scale is None or info.dtype != "U8" or len(info.shape) != 4 or \
+                    tuple(scale.shape) != tuple(info.shape[:3]):
+                continue  # the layout findings name it
+            rows = info.shape[0] * info.shape[1]
+            findings += _decode_findings(fmt, reader, info, scale, rows, info.shape[2] * BLOCK)
     return findings
 
 

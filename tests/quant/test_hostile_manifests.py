@@ -1,7 +1,8 @@
-"""Crafted family manifests (``quantize --family-manifest FILE``): each case is one line, exit 2,
-naming the file and the key, with nothing written; the schema (``quant.schema``,
-``quant.layout.FamilyFile``) refuses it when it is read, so no count, template or layout from it
-reaches the planner or the writer.
+"""Crafted family manifests (``quantize --family-manifest FILE``) and ``gate checkpoint --deep`` on a
+large tensor: each manifest case is one line, exit 2, naming the file and the key, with nothing
+written; the schema (``quant.schema``, ``quant.layout.FamilyFile``) refuses it when it is read, so
+no count, template or layout from it reaches the planner or the writer. ``--deep`` reads a tensor a
+bounded chunk at a time: its memory is the chunk's, not the tensor's.
 
 Real files and the real CLI throughout; the cases that exhausted memory run in a real process under
 an address-space limit, so without the schema they fail (MemoryError) instead of taking the machine.
@@ -178,3 +179,65 @@ def test_a_misspelt_key_in_a_shipped_manifest_copy_names_the_nearest(tmp_path, c
     code, err = run_quantize(capsys, "--family-manifest", manifest, glm_ckpt, tmp_path / "dst")
     assert code == 2
     one_line_error(err, str(manifest), "unknown key 'layers_prefx'", "did you mean 'layers_prefix'?")
+
+
+# ---- gate checkpoint --deep in bounded memory ------------------------------------------------------
+
+BIG = "model.layers.0.extra.weight"  # a bf16 tensor far larger than the chunk, NaN in its last element
+DEEP_MEMORY = """
+import json, resource, sys
+import quant.source, quant.verify as verify
+verify.DEEP_CHUNK_BYTES = 1 << 20
+verify.verify(sys.argv[1])  # everything but the tensor data: imports, rules, headers
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+report = verify.verify(sys.argv[1], deep=True)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"grew_mib": grew / 1024, "nan": [f.module for f in report.findings if f.why == "NaN/Inf values"]}))
+"""
+
+
+def test_deep_scans_a_large_bf16_tensor_in_bounded_memory(glm_ckpt, tmp_path):
+    """A 64 MiB bf16 tensor scanned with 1 MiB chunks: the process's peak memory grows by a few
+    chunks, not by the tensor (it loaded the tensor whole, and a bool mask half its size: a 2 GiB
+    tensor was an allocation failure), and the NaN in its last element is still found."""
+    src = Path(shutil.copytree(glm_ckpt, tmp_path / "src"))
+    big = torch.zeros(4096, 8192, dtype=torch.bfloat16)
+    big[-1, -1] = float("nan")
+    save_file({BIG: big}, str(src / "model-extra.safetensors"), metadata={"format": "pt"})
+    del big
+    index = json.loads((src / INDEX_NAME).read_text())
+    index["weight_map"][BIG] = "model-extra.safetensors"
+    index.get("metadata", {}).pop("total_size", None)
+    (src / INDEX_NAME).write_text(json.dumps(index))
+    out = subprocess.run([sys.executable, "-c", DEEP_MEMORY, str(src)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["nan"] == [BIG]
+    assert result["grew_mib"] < 16, result
+
+
+def test_deep_decodes_a_quantized_weight_chunk_by_chunk(glm_ckpt, tmp_path, capsys, monkeypatch):
+    """With a chunk of one row, a scale that overflows bf16 on the last row of an MXFP4 weight is
+    still found, at that row: chunks are read at the right offsets."""
+    from evals.cli import main as gate_main
+    from quant import verify
+    from tests.quant.test_hostile_sources import rewrite_shard, shard_of
+
+    q = tmp_path / "q"
+    assert quantize_main(["--to", "mxfp4", "-q", str(glm_ckpt), str(q)]) == 0
+    weight_map = json.loads((q / INDEX_NAME).read_text())["weight_map"]
+    weight = next(n for n in weight_map if n.endswith("experts.1.up_proj.weight"))
+
+    def overflow_last_row(tensors):
+        scale = tensors[weight + "_scale"].clone()
+        scale[-1, 0] = 254
+        tensors[weight + "_scale"] = scale
+
+    rewrite_shard(shard_of(q, weight), overflow_last_row)
+    rows = load_file(str(shard_of(q, weight)))[weight].shape[0]
+    monkeypatch.setattr(verify, "DEEP_CHUNK_BYTES", 1)
+    capsys.readouterr()
+    code = gate_main(["checkpoint", str(q), "--deep"])
+    out = capsys.readouterr().out
+    assert code == 1 and weight in out and f"decodes to NaN/Inf at row {rows - 1}," in out, out
