@@ -288,7 +288,8 @@ def expert_id_findings(checkpoint: Checkpoint, family: Family, declared: Declare
                   if _expert_ids(family, name) and info.dtype in INDEX_DTYPES and len(info.shape) == 2]
         if not tables:
             continue
-        from safetensors import safe_open  # only here: a dry run of any other family loads no numeric stack
+        # imported only here: a dry run of any other family loads no numeric stack
+        from safetensors import safe_open
 
         with safe_open(str(checkpoint.path(file)), "np") as handle:
             for info in tables:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from quant.layout import family_named
 from quant.outputs import INDEX_NAME
+from tests.conftest import quantize_cmd
 from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
 from tests.quant.test_hostile import edit_json, gate, one_line_error, quantize
+from tests.quant.test_hostile_links import _limited, gate_cmd
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +207,20 @@ def test_a_million_llama4_experts_is_refused_before_planning(built, tmp_path, ca
     set_text_key(src, "llama4", "num_local_experts", 10**6)
     quantize_refuses(capsys, src, tmp_path, "config.json", "text_config.num_local_experts", "outside 1..")
     assert gate(capsys, src)[0] == 2
+
+
+@pytest.mark.parametrize("key, value", [("num_local_experts", 10**6), ("num_hidden_layers", 10**12)])
+def test_huge_llama4_counts_are_refused_in_bounded_memory_by_real_processes(key, value, built, tmp_path):
+    """Before: quantize --dry-run died of MemoryError at 5.8 GB (10**6 experts), gate checkpoint of
+    MemoryError (10**12 layers). Each is one line, exit 2, under a 3 GB address-space limit."""
+    src = copy(built, tmp_path, "llama4")
+    set_text_key(src, "llama4", key, value)
+    for command in (quantize_cmd(src, tmp_path / "dst", "--dry-run"), gate_cmd("checkpoint", src)):
+        out = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120,
+                             preexec_fn=_limited(3072))
+        assert out.returncode == 2, (command, out.stderr)
+        one_line_error(out.stderr, str(src / "config.json"), f"text_config.{key} is {value}")
+    assert not (tmp_path / "dst").exists()
 
 
 @pytest.mark.parametrize("family", ["llama4", "kimi_k25"])
