@@ -51,6 +51,8 @@ def transformers_logprobs(folder: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
+    if why := vllm_cpu.missing_cpu_feature("gpt_oss"):
+        pytest.skip(why)
     try:
         vllm_cpu.python()
     except vllm_cpu.VllmCpuUnavailable as exc:

