@@ -216,6 +216,7 @@ def test_a_data_file_swapped_for_a_special_file_is_refused_without_hanging(speci
     model = tmp_path / "model"  # a local folder: the data is checked before any model is loaded
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")  # past the tokenizer check, which comes first
     out = as_process("evals_main", "run", "--benchmarks", "gsm8k", "--data-dir", data, "--model", model,
                      "--out", tmp_path / "out", timeout=120)
     assert out.returncode == 2, out.stderr

@@ -280,6 +280,6 @@ def test_release_reports_kernels_as_a_warning_unless_the_policy_blocks(glm_ckpt,
     assert report["verdict"] == "RELEASE" and not report["kernels"]["ok"] and not report["kernels"]["blocking"]
     assert "## MoE kernels (warning)" in (c / "report.md").read_text()
     (tmp_path / "blocking.yaml").write_text(policy.read_text() + "kernels: {blocking: true}\n")
-    assert gate([*args, "--policy", str(tmp_path / "blocking.yaml")]) == 1
+    assert gate([*args, "--policy", str(tmp_path / "blocking.yaml"), "--overwrite"]) == 1  # another policy
     out = capsys.readouterr().out
     assert "aiter token buckets tuned; untuned:" in out and "(BLOCKING)" in out and "release verdict: BLOCK" in out
