@@ -144,9 +144,16 @@ def straddles(tmp_path):
     return r, c, policy
 
 
-def test_the_straddling_case_is_inconclusive_at_the_shipped_resamples(straddles, capsys):
+def judged(capsys, straddles, policy_text: str | None = None) -> tuple[int, str, str]:
+    """`gate accuracy` on the straddling pair under the policy file, rewritten first when text is given."""
     ref, cand, policy = straddles
-    code, out, _ = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    if policy_text is not None:
+        policy.write_text(policy_text)
+    return cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+
+
+def test_the_straddling_case_is_inconclusive_at_the_shipped_resamples(straddles, capsys):
+    code, out, _ = judged(capsys, straddles)
     assert code == 1 and "INCONCLUSIVE" in out
 
 
@@ -162,22 +169,17 @@ def test_the_straddling_case_is_inconclusive_at_the_shipped_resamples(straddles,
     ("{seed: true}", "bootstrap.seed: True is not an int"),
 ])
 def test_bootstrap_numbers_that_void_the_bound_are_refused(bootstrap, says, straddles, capsys):
-    ref, cand, policy = straddles
-    policy.write_text(f"bootstrap: {bootstrap}\n" + GPQA_POLICY)
-    code, out, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    code, out, err = judged(capsys, straddles, f"bootstrap: {bootstrap}\n" + GPQA_POLICY)
     assert code == 2 and not out, out
-    one_line(err, str(policy), says)
+    one_line(err, str(straddles[2]), says)
 
 
 def test_a_confidence_whose_bound_needs_more_than_the_most_resamples_is_refused(straddles, capsys):
-    ref, cand, policy = straddles
-    policy.write_text("confidence: 0.999999\nbootstrap: {resamples: 1000000}\n" + GPQA_POLICY)
-    code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    code, _, err = judged(capsys, straddles, "confidence: 0.999999\nbootstrap: {resamples: 1000000}\n" + GPQA_POLICY)
     assert code == 2
-    one_line(err, str(policy), f"confidence 0.999999: its bound needs {min_resamples(0.999999)} bootstrap resamples")
+    one_line(err, str(straddles[2]), f"confidence 0.999999: its bound needs {min_resamples(0.999999)} bootstrap resamples")
     # at 0.99 the floor rises with the level: 10000 holds, 1000 does not
-    policy.write_text("confidence: 0.99\nbootstrap: {resamples: 1000}\n" + GPQA_POLICY)
-    code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    code, _, err = judged(capsys, straddles, "confidence: 0.99\nbootstrap: {resamples: 1000}\n" + GPQA_POLICY)
     assert code == 2
     one_line(err, "bootstrap.resamples 1000: the bound at confidence 0.99 needs from 1394")
 
@@ -203,19 +205,15 @@ def test_the_minimum_resamples_bound_the_monte_carlo_error_to_a_tenth_of_a_stand
     ("{gpqa_diamond: {margin: 0.04, max_infra_error_rate: -0.1}}", "max_infra_error_rate -0.1 is not a score or rate"),
 ])
 def test_policy_keys_of_the_wrong_kind_are_one_line(benchmarks, says, straddles, capsys):
-    ref, cand, policy = straddles
-    policy.write_text(f"benchmarks: {benchmarks}\n")
-    code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    code, _, err = judged(capsys, straddles, f"benchmarks: {benchmarks}\n")
     assert code == 2
-    one_line(err, str(policy), says)
+    one_line(err, str(straddles[2]), says)
 
 
 def test_kernels_blocking_must_be_a_bool(straddles, capsys):
-    ref, cand, policy = straddles
-    policy.write_text("kernels: {blocking: 'no'}\n" + GPQA_POLICY)
-    code, _, err = cli(capsys, gate_main, "accuracy", "--candidate", cand, "--reference", ref, "--policy", policy)
+    code, _, err = judged(capsys, straddles, "kernels: {blocking: 'no'}\n" + GPQA_POLICY)
     assert code == 2
-    one_line(err, str(policy), "kernels.blocking: 'no' is not a bool")
+    one_line(err, str(straddles[2]), "kernels.blocking: 'no' is not a bool")
 
 
 def test_a_planned_run_under_a_policy_without_its_benchmark_runs_nothing(glm_ckpt, tmp_path, capsys):
