@@ -148,11 +148,15 @@ def _expert_findings(tensors, family: Family, declared: Declared, text: dict) ->
         return []
     per_expert: dict[str, dict[int, set[str]]] = {}  # container (``...mlp.experts.``) -> expert -> its tensors
     fused: dict[str, list] = {}  # fused tensor (a ``_blocks`` one by its fused name) -> (its spec, its info)
-    routers, with_experts = set(), set()
+    routers, with_experts, dense, decoder = set(), set(), set(), set()
     for name, info in tensors.items():
         role = family.classify(name, declared.layers)
+        if role.layer is not None and not role.mtp:
+            decoder.add(role.layer)
         if role.role == "router":
             routers.add(role.layer)
+        elif role.role == "dense_mlp":
+            dense.add(role.layer)
         if (m := family.expert_match(name)) is not None:
             if _canonical(m.group("expert")):  # a stray spelling is _index_findings'
                 per_expert.setdefault(name[:m.start("expert")], {}).setdefault(int(m.group("expert")), set()).add(
@@ -167,6 +171,11 @@ def _expert_findings(tensors, family: Family, declared: Declared, text: dict) ->
     if bare := sorted(layer for layer in routers - with_experts if layer is not None):
         findings.append(Finding("layout", None, f"layer {bare[0]}", f"layers {_shown(bare)} have a router but none "
                                 f"of the {declared.experts} routed experts config.json declares",
+                                "re-copy the missing shards (or fix the index that omits them)"))
+    # a layer stripped of its whole MoE block (router and experts) looks dense but holds no MLP
+    if no_mlp := sorted(decoder - routers - with_experts - dense):
+        findings.append(Finding("layout", None, f"layer {no_mlp[0]}", f"layers {_shown(no_mlp)} hold no MLP: no "
+                                f"router, none of the {declared.experts} routed experts and no dense MLP",
                                 "re-copy the missing shards (or fix the index that omits them)"))
     return findings
 

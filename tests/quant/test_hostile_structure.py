@@ -64,6 +64,7 @@ def edit_tensors(folder: Path, change) -> None:
         save_file({n: t for n, t in tensors.items() if weight_map[n] == file}, str(folder / file),
                   metadata={"format": "pt"})
     index["weight_map"] = weight_map
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / INDEX_NAME).write_text(json.dumps(index))
 
 
@@ -163,6 +164,17 @@ def test_a_moe_layer_without_any_expert_is_flagged(built, tmp_path, capsys):
     edit_tensors(src, lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.1.mlp.experts.")])
     gate_finds(capsys, src, "layers 1 have a router but none of the 4 routed experts")
     quantize_refuses(capsys, src, tmp_path, "layers 1 have a router")
+
+
+@pytest.mark.parametrize("family, block", [("glm4_moe", "model.layers.1.mlp."), ("qwen3_moe", "model.layers.1.mlp."),
+                                           ("mixtral", "model.layers.1.block_sparse_moe."),
+                                           ("deepseek_v4", "layers.1.ffn.")])
+def test_a_layer_stripped_of_its_whole_moe_block_is_flagged(family, block, built, tmp_path, capsys):
+    """Router and every expert of a layer gone: it looks like a dense layer without its MLP."""
+    src = copy(built, tmp_path, family)
+    edit_tensors(src, lambda t: [t.pop(n) for n in list(t) if n.startswith(block)])
+    gate_finds(capsys, src, "layers 1 hold no MLP")
+    quantize_refuses(capsys, src, tmp_path, "layers 1 hold no MLP")
 
 
 # ---- counts from config.json: integers in range, bounded by the shards, before any allocation --
