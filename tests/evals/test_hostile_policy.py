@@ -177,7 +177,8 @@ def test_bootstrap_numbers_that_void_the_bound_are_refused(bootstrap, says, stra
 def test_a_confidence_whose_bound_needs_more_than_the_most_resamples_is_refused(straddles, capsys):
     code, _, err = judged(capsys, straddles, "confidence: 0.999999\nbootstrap: {resamples: 1000000}\n" + GPQA_POLICY)
     assert code == 2
-    one_line(err, str(straddles[2]), f"confidence 0.999999: its bound needs {min_resamples(0.999999)} bootstrap resamples")
+    one_line(err, str(straddles[2]),
+             f"confidence 0.999999: its bound needs {min_resamples(0.999999)} bootstrap resamples")
     # at 0.99 the floor rises with the level: 10000 holds, 1000 does not
     code, _, err = judged(capsys, straddles, "confidence: 0.99\nbootstrap: {resamples: 1000}\n" + GPQA_POLICY)
     assert code == 2

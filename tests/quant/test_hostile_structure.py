@@ -147,15 +147,22 @@ def test_a_missing_expert_of_a_fused_family_output_is_flagged_and_not_decoded(fa
     quantize_refuses(capsys, src, tmp_path, f"no tensor {where[0]}1.", to="bf16", dry_run=False)
 
 
+def keep_fused_experts(src, family: str, count: int, biases: bool = False):
+    """Cut every fused expert tensor (and, with ``biases``, gpt-oss's expert biases) to its first
+    ``count`` experts; returns the family's fused-experts description."""
+    fused = family_named(family).fused_experts
+
+    def cut(tensors):
+        for name in [n for n in tensors if fused.match(n) or (biases and n.endswith("_proj_bias"))]:
+            tensors[name] = tensors[name][:count].contiguous()
+    edit_tensors(src, cut)
+    return fused
+
+
 @pytest.mark.parametrize("family", ["llama4", "gpt_oss", "qwen3_5_moe"])
 def test_a_fused_tensor_holding_fewer_experts_than_declared_is_flagged(family, built, tmp_path, capsys):
     src = copy(built, tmp_path, family)
-    fused = family_named(family).fused_experts
-
-    def shrink(tensors):
-        for name in [n for n in tensors if fused.match(n)]:
-            tensors[name] = tensors[name][:3].contiguous()
-    edit_tensors(src, shrink)
+    keep_fused_experts(src, family, 3)
     gate_finds(capsys, src, "holds 3 experts but config.json")
 
 
@@ -199,14 +206,7 @@ def test_expert_counts_must_be_positive_integers_the_shards_can_hold(family, val
 def test_zero_experts_with_empty_fused_tensors_is_one_line(family, built, tmp_path, capsys):
     """config 0 experts and fused tensors [0, ...] agree with each other: still no model (IndexError before)."""
     src = copy(built, tmp_path, family)
-    fused = family_named(family).fused_experts
-
-    def empty(tensors):
-        for name in [n for n in tensors if fused.match(n)]:
-            tensors[name] = tensors[name][:0].contiguous()
-        for name in [n for n in tensors if n.endswith("_proj_bias")]:
-            tensors[name] = tensors[name][:0].contiguous()
-    edit_tensors(src, empty)
+    fused = keep_fused_experts(src, family, 0, biases=True)
     set_text_key(src, family, fused.experts_key, 0)
     code, _, err = gate(capsys, src)
     assert code == 2
