@@ -159,16 +159,14 @@ class Family:
     def role_named(self, name: str) -> Role | None:
         return next((role for role in self.roles if role.name == name), None)
 
-    def expert_match(self, tensor_name: str) -> re.Match | None:
+    def expert_match(self, tensor_name: str, role: str) -> re.Match | None:
         """The routed_expert pattern's match of a per-expert tensor (its ``expert`` group: the index),
-        None for any other tensor (a fused one included)."""
-        role = self.role_named("routed_expert")
-        if role is None or "expert" not in role.pattern.groupindex:
+        None for any other tensor (a fused one included); ``role`` is the tensor's, from ``classify``."""
+        routed = self.role_named("routed_expert")
+        if role != "routed_expert" or routed is None or "expert" not in routed.pattern.groupindex:
             return None
-        match = role.pattern.search(tensor_name)
-        if match is None or match.group("expert") is None or self.classify(tensor_name, 0).role != "routed_expert":
-            return None
-        return match
+        match = routed.pattern.search(tensor_name)
+        return match if match is not None and match.group("expert") is not None else None
 
     def mtp_module_prefix(self, layer: int, num_hidden_layers: int) -> str:
         """The name prefix of MTP layer ``layer`` (``mtp.layers.0``, or ``model.layers.61``)."""

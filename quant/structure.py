@@ -25,7 +25,7 @@ from quant.checkpoint import Checkpoint
 from quant.engines import Finding, select
 from quant.errors import CheckpointError
 from quant.formats.constants import BLOCK
-from quant.layout import Family
+from quant.layout import Family, TensorRole
 
 INDEX_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 SHOWN = 4  # examples named in one finding
@@ -115,21 +115,22 @@ def _shown(items: list) -> str:
 def structure_findings(checkpoint: Checkpoint, family: Family, declared: Declared) -> list[Finding]:
     """What the config and manifest declare that the checkpoint lacks or holds twice, from headers only."""
     tensors = checkpoint.tensors()
-    findings = _index_findings(tensors, family)
-    findings += _expert_findings(tensors, family, declared, family.text_config(checkpoint.config))
-    findings += _required_findings(tensors, family, declared)
-    findings += _expert_table_layout(tensors, family)
+    roles = {name: family.classify(name, declared.layers) for name in tensors}  # once: every check reads them
+    findings = _index_findings(tensors, family, roles)
+    findings += _expert_findings(tensors, family, declared, family.text_config(checkpoint.config), roles)
+    findings += _required_findings(tensors, family, declared, roles)
+    findings += _expert_table_layout(tensors, family, roles)
     return findings
 
 
-def _index_findings(tensors, family: Family) -> list[Finding]:
+def _index_findings(tensors, family: Family, roles: dict[str, TensorRole]) -> list[Finding]:
     """Layer and expert indices written with a leading zero (``layers.01``, ``experts.01``): read as
     numbers they collide with (or stand in for) the plainly written one."""
     layer_head = re.compile(re.escape(family.layers_prefix) + r"\.(\d+)\.")
     odd = []
     for name in tensors:
         indices = [m.group(1) for m in [layer_head.match(name)] if m]
-        if (m := family.expert_match(name)) is not None:
+        if (m := family.expert_match(name, roles[name].role)) is not None:
             indices.append(m.group("expert"))
         if any(not _canonical(index) for index in indices):
             odd.append(name)
@@ -141,7 +142,8 @@ def _index_findings(tensors, family: Family) -> list[Finding]:
                     "zeros), or remove the stray copy")]
 
 
-def _expert_findings(tensors, family: Family, declared: Declared, text: dict) -> list[Finding]:
+def _expert_findings(tensors, family: Family, declared: Declared, text: dict,
+                     roles: dict[str, TensorRole]) -> list[Finding]:
     """Every MoE layer (a layer with a router) with every routed expert the config declares, stored
     per expert or fused."""
     if declared.experts is None:
@@ -150,14 +152,14 @@ def _expert_findings(tensors, family: Family, declared: Declared, text: dict) ->
     fused: dict[str, list] = {}  # fused tensor (a ``_blocks`` one by its fused name) -> (its spec, its info)
     routers, with_experts, dense, decoder = set(), set(), set(), set()
     for name, info in tensors.items():
-        role = family.classify(name, declared.layers)
+        role = roles[name]
         if role.layer is not None and not role.mtp:
             decoder.add(role.layer)
         if role.role == "router":
             routers.add(role.layer)
         elif role.role == "dense_mlp":
             dense.add(role.layer)
-        if (m := family.expert_match(name)) is not None:
+        if (m := family.expert_match(name, role.role)) is not None:
             if _canonical(m.group("expert")):  # a stray spelling is _index_findings'
                 per_expert.setdefault(name[:m.start("expert")], {}).setdefault(int(m.group("expert")), set()).add(
                     name[m.end("expert"):])
@@ -250,13 +252,12 @@ def _bias_findings(tensors, fused_name: str, count: int, rows: int) -> list[Find
     return []
 
 
-def _required_findings(tensors, family: Family, declared: Declared) -> list[Finding]:
+def _required_findings(tensors, family: Family, declared: Declared, roles: dict[str, TensorRole]) -> list[Finding]:
     """The manifest's ``required_tensors``: for every decoder layer, every MTP module present, once
     where a draft is present, or once per checkpoint."""
     if not family.required_tensors:
         return []
-    mtp_layers = sorted({role.layer for name in tensors if (role := family.classify(name, declared.layers)).mtp
-                         and role.layer is not None})
+    mtp_layers = sorted({role.layer for role in roles.values() if role.mtp and role.layer is not None})
     prefixes = {"layer": [f"{family.layers_prefix}.{i}" for i in range(declared.layers)],
                 "mtp": [family.mtp_module_prefix(layer, declared.layers) for layer in mtp_layers],
                 "draft": [""] if mtp_layers else [], "model": [""]}
@@ -269,19 +270,19 @@ def _required_findings(tensors, family: Family, declared: Declared) -> list[Find
                     "index that omits them)")]
 
 
-def _expert_table_layout(tensors, family: Family) -> list[Finding]:
+def _expert_table_layout(tensors, family: Family, roles: dict[str, TensorRole]) -> list[Finding]:
     """A table of expert ids must be an integer table, ``[tokens, experts per token]``."""
     findings = []
     for name, info in sorted(tensors.items()):
-        if _expert_ids(family, name) and (info.dtype not in INDEX_DTYPES or len(info.shape) != 2):
+        if _expert_ids(family, roles[name].role) and (info.dtype not in INDEX_DTYPES or len(info.shape) != 2):
             findings.append(Finding("layout", None, name, f"{info.dtype}{list(info.shape)}: an expert id table is a "
                                     "2-D integer tensor [tokens, experts per token]", "copy the release's table"))
     return findings
 
 
-def _expert_ids(family: Family, name: str) -> bool:
-    """Whether tensor ``name``'s values are expert ids (its role's ``expert_ids``)."""
-    role = family.role_named(family.classify(name, 0).role)
+def _expert_ids(family: Family, role_name: str) -> bool:
+    """Whether a tensor of role ``role_name`` holds expert ids (the role's ``expert_ids``)."""
+    role = family.role_named(role_name)
     return role is not None and role.expert_ids
 
 
@@ -294,7 +295,8 @@ def expert_id_findings(checkpoint: Checkpoint, family: Family, declared: Declare
     findings = []
     for file, header in checkpoint.headers.items():
         tables = [info for name, info in sorted(header.tensors.items())
-                  if _expert_ids(family, name) and info.dtype in INDEX_DTYPES and len(info.shape) == 2]
+                  if _expert_ids(family, family.classify(name, 0).role)
+                  and info.dtype in INDEX_DTYPES and len(info.shape) == 2]
         if not tables:
             continue
         # imported only here: a dry run of any other family loads no numeric stack

@@ -106,8 +106,8 @@ def _drop_expert(tensors: dict, family: str, expert: int = 1, draft: bool = Fals
     """Remove every tensor of routed expert ``expert`` of one layer (the draft's where ``draft``);
     returns that layer's experts prefix."""
     fam = family_named(family)
-    containers = sorted({name[:m.start("expert")] for name in tensors if (m := fam.expert_match(name))
-                         and ("mtp" in name) == draft})
+    containers = sorted({name[:m.start("expert")] for name in tensors
+                         if (m := fam.expert_match(name, fam.classify(name, 0).role)) and ("mtp" in name) == draft})
     container = containers[0]
     for name in [n for n in tensors if n.startswith(f"{container}{expert}.")]:
         del tensors[name]
