@@ -1,5 +1,8 @@
 """YAML data files checked against a declared schema when they are read, in one place.
 
+Every YAML input is read by ``load``: the bounded reader (``safe_files.read_yaml``), a mapping
+required, then the file's schema.
+
 A schema is a pydantic model deriving from ``Schema``: every key known (an unknown key is named
 with the nearest valid one, so a misspelt key is never silently ignored), types strict (``4.0``
 or ``"4"`` is no count), numbers finite and in the range the field declares. ``validate`` turns
@@ -25,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from quant.safe_files import read_yaml
+
 Model = TypeVar("Model", bound="Schema")
 
 
@@ -47,6 +52,14 @@ def _json_value(value):
 JsonValue = Annotated[Any, AfterValidator(_json_value)]  # a value copied into a JSON file (config.json)
 
 
+def nearest(name: str, known, kind: str = "key") -> str:
+    """``unknown <kind> 'name' (did you mean 'x'?)``, or the known names listed when none is close."""
+    known = [str(k) for k in known]
+    near = difflib.get_close_matches(str(name), known, 1)
+    hint = f"did you mean {near[0]!r}?" if near else f"known {kind}s: {', '.join(known)}"
+    return f"unknown {kind} {str(name)!r:.80} ({hint})"
+
+
 class Schema(BaseModel):
     """The base of every file schema: strict, finite, frozen, no unknown keys."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
@@ -59,9 +72,7 @@ class Schema(BaseModel):
             known = [field.alias or name for name, field in cls.model_fields.items()]
             for key in data:
                 if key not in known:
-                    near = difflib.get_close_matches(str(key), known, 1)
-                    hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(known)}"
-                    raise ValueError(f"unknown key {str(key)!r:.80} ({hint})")
+                    raise ValueError(nearest(key, known))
         return data
 
 
@@ -77,6 +88,18 @@ def validate(data, schema: type[Model], path: Path, what: str, error: type[Excep
         if first["type"] not in ("value_error", "missing"):
             why += f", not {first['input']!r:.60}"
         raise error(f"{path}: not a valid {what}: {where}{why}; {compare}") from None
+
+
+def load(path: Path, schema: type[Model], what: str, error: type[Exception], compare: str = "") -> Model:
+    """The YAML file at ``path`` (a ``what``: "recipe", "gate policy") as ``schema``. A file that
+    cannot be read, is not YAML, is not a mapping or breaks the schema raises ``error`` as one line
+    naming the file, the key path and, for an unknown key, the nearest valid name; ``compare`` says
+    where to see a valid file."""
+    compare = compare or f"fix the {what}"
+    data = read_yaml(Path(path), error, compare)
+    if not isinstance(data, dict):
+        raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; {compare}")
+    return validate(data, schema, path, what, error, compare)
 
 
 def template_problem(template: str, fields: tuple[str, ...], every: bool = True) -> str | None:
