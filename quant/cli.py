@@ -32,7 +32,7 @@ Qwen3-Next, Mixtral, MiniMax-M2, MiniMax-M3, Llama-4, DeepSeek-V4 layouts) into 
 format, byte for byte what Quark's file-to-file exporter writes, with an exclude list that sglang
 and vLLM really match (including sglang's model.decoder.* names for the MTP layer).
 
-What is quantized is data: the model family manifest (manifests/models/) says which tensor is
+What is quantized is data: the model family manifest (manifests/families/) says which tensor is
 what; the recipe (manifests/recipes/) says which roles become MXFP4. The default recipe quantizes
 routed experts only (W4A4) and keeps everything else bf16.
 

@@ -1,13 +1,15 @@
 """Model families as data: which checkpoint tensor plays which role.
 
-A family manifest (``manifests/models/<family>.yaml``) lists roles by regex and names the model
-class each engine builds it with (``engine_classes``); how that class names, fuses and quantizes
-them is engine knowledge (``quant/engines/``, rules keyed by the class). Adding a family is a new
-manifest plus the engine rules read for its classes, not new code.
+A family is one folder, ``manifests/families/<family>/``: its manifest (``family.yaml``) lists
+roles by regex and names the model class each engine builds it with (``engine_classes``); beside it
+the rules each engine's release applies to that class (``sglang.yaml``, ``vllm.yaml``: engine
+knowledge, read by ``quant/engines/``). The families are discovered from the folders (the package's
+own, then each root in ``QUANTGATE_FAMILIES``), so adding one is a folder, not new code.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -303,7 +305,7 @@ class RequiredEntry(Schema):
 
 
 class FamilyFile(Schema):
-    """A family manifest as written (``manifests/models/*.yaml``; the fields are ``Family``'s)."""
+    """A family manifest as written (``manifests/families/*/family.yaml``; the fields are ``Family``'s)."""
     family: str
     model_types: list[str] = Field(min_length=1)
     num_layers_key: str = "num_hidden_layers"
@@ -352,7 +354,7 @@ def load_family(path: Path) -> Family:
     """The family manifest at ``path``, checked against ``FamilyFile`` before anything uses it."""
     data = validate(read_yaml_mapping(path, "family manifest", UnknownFamilyError), FamilyFile, path,
                     "family manifest", UnknownFamilyError,
-                    f"compare it with {manifests_root() / 'models' / 'glm_moe_dsa.yaml'}")
+                    f"compare it with {manifests_root() / 'families' / 'glm_moe_dsa' / FAMILY_FILE}")
     fused = data.fused_experts
     return Family(
         name=data.family,
@@ -379,17 +381,57 @@ def load_family(path: Path) -> Family:
     )
 
 
+FAMILIES_ENV = "QUANTGATE_FAMILIES"  # more roots of family folders, os.pathsep-separated
+FAMILY_FILE = "family.yaml"
+
+
+def family_roots() -> list[Path]:
+    """Where family folders are looked for: the package's own, then each root in ``QUANTGATE_FAMILIES``
+    (how a family is added without touching the package)."""
+    extra = [Path(p) for p in os.environ.get(FAMILIES_ENV, "").split(os.pathsep) if p]
+    for root in extra:
+        if not root.is_dir():
+            raise UnknownFamilyError(f"{FAMILIES_ENV} names {root}, which is not a folder (it lists folders that hold "
+                                     f"family folders, <root>/<family>/{FAMILY_FILE})")
+    return [manifests_root() / "families", *extra]
+
+
+def family_dirs() -> dict[str, Path]:
+    """Every family's folder by its name (the folder's name), in discovery order."""
+    found: dict[str, Path] = {}
+    for root in family_roots():
+        for manifest in sorted(root.glob(f"*/{FAMILY_FILE}")):
+            name = manifest.parent.name
+            if name in found:
+                raise UnknownFamilyError(f"two family folders named {name!r}: {found[name]} and {manifest.parent}; "
+                                         "rename one (the folder's name is the family's)")
+            found[name] = manifest.parent
+    return found
+
+
+def family_names() -> list[str]:
+    return list(family_dirs())
+
+
 def _known() -> list[Family]:
-    return [load_family(path) for path in sorted((manifests_root() / "models").glob("*.yaml"))]
+    families = []
+    for name, folder in family_dirs().items():
+        family = load_family(folder / FAMILY_FILE)
+        if family.name != name:
+            raise UnknownFamilyError(f"{folder / FAMILY_FILE}: family {family.name!r} in a folder named {name!r}; "
+                                     "make them the same (the folder's name is the family's)")
+        families.append(family)
+    return families
 
 
 def family_named(name: str) -> Family:
-    """The built-in family manifest called ``name``."""
-    for family in _known():
-        if family.name == name:
-            return family
-    raise UnknownFamilyError(f"no family manifest named {name!r} under {manifests_root() / 'models'} (known: "
-                             f"{', '.join(f.name for f in _known())})")
+    """The family called ``name`` (its folder's manifest)."""
+    folder = family_dirs().get(name)
+    if folder is None:
+        raise UnknownFamilyError(f"no family named {name!r} (known: {', '.join(family_dirs())}; a family is a folder "
+                                 f"<root>/{name}/{FAMILY_FILE} under {manifests_root() / 'families'} or a root in "
+                                 f"{FAMILIES_ENV})")
+    return next(f for f in _known() if f.name == name)
 
 
 def family_for(config: dict, manifest: Path | None = None) -> Family:
@@ -397,16 +439,16 @@ def family_for(config: dict, manifest: Path | None = None) -> Family:
     if manifest is not None:
         return load_family(manifest)
     model_type = config.get("model_type")
-    models_dir = manifests_root() / "models"
     known = _known()
     for family in known:
         if model_type in family.model_types:
             return family
     listed = "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in known)
+    example = manifests_root() / "families" / "glm4_moe"
     raise UnknownFamilyError(
-        f"config.json model_type {model_type!r}: no model-family manifest (known families: {listed}). To add one: "
-        f"write manifests/models/<family>.yaml like {models_dir / 'glm_moe_dsa.yaml'} (model_types, tensor roles by "
-        "regex, engine_classes: the sglang and vLLM model class of the architecture; or pass it with "
-        "--family-manifest FILE), and the engine rules read for those classes in the wheels "
-        "(manifests/engines/<engine>.<family>.yaml: packed_modules_mapping, fused modules, which modules get the "
-        "quant config, draft naming, shared-expert fusion)")
+        f"config.json model_type {model_type!r}: no model family (known families: {listed}). To add one: copy a "
+        f"family folder such as {example} to <root>/<family>/ and list <root> in {FAMILIES_ENV} (or pass the "
+        "manifest with --family-manifest FILE): its family.yaml (model_types, tensor roles by regex, "
+        "engine_classes: the sglang and vLLM model class of the architecture) and the engine rules read for those "
+        "classes in the wheels (sglang.yaml, vllm.yaml: packed_modules_mapping, fused modules, which modules get "
+        "the quant config, draft naming, shared-expert fusion)")

@@ -1,9 +1,9 @@
 """Engine rule sets as data, keyed by the engine's model class: ``manifests/engines/<engine>.yaml``
 holds the DeepSeek-V2 class's rules (DeepseekV2/V3ForCausalLM, GlmMoeDsaForCausalLM and their
-drafts) and the rules of the quantization layer every model shares (``engine_wide``);
-``manifests/engines/<engine>.<family>.yaml`` holds another model class's rules, read for that class in
-the releases it lists. A family manifest (``manifests/models/``) names its class per engine; adding a
-family is a manifest plus the rule entries read for its classes.
+drafts) and the rules of the quantization layer every model shares (``engine_wide``); a family
+folder's ``<engine>.yaml`` (``manifests/families/<family>/``, named ``<engine>.<family>`` here) holds
+another model class's rules, read for that class in the releases it lists. A family manifest names
+its class per engine; adding a family is its folder: the manifest plus the rules read for its classes.
 
 Each rule carries its value and a citation (file and function in the release it was read in).
 A rule set starts from the previous one and overrides what changed, so the YAML only lists changes.
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cache
+from pathlib import Path
 
 import yaml
 from packaging.version import InvalidVersion, Version
 
 from quant.errors import QuantgateError
-from quant.layout import Family, family_named, manifests_root
+from quant.layout import Family, family_dirs, family_named, manifests_root
 
 ENGINES = ("sglang", "vllm")
 DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers that name no family mean
@@ -57,15 +58,21 @@ class RuleSet:
         return self["quark_fused"] if kind == "quark" else self["fp8_skip"]["fused"]
 
 
+def rules_path(name: str) -> Path:
+    """The file of the rule set named ``name``: ``sglang`` / ``vllm`` (the DeepSeek-V2 class and the
+    engine-wide rules, ``manifests/engines/``) or ``<engine>.<family>`` (that family folder's rules)."""
+    engine, _, family = name.partition(".")
+    return manifests_root() / "engines" / f"{engine}.yaml" if not family else family_dirs()[family] / f"{engine}.yaml"
+
+
 @cache
 def _manifest(name: str) -> dict:
-    """``manifests/engines/<name>.yaml``: ``sglang`` / ``vllm`` (the DeepSeek-V2 class and the
-    engine-wide rules) or ``<engine>.<family>`` (another model class)."""
-    return yaml.safe_load((manifests_root() / "engines" / f"{name}.yaml").read_text())
+    return yaml.safe_load(rules_path(name).read_text())
 
 
 def _class_files(engine: str) -> list[str]:
-    return [engine] + sorted(p.stem for p in (manifests_root() / "engines").glob(f"{engine}.*.yaml"))
+    return [engine] + [f"{engine}.{family}" for family, folder in family_dirs().items()
+                       if (folder / f"{engine}.yaml").is_file()]
 
 
 def rules_file(engine: str, family: Family | str) -> str:
@@ -80,8 +87,8 @@ def rules_file(engine: str, family: Family | str) -> str:
         if model_class in _manifest(name)["model_classes"]:
             return name
     raise UnknownEngine(f"family {family.name}: no {engine} rules were read for its model class {model_class} "
-                        f"(no manifests/engines/{engine}.*.yaml lists it); read that class's loading in the wheels "
-                        "and write its rule file before converting or checking this family")
+                        f"(no family folder's {engine}.yaml lists it); read that class's loading in the wheels "
+                        f"and write {engine}.yaml in the family's folder before converting or checking this family")
 
 
 @cache
@@ -126,11 +133,11 @@ def _rule_sets(name: str) -> tuple[RuleSet, ...]:
         covering = [b for b in base if Version(b.first) <= Version(rules.last) and Version(b.last) >= Version(rules.first)]
         if not covering or any({k: b.values[k] for k in shared} != {k: covering[0].values[k] for k in shared}
                                for b in covering):
-            raise UnknownEngine(f"manifests/engines/{name}.yaml: {rules.first}..{rules.last} spans releases whose "
+            raise UnknownEngine(f"{rules_path(name)}: {rules.first}..{rules.last} spans releases whose "
                                 f"engine-wide rules ({', '.join(shared)}) differ in {engine}.yaml; split the set there")
         missing = sorted(set(base[-1].values) - set(shared) - set(rules.values))
         if missing:
-            raise UnknownEngine(f"manifests/engines/{name}.yaml: {rules.first}..{rules.last} does not state "
+            raise UnknownEngine(f"{rules_path(name)}: {rules.first}..{rules.last} does not state "
                                 f"{', '.join(missing)}; read them for {rules.model_class} in the wheel")
         values = {**{k: covering[0].values[k] for k in shared}, **rules.values}
         cites = {**{k: covering[0].cites[k] for k in shared}, **rules.cites}
@@ -167,6 +174,6 @@ def select(spec: str = "all", family: Family | str = DEFAULT_FAMILY) -> list[Rul
     chosen = [r for r in rule_sets(engine, family) if r.covers(read[release])]
     if len(chosen) != 1:
         raise UnknownEngine(f"{engine} {version} was read but {len(chosen)} rule sets cover it; fix "
-                            f"manifests/engines/{rules_file(engine, family)}.yaml (each release read belongs to "
+                            f"{rules_path(rules_file(engine, family))} (each release read belongs to "
                             "exactly one set)")
     return [replace(r, release=release) for r in chosen]

@@ -79,7 +79,7 @@ MUTATIONS = [
     data("sglang", "0.5.9", "mtp_naming", ["max_layers"], None, "no 1-nextn-layer assert"),
     data("sglang", "0.5.16", "draft_exclude", ["glm_moe_dsa"], "mapper_61", "0.5.16 GLM draft uses the 61 mapper"),
     data("sglang", "0.5.11", "fp8_skip", ["match"], "substring", "0.5.11 FP8 entries as substrings"),
-    # GLM-4.5 (Glm4MoeForCausalLM) rules: manifests/engines/{sglang,vllm}.glm4_moe.yaml
+    # GLM-4.5 (Glm4MoeForCausalLM) rules: manifests/families/glm4_moe/{sglang,vllm}.yaml
     data("sglang.glm4_moe", "0.5.21", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
          "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "qkv_proj": ["q_proj", "k_proj", "v_proj"]},
          "glm4 sglang Quark expands qkv_proj"),
@@ -105,7 +105,7 @@ MUTATIONS = [
     data("vllm.glm4_moe", "0.33.0", "draft_exclude", ["glm4_moe"], "mapper_61", "glm4 vLLM draft mapped"),
     data("vllm.glm4_moe", "0.33.0", "unquantized_roles", [], ["lm_head", "mtp_head"], "glm4 vLLM router quantized"),
     top("sglang.glm4_moe", ("checked",), ["0.5.21", "0.5.23"], "glm4 0.5.22 not read"),
-    # Qwen3-MoE (Qwen3MoeForCausalLM) rules: manifests/engines/{sglang,vllm}.qwen3_moe.yaml
+    # Qwen3-MoE (Qwen3MoeForCausalLM) rules: manifests/families/qwen3_moe/{sglang,vllm}.yaml
     data("vllm.qwen3_moe", "0.33.0", "unquantized_roles", [], ["router", "lm_head"], "qwen3 vLLM router plain"),
     data("sglang.qwen3_moe", "0.5.21", "unquantized_roles", [], ["lm_head"], "qwen3 sglang router quantized"),
     data("sglang.qwen3_moe", "0.5.21", "moe_layers", [], "config", "qwen3 sglang honours mlp_only_layers"),
@@ -119,21 +119,21 @@ MUTATIONS = [
     data("sglang.qwen3_moe", "0.5.21", "shared_experts_fusion", [], {"decided_by": "shared_experts_fusion_disable_reason",
          "exclude_veto": "none", "arch": None, "draft_arch": {}, "routed_experts": "any", "shared_experts": "any",
          "min_capability": {"cuda": [8, 0], "rocm": [9, 4]}, "ep_min_capability": {}}, "qwen3 fusion modelled"),
-    # Mixtral (MixtralForCausalLM) rules: manifests/engines/{sglang,vllm}.mixtral.yaml
+    # Mixtral (MixtralForCausalLM) rules: manifests/families/mixtral/{sglang,vllm}.yaml
     data("sglang.mixtral", "0.5.21", "module_names", [], {}, "mixtral sglang layers under model.layers"),
     data("vllm.mixtral", "0.33.0", "module_names", [], {"^model.layers.": "layers."}, "mixtral vLLM layers.N"),
     data("sglang.mixtral", "0.5.21", "built_fused", [], {}, "mixtral sglang q/k/v separate"),
     data("vllm.mixtral", "0.33.0", "quark_fused", [], {}, "mixtral vLLM no Quark mapping"),
     data("vllm.mixtral", "0.33.0", "unquantized_roles", [], ["lm_head"], "mixtral vLLM router quantized"),
     data("sglang.mixtral", "0.5.21", "router", ["bias_when"], "always", "mixtral router has a bias"),
-    # MiniMax-M2 (MiniMaxM2ForCausalLM) rules: manifests/engines/{sglang,vllm}.minimax_m2.yaml
+    # MiniMax-M2 (MiniMaxM2ForCausalLM) rules: manifests/families/minimax_m2/{sglang,vllm}.yaml
     data("vllm.minimax_m2", "0.33.0", "module_names", [], {}, "minimax vLLM MoE under block_sparse_moe"),
     data("sglang.minimax_m2", "0.5.21", "module_names", [], {".block_sparse_moe.": ".mlp."}, "minimax sglang mlp.*"),
     data("sglang.minimax_m2", "0.5.21", "mtp_naming", ["style"], "original", "minimax sglang loads MTP modules"),
     data("vllm.minimax_m2", "0.33.0", "router", ["reads"], [], "minimax vLLM scoring_func not read"),
     data("sglang.minimax_m2", "0.5.21", "router", ["bias_when"], "always", "minimax bias regardless of config"),
     data("vllm.minimax_m2", "0.33.0", "unquantized_roles", [], ["lm_head"], "minimax vLLM router quantized"),
-    # Kimi-K2.5 (KimiK25ForConditionalGeneration) rules: manifests/engines/{sglang,vllm}.kimi_k25.yaml
+    # Kimi-K2.5 (KimiK25ForConditionalGeneration) rules: manifests/families/kimi_k25/{sglang,vllm}.yaml
     data("sglang.kimi_k25", "0.5.21", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
          "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]}, "kimi sglang keeps the loader's gate_up_proj"),
     data("sglang.kimi_k25", "0.5.21", "quark_fused", [], {}, "kimi sglang without fused_qkv_a_proj_with_mqa"),
@@ -157,7 +157,7 @@ MUTATIONS = [
     data("sglang.kimi_k25", "0.5.21", "router", ["reads"], [], "kimi sglang reads no router key"),
     data("vllm.kimi_k25", "0.33.0", "unquantized_roles", [], ["lm_head"], "kimi vLLM router quantized"),
     top("sglang.kimi_k25", ("checked",), ["0.5.21", "0.5.23"], "kimi 0.5.22 not read"),
-    # MiniMax-M3 (MiniMaxM3SparseForConditionalGeneration) rules: manifests/engines/{sglang,vllm}.minimax_m3.yaml
+    # MiniMax-M3 (MiniMaxM3SparseForConditionalGeneration) rules: manifests/families/minimax_m3/{sglang,vllm}.yaml
     data("sglang.minimax_m3", "0.5.21", "module_names", [], {}, "m3 sglang MoE under block_sparse_moe"),
     data("sglang.minimax_m3", "0.5.21", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
          "gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]},
@@ -216,7 +216,7 @@ MUTATIONS = [
     data("vllm.minimax_m3", "0.33.0", "exclude_mapper", ["kinds"], ["quark"], "m3 vLLM FP8 ignored_layers not mapped"),
     data("vllm.minimax_m3", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "m3 vLLM fuses by default"),
     data("vllm.deepseek_v4", "0.33.0", "shared_experts_fusion", [], {"decided_by": "env"}, "v4 vLLM fuses by default"),
-    # DeepSeek-V4 (DeepseekV4ForCausalLM) rules: manifests/engines/{sglang,vllm}.deepseek_v4.yaml
+    # DeepSeek-V4 (DeepseekV4ForCausalLM) rules: manifests/families/deepseek_v4/{sglang,vllm}.yaml
     # (killed by tests/quant/test_engine_deepseek_v4.py)
     data("sglang.deepseek_v4", "0.5.21", "draft_module_names", ["layer_as"], "model.layers.",
          "v4 sglang draft asks for main-layer names"),
@@ -299,7 +299,7 @@ MUTATIONS = [
     top("sglang", ("post_releases", "0.5.15.post1"), "0.5.16", "0.5.15.post1 given 0.5.16's rules"),
     top("sglang", ("checked",), ["0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16",
                                  "0.5.17", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"], "0.5.18 not read"),
-    # Llama-4 (Llama4ForConditionalGeneration) rules: manifests/engines/{sglang,vllm}.llama4.yaml
+    # Llama-4 (Llama4ForConditionalGeneration) rules: manifests/families/llama4/{sglang,vllm}.yaml
     # (killed by tests/quant/test_engine_llama4.py)
     data("sglang.llama4", "0.5.21", "quark_fused", [], {}, "llama4 sglang Quark without the class mapping"),
     data("sglang.llama4", "0.5.21", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
@@ -328,7 +328,7 @@ MUTATIONS = [
     data("sglang.llama4", "0.5.21", "qk_rotary_permute", ["fails"], ["quark", "fp8"], "llama4 sglang refuses FP8 q/k"),
     top("sglang.llama4", ("checked",), ["0.5.21", "0.5.23"], "llama4 0.5.22 not read"),
     # Qwen3-Next (Qwen3NextForCausalLM, drafts Qwen3NextForCausalLMMTP / Qwen3NextMTP) rules:
-    # manifests/engines/{sglang,vllm}.qwen3_next.yaml (killed by tests/quant/test_engine_qwen3_next.py)
+    # manifests/families/qwen3_next/{sglang,vllm}.yaml (killed by tests/quant/test_engine_qwen3_next.py)
     data("sglang.qwen3_next", "0.5.21", "quark_fused", [], {}, "qwen3next sglang Quark without the class mapping"),
     data("sglang.qwen3_next", "0.5.21", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
          "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]}, "qwen3next sglang Quark without gate_up_proj"),
@@ -359,7 +359,7 @@ MUTATIONS = [
          "qwen3next fused slot n_routed_experts"),
     data("sglang.qwen3_next", "0.5.21", "shared_experts_fusion", [], None, "qwen3next sglang never fuses"),
     top("sglang.qwen3_next", ("checked",), ["0.5.21", "0.5.23"], "qwen3next 0.5.22 not read"),
-    # gpt-oss (GptOssForCausalLM) rules: manifests/engines/{sglang,vllm}.gpt_oss.yaml (killed by
+    # gpt-oss (GptOssForCausalLM) rules: manifests/families/gpt_oss/{sglang,vllm}.yaml (killed by
     # tests/quant/test_engine_gpt_oss.py and tests/quant/test_gpt_oss.py)
     data("sglang.gpt_oss", "0.5.21", "unquantized_roles", [], ["router", "lm_head"], "gptoss sglang attention quantized"),
     data("sglang.gpt_oss", "0.5.21", "unquantized_roles", [], ["attention", "lm_head"], "gptoss sglang router quantized"),
@@ -394,7 +394,7 @@ MUTATIONS = [
     data("vllm.qwen3_next", "0.33.0", "moe_layers", [], "all", "qwen3next vLLM all layers MoE"),
     data("vllm.qwen3_next", "0.33.0", "layer_kinds", ["from"], "interval", "qwen3next vLLM reads the interval only"),
     data("vllm.qwen3_next", "0.33.0", "layer_kinds", ["interval_default"], 2, "qwen3next vLLM interval default 2"),
-    # manifests/engines/{sglang,vllm}.qwen3_5_moe.yaml (tests/quant/test_engine_qwen3_5.py, test_families.py)
+    # manifests/families/qwen3_5_moe/{sglang,vllm}.yaml (tests/quant/test_engine_qwen3_5.py, test_families.py)
     data("sglang.qwen3_5_moe", "0.5.21", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
          "gate_up_proj": ["gate_proj", "up_proj"]}, "qwen3.5 sglang Quark without the GDN entries"),
     data("sglang.qwen3_5_moe", "0.5.21", "built_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},

@@ -1,5 +1,5 @@
 """Differential tests for DeepSeek-V4 (``deepseek_v4``, DeepseekV4ForCausalLM): each release read
-(``manifests/engines/{sglang,vllm}.deepseek_v4.yaml``) decides with its own code beside
+(``manifests/families/deepseek_v4/{sglang,vllm}.yaml``) decides with its own code beside
 ``quant.engines``: the checkpoint's names as the class's own loaders rename them (sglang's
 ``remap_weight_name_to_dpsk_hf_format``, vLLM's ``hf_to_vllm_mapper`` run by the wheel's
 ``WeightsMapper``); the exclude list as the class's mapper leaves it (sglang 0.5.22+:

@@ -1,5 +1,5 @@
 """Differential tests for the model classes beyond DeepSeek-V2's (GLM-4.5 ``glm4_moe`` ...): for each
-release read for a family's class (``manifests/engines/<engine>.<family>.yaml``), that release's own
+release read for a family's class (``manifests/families/<family>/<engine>.yaml``), that release's own
 functions decide beside ``quant.engines`` on generated cases: Quark's ``should_ignore_layer`` fed the
 class's packed-modules mapping read from the same wheel (not the YAML under test), FP8's
 ``is_layer_skipped`` + ``Fp8Config.from_config``, and sglang's shared-expert fusion decision (the

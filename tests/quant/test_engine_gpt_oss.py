@@ -1,5 +1,5 @@
 """Differential tests for gpt-oss (``gpt_oss``: GptOssForCausalLM in both engines) against the wheels'
-own functions, for every release its rule files list (``manifests/engines/{sglang,vllm}.gpt_oss.yaml``):
+own functions, for every release its rule files list (``manifests/families/gpt_oss/{sglang,vllm}.yaml``):
 
 - the native MXFP4 config (``quant_method: mxfp4``, what gpt-oss ships and quantgate writes for it):
   each release's ``Mxfp4Config.from_config`` + ``get_quant_method`` run on a Linear and on the routed

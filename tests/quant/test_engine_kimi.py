@@ -1,5 +1,5 @@
 """Differential tests for Kimi-K2.5 / K2.6 (``kimi_k25``, KimiK25ForConditionalGeneration): each
-release read (``manifests/engines/{sglang,vllm}.kimi_k25.yaml``) decides with its own Quark
+release read (``manifests/families/kimi_k25/{sglang,vllm}.yaml``) decides with its own Quark
 ``should_ignore_layer`` beside ``quant.engines`` on the checkpoint's module names (the text model
 under language_model.model.layers, the vision tower, the projector), fed the packed-modules mapping
 the release's classes leave on the quant config, read from the wheel: sglang's DeepSeek text model

@@ -1,5 +1,5 @@
 """Differential tests for Llama-4 (``llama4``, Llama4ForConditionalGeneration): each release read
-(``manifests/engines/{sglang,vllm}.llama4.yaml``) decides with its own code beside ``quant.engines``:
+(``manifests/families/llama4/{sglang,vllm}.yaml``) decides with its own code beside ``quant.engines``:
 Quark's ``should_ignore_layer`` and FP8's ``is_layer_skipped`` on the checkpoint's module names (text
 model under language_model.model.layers, vision tower, projector) fed the packed-modules mapping read
 from the same wheel; the MoE layer selection (sglang ``Llama4DecoderLayer._is_moe_layer``, vLLM's

@@ -1,5 +1,5 @@
 """Differential tests for MiniMax-M3 (``minimax_m3``, MiniMaxM3SparseForConditionalGeneration): each
-release read (``manifests/engines/{sglang,vllm}.minimax_m3.yaml``) decides with its own code beside
+release read (``manifests/families/minimax_m3/{sglang,vllm}.yaml``) decides with its own code beside
 ``quant.engines``: Quark's ``should_ignore_layer`` and FP8's ``is_layer_skipped`` fed the class's
 packed-modules mapping read from the same wheel, on the exclude list as the class's weight mapper
 (read from the wheel) leaves it; sglang's shared-expert fusion decision (the class's own

@@ -1,8 +1,9 @@
 """Differential tests for Qwen3.5 MoE (``qwen3_5_moe``, Qwen3_5MoeForConditionalGeneration and its
-drafts Qwen3_5ForCausalLMMTP / Qwen3_5MoeMTP): each release read (``manifests/engines/{sglang,vllm}.
-qwen3_5_moe.yaml``) decides with its own functions beside ``quant.engines`` on the checkpoint's module
-names (Gated DeltaNet layers with their packed in_proj_qkvz / in_proj_ba, full-attention layers, the
-shared expert and its gate, the vision tower, the mtp.* draft): Quark's ``should_ignore_layer`` fed the
+drafts Qwen3_5ForCausalLMMTP / Qwen3_5MoeMTP): each release read
+(``manifests/families/qwen3_5_moe/{sglang,vllm}.yaml``) decides with its own functions beside
+``quant.engines`` on the checkpoint's module names (Gated DeltaNet layers with their packed
+in_proj_qkvz / in_proj_ba, full-attention layers, the shared expert and its gate, the vision tower,
+the mtp.* draft): Quark's ``should_ignore_layer`` fed the
 class's packed-modules mapping read from the same wheel, and sglang's shared-expert fusion decision
 (qwen2_moe.py ``can_fuse_shared_expert`` with QuarkConfig's own hook, on the platforms the class fuses
 on). Without the wheels the tests skip, saying why.

@@ -1,5 +1,5 @@
 """Differential tests for Qwen3-Next (``qwen3_next``, Qwen3NextForCausalLM and its drafts
-Qwen3NextForCausalLMMTP / Qwen3NextMTP): each release read (``manifests/engines/{sglang,vllm}.qwen3_next.yaml``)
+Qwen3NextForCausalLMMTP / Qwen3NextMTP): each release read (``manifests/families/qwen3_next/{sglang,vllm}.yaml``)
 decides with its own functions beside ``quant.engines`` on the checkpoint's module names (Gated
 DeltaNet and full-attention layers, the singular shared expert and its gate, the mtp.* draft under
 each engine's names): Quark's ``should_ignore_layer`` and FP8's ``is_layer_skipped`` fed the class's

@@ -205,7 +205,7 @@ def test_an_unknown_model_type_names_the_families_and_how_to_add_one(tmp_path, c
     assert code == 2 and "'step5_moe'" in err
     for known in ("glm4_moe", "glm_moe_dsa", "deepseek_v3"):
         assert known in err
-    assert "engine_classes" in err and "manifests/engines/<engine>.<family>.yaml" in err
+    assert "engine_classes" in err and "QUANTGATE_FAMILIES" in err and "sglang.yaml, vllm.yaml" in err
 
 
 def test_mixtral_needs_the_layers_names_in_sglang(tmp_path, capsys):

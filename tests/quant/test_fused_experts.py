@@ -39,7 +39,7 @@ _EXPERT = "model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
 def fused_manifest(dst: Path, axes: list[str], split: str, pattern_prefix: str = "") -> Path:
     """Qwen3-MoE's manifest with its experts declared fused in the given layout (in the layers
     ``pattern_prefix`` names, if given)."""
-    data = yaml.safe_load((manifests_root() / "models" / "qwen3_moe.yaml").read_text())
+    data = yaml.safe_load((manifests_root() / "families" / "qwen3_moe" / "family.yaml").read_text())
     data["fused_experts"] = {"experts_key": "num_local_experts", "writes": "per_expert", "tensors": [
         {"pattern": pattern_prefix + r"\.mlp\.experts\.gate_up_proj$", "axes": list(axes), "split": split,
          "projections": ["gate_proj", "up_proj"], "out": "moe_intermediate_size", "in": "hidden_size"},

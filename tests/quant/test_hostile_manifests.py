@@ -35,7 +35,7 @@ FUSED_AXES = ["experts", "out", "in"]
 
 def qwen3_fused_manifest() -> dict:
     """Qwen3-MoE's manifest with its experts declared fused (gate_up_proj, down_proj), as Qwen3.5 stores them."""
-    data = yaml.safe_load((manifests_root() / "models" / "qwen3_moe.yaml").read_text())
+    data = yaml.safe_load((manifests_root() / "families" / "qwen3_moe" / "family.yaml").read_text())
     data["fused_experts"] = {"experts_key": "num_local_experts", "writes": "per_expert", "tensors": [
         {"pattern": r"\.mlp\.experts\.gate_up_proj$", "axes": list(FUSED_AXES), "projections": ["gate_proj", "up_proj"],
          "out": "moe_intermediate_size", "in": "hidden_size"},
@@ -123,7 +123,7 @@ def test_crafted_family_manifest_is_one_line_naming_the_key(case, fused_src, tmp
 def test_shipped_manifests_pass_the_schema():
     """Every built-in manifest is read through the same schema (and names the file it came from)."""
     families = _known()
-    assert len(families) == len(list((manifests_root() / "models").glob("*.yaml")))
+    assert len(families) == len(list((manifests_root() / "families").glob("*/family.yaml")))
     assert all(f.path and f.path.name.endswith(".yaml") for f in families)
 
 
@@ -172,7 +172,7 @@ def test_a_per_expert_copy_beside_its_fused_tensor_is_refused_before_writing(fus
 
 def test_a_misspelt_key_in_a_shipped_manifest_copy_names_the_nearest(tmp_path, capsys, glm_ckpt):
     """The GLM-5 manifest with a top-level key misspelt: silently ignored before; now the nearest name."""
-    data = yaml.safe_load((manifests_root() / "models" / "glm_moe_dsa.yaml").read_text())
+    data = yaml.safe_load((manifests_root() / "families" / "glm_moe_dsa" / "family.yaml").read_text())
     data["layers_prefx"] = data.pop("layers_prefix", "model.layers")
     manifest = tmp_path / "glm.yaml"
     manifest.write_text(yaml.safe_dump(data))

@@ -375,7 +375,7 @@ def test_a_required_tensors_entry_the_checker_cannot_use_is_refused(entry, why, 
 
     from quant.layout import UnknownFamilyError, load_family, manifests_root
 
-    data = yaml.safe_load((manifests_root() / "models" / "mixtral.yaml").read_text())
+    data = yaml.safe_load((manifests_root() / "families" / "mixtral" / "family.yaml").read_text())
     data["required_tensors"] = [entry]
     path = tmp_path / "family.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -99,7 +99,7 @@ def on_disk(module: str, mapping: dict[str, list[str]], tensors: set[str]) -> bo
 
 def unprefixed(module: str) -> str:
     """A vLLM module name in the names of a release stored without ``model.`` (DeepSeek-V4): the class's
-    module renames (manifests/engines/vllm.deepseek_v4.yaml module_names, read from its hf_to_vllm_mapper)
+    module renames (manifests/families/deepseek_v4/vllm.yaml module_names, read from its hf_to_vllm_mapper)
     undone: model.layers. -> layers., lm_head -> head, shared_experts.down_proj -> shared_experts.w2."""
     from quant.engines import rule_sets
 
