@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.to == "bf16":  # a fused family's experts go back into its release's fused tensors
         plan = make_decode_plan(args.src, family)
     else:
-        recipe = with_overrides(load_recipe(args.recipe, args.to), shared_experts=args.shared_experts,
+        recipe = with_overrides(load_recipe(args.recipe, args.to, family), shared_experts=args.shared_experts,
                                 mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                                 scale_rule=args.scale_rule)
         plan = make_plan(args.src, recipe, family)

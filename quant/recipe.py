@@ -8,16 +8,61 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationInfo, field_validator
 
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
-from quant.layout import TensorRole, manifests_root, read_yaml_mapping
+from quant.layout import Family, TensorRole, _known, manifests_root
+from quant.schema import Schema, load, nearest
 
 ACTIONS = ("quantize", "keep")
 
 
 class RecipeError(ValueError):
     pass
+
+
+def _known_format(fmt: str) -> str:
+    if fmt not in CODECS:
+        raise ValueError(nearest(fmt, CODECS, "format"))
+    return fmt
+
+
+class RuleEntry(Schema):
+    """One recipe rule as written: ``{role: routed_expert, action: quantize, mtp: true}``."""
+    role: str
+    action: Literal[ACTIONS]
+    mtp: bool | None = None  # None: any layer; true: the MTP (next-n) layer only; false: the main layers only
+    format: str | None = None  # the recipe's own format, if given (mixed formats are refused)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str, info: ValidationInfo) -> str:
+        """A role no family gives a tensor would match nothing: a misspelt role must not pass silently."""
+        roles = (info.context or {}).get("roles")
+        if roles is not None and role not in roles:
+            raise ValueError(nearest(role, sorted(roles), "role"))
+        return role
+
+
+class RecipeFile(Schema):
+    """A recipe as written (``manifests/recipes/*.yaml``)."""
+    name: str | None = None  # the file's stem when absent
+    format: str
+    format_fixed: bool = False  # the recipe is for its format only (no ``--to`` of the same family)
+    scale_rule: Literal[tuple(r.value for r in ScaleRule)] = ScaleRule("even").value
+    activations: Literal["dynamic", "none"] = "dynamic"  # dynamic: W4A4; none: weight only (W4A16)
+    rules: list[RuleEntry] | None = None  # tried in order, first match wins
+
+    _format = field_validator("format")(_known_format)
+
+
+def recipe_roles(family: Family | None = None) -> set[str]:
+    """The roles a recipe rule may name: every discovered family's, ``family``'s (a manifest given
+    by hand), and ``other`` (a tensor no role pattern matched)."""
+    return {role.name for f in [*_known(), *([family] if family else [])] for role in f.roles} | {"other"}
 
 
 @dataclass(frozen=True)
@@ -50,49 +95,33 @@ class Recipe:
         return data
 
 
-def load_recipe(path: Path | None = None, to: str | None = None) -> Recipe:
-    """The recipe at ``path``, or the default one for target format ``to`` (mxfp4 if neither).
+def load_recipe(path: Path | None = None, to: str | None = None, family: Family | None = None) -> Recipe:
+    """The recipe at ``path``, or the default one for target format ``to`` (mxfp4 if neither);
+    ``family``: a family manifest given by hand, whose roles a rule may name too.
 
     MX recipes are format-agnostic in what they quantize: ``--to mxfp6_e2m3`` with the default
     recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
     engine is known here to load that (sglang's Quark loader takes fp4 only).
     """
     path = path or manifests_root() / "recipes" / f"{CODECS[to or 'mxfp4'].default_recipe}.yaml"
-    data = read_yaml_mapping(path, "recipe", RecipeError)
-    fmt = data.get("format")
-    if not isinstance(fmt, str) or fmt not in CODECS:
-        raise RecipeError(f"{path}: format {fmt!r} is not supported (supported: {', '.join(CODECS)})")
-    if to and fmt != to and (CODECS[fmt].family != CODECS[to].family or data.get("format_fixed")):
+    data = load(path, RecipeFile, "recipe", RecipeError,
+                f"compare it with {manifests_root() / 'recipes' / 'mxfp4-w4a4-experts.yaml'}",
+                {"roles": recipe_roles(family)})
+    fmt = data.format
+    if to and fmt != to and (CODECS[fmt].family != CODECS[to].family or data.format_fixed):
         raise RecipeError(f"{path}: a {fmt} recipe cannot produce --to {to}")
     fmt = to or fmt
-    rules = []
-    if not isinstance(data.get("rules") or [], list):
-        raise RecipeError(f"{path}: rules must be a list of {{role, action}} mappings")
-    for raw in data.get("rules") or []:
-        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
-            raise RecipeError(f"{path}: rule {raw!r} is not a mapping with a role; write rules as "
-                              "{role: routed_expert, action: quantize}")
-        if raw.get("action") not in ACTIONS:
-            raise RecipeError(f"{path}: rule {raw} needs action one of {ACTIONS}")
-        if raw.get("format", fmt) != fmt:
-            raise RecipeError(f"{path}: rule {raw} asks for {raw['format']} in a {fmt} checkpoint. Mixed formats are "
+    for i, raw in enumerate(data.rules or []):
+        if (raw.format or fmt) != fmt:
+            raise RecipeError(f"{path}: rules.{i}: asks for {raw.format} in a {fmt} checkpoint. Mixed formats are "
                               "refused: sglang's Quark loader accepts only fp4, and vLLM's per-layer Quark configs "
                               "are not proven here; convert the whole checkpoint to one format")
-        rules.append(Rule(raw["role"], raw["action"], raw.get("mtp")))
-    activations = data.get("activations", "dynamic")
-    if activations not in ("dynamic", "none"):
-        raise RecipeError(f"{path}: activations must be 'dynamic' (W4A4) or 'none' (W4A16), got {activations!r}")
-    try:
-        scale_rule = ScaleRule(data.get("scale_rule", "even"))
-    except ValueError:
-        raise RecipeError(f"{path}: scale_rule {data.get('scale_rule')!r} is not one of "
-                          f"{[r.value for r in ScaleRule]}") from None
     return Recipe(
-        name=data.get("name", path.stem),
+        name=data.name or path.stem,
         format=fmt,
-        scale_rule=scale_rule,
-        weight_only=activations == "none",
-        rules=tuple(rules),
+        scale_rule=ScaleRule(data.scale_rule),
+        weight_only=data.activations == "none",
+        rules=tuple(Rule(raw.role, raw.action, raw.mtp) for raw in data.rules or []),
     )
 
 

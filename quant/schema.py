@@ -76,11 +76,13 @@ class Schema(BaseModel):
         return data
 
 
-def validate(data, schema: type[Model], path: Path, what: str, error: type[Exception], compare: str) -> Model:
+def validate(data, schema: type[Model], path: Path, what: str, error: type[Exception], compare: str,
+             context: dict | None = None) -> Model:
     """``data`` (a file's parsed YAML) as ``schema``; the first violation raises ``error`` as one
-    line naming ``path`` (a ``what``), the key and what is wrong (``compare``: where to see a valid file)."""
+    line naming ``path`` (a ``what``), the key and what is wrong (``compare``: where to see a valid file).
+    ``context`` reaches the schema's validators (the names valid where only the running code knows them)."""
     try:
-        return schema.model_validate(data)
+        return schema.model_validate(data, context=context)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = "".join(f"{key}: " if i == len(first["loc"]) - 1 else f"{key}." for i, key in enumerate(first["loc"]))
@@ -90,7 +92,8 @@ def validate(data, schema: type[Model], path: Path, what: str, error: type[Excep
         raise error(f"{path}: not a valid {what}: {where}{why}; {compare}") from None
 
 
-def load(path: Path, schema: type[Model], what: str, error: type[Exception], compare: str = "") -> Model:
+def load(path: Path, schema: type[Model], what: str, error: type[Exception], compare: str = "",
+         context: dict | None = None) -> Model:
     """The YAML file at ``path`` (a ``what``: "recipe", "gate policy") as ``schema``. A file that
     cannot be read, is not YAML, is not a mapping or breaks the schema raises ``error`` as one line
     naming the file, the key path and, for an unknown key, the nearest valid name; ``compare`` says
@@ -99,7 +102,7 @@ def load(path: Path, schema: type[Model], what: str, error: type[Exception], com
     data = read_yaml(Path(path), error, compare)
     if not isinstance(data, dict):
         raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; {compare}")
-    return validate(data, schema, path, what, error, compare)
+    return validate(data, schema, path, what, error, compare, context)
 
 
 def template_problem(template: str, fields: tuple[str, ...], every: bool = True) -> str | None:

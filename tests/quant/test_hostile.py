@@ -465,9 +465,9 @@ MANIFEST_CASES = {
     # case: (flag, YAML text, what the message must say)
     "recipe not YAML": ("--recipe", "rules: [1\n", ":2: not valid YAML"),
     "recipe a list": ("--recipe", "- 1\n", "a YAML list, not a mapping"),
-    "recipe rules a string": ("--recipe", "format: mxfp4\nrules: abc\n", "rules must be a list"),
-    "recipe rule without role": ("--recipe", "format: mxfp4\nrules: [{action: keep}]\n", "is not a mapping with a role"),
-    "recipe bad scale rule": ("--recipe", "format: mxfp4\nscale_rule: up\n", "scale_rule 'up' is not one of"),
+    "recipe rules a string": ("--recipe", "format: mxfp4\nrules: abc\n", "rules: Input should be a valid list"),
+    "recipe rule without role": ("--recipe", "format: mxfp4\nrules: [{action: keep}]\n", "rules.0.role: a required key, missing"),
+    "recipe bad scale rule": ("--recipe", "format: mxfp4\nscale_rule: up\n", "scale_rule: Input should be 'even', 'floor' or 'ceil', not 'up'"),
     "family not YAML": ("--family-manifest", "roles: [1\n", ":2: not valid YAML"),
     "family a list": ("--family-manifest", "- 1\n", "a YAML list, not a mapping"),
     "family role without pattern": ("--family-manifest", "family: f\nmodel_types: [x]\nroles: [{role: r}]\n",

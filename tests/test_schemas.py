@@ -1,0 +1,66 @@
+"""Every YAML input is read by one loader against a strict schema: a misspelt key or an unknown
+name is refused by the real command, exit 2, in one line naming the file, the key and the nearest
+valid name, and nothing is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from quant.layout import family_named
+from tests.quant.family_checkpoints import write_family_checkpoint
+from tests.quant.test_hostile import one_line_error
+
+
+def refused(command: list, *needles: str) -> None:
+    """``command`` (a module and its arguments) run in its own process: exit 2, one line holding ``needles``."""
+    out = subprocess.run([sys.executable, "-m", *map(str, command)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    one_line_error(out.stderr, *needles)
+
+
+def test_a_misspelt_recipe_role_is_refused(glm_ckpt, tmp_path):
+    """A rule for ``routed_experts`` matched no tensor: the plan quantized nothing and exited 0."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("format: mxfp4\nrules:\n  - {role: routed_experts, action: quantize}\n")
+    refused(["quant.cli", "--to", "mxfp4", "--recipe", recipe, glm_ckpt, tmp_path / "dst"],
+            str(recipe), "rules.0.role: unknown role 'routed_experts'", "did you mean 'routed_expert'?")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_misspelt_recipe_key_is_refused(glm_ckpt, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("format: mxfp4\nactivation: none\nrules:\n  - {role: routed_expert, action: quantize}\n")
+    refused(["quant.cli", "--to", "mxfp4", "--dry-run", "--recipe", recipe, glm_ckpt, tmp_path / "dst"],
+            str(recipe), "unknown key 'activation'", "did you mean 'activations'?")
+
+
+def test_a_recipe_may_name_the_roles_of_a_family_manifest_given_by_hand(glm_ckpt, tmp_path):
+    """A role only a hand-given manifest defines is valid for that run (and unknown without it)."""
+    manifest = yaml.safe_load(family_named("glm_moe_dsa").path.read_text())
+    manifest["roles"].insert(0, {"role": "final_norm", "pattern": r"^model\.norm\.weight$", "linear": False})
+    (tmp_path / "family.yaml").write_text(yaml.safe_dump(manifest))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("format: mxfp4\nrules:\n  - {role: final_norm, action: keep}\n")
+    planned = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--dry-run", "--recipe", str(recipe),
+                              "--family-manifest", str(tmp_path / "family.yaml"), str(glm_ckpt), str(tmp_path / "dst")],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert planned.returncode == 0, planned.stderr
+    refused(["quant.cli", "--to", "mxfp4", "--dry-run", "--recipe", recipe, glm_ckpt, tmp_path / "dst"],
+            "rules.0.role: unknown role 'final_norm'")
+
+
+def test_a_misspelt_family_manifest_key_is_refused(tmp_path):
+    """``mtp_prefx`` made ``--mtp-experts bf16`` a silent no-op on a family whose draft sits under a prefix."""
+    src = write_family_checkpoint(tmp_path / "src", "qwen3_next")
+    manifest = yaml.safe_load(family_named("qwen3_next").path.read_text())
+    manifest["mtp_prefx"] = manifest.pop("mtp_prefix")
+    (tmp_path / "family.yaml").write_text(yaml.safe_dump(manifest))
+    refused(["quant.cli", "--to", "mxfp4", "--mtp-experts", "bf16", "--family-manifest", tmp_path / "family.yaml",
+             src, tmp_path / "dst"], str(tmp_path / "family.yaml"), "unknown key 'mtp_prefx'",
+            "did you mean 'mtp_prefix'?")
+    assert not (tmp_path / "dst").exists()
