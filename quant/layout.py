@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from quant.safe_files import read_yaml
-from quant.schema import JsonValue, Schema, template_problem, validate
+from quant.schema import JsonValue, Schema, load, template_problem
 
 
 @dataclass(frozen=True)
@@ -352,9 +352,8 @@ def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
 
 def load_family(path: Path) -> Family:
     """The family manifest at ``path``, checked against ``FamilyFile`` before anything uses it."""
-    data = validate(read_yaml_mapping(path, "family manifest", UnknownFamilyError), FamilyFile, path,
-                    "family manifest", UnknownFamilyError,
-                    f"compare it with {manifests_root() / 'families' / 'glm_moe_dsa' / FAMILY_FILE}")
+    data = load(path, FamilyFile, "family manifest", UnknownFamilyError,
+                f"compare it with {manifests_root() / 'families' / 'glm_moe_dsa' / FAMILY_FILE}")
     fused = data.fused_experts
     return Family(
         name=data.family,
