@@ -22,12 +22,14 @@ import copy
 from lm_eval.api.registry import register_model
 from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
 
+from evals.errors import RunFailed
+
 ATTEMPTS = 5
 MAX_BODY_BYTES = 64 << 20  # one completion answer; ~100 kB for a 16k-token text with logprobs off
 RETRY_STATUS = {408, 429}  # and every 5xx
 
 
-class RequestRejected(RuntimeError):
+class RequestRejected(RunFailed):
     """The server answered a 4xx that retrying cannot fix (too long a prompt, a bad parameter)."""
 
 

@@ -42,6 +42,7 @@ from importlib import metadata
 from pathlib import Path
 
 from evals.bundle import BundleError
+from evals.errors import RunFailed
 from evals.probe import get_json
 from quant.outputs import write_atomic
 from quant.safe_files import create_new, make_folder, read_json
@@ -53,7 +54,7 @@ DEFAULT_RATES = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
 _PROGRESS = re.compile(r"successful=(\d+) errored=(\d+) incomplete=(\d+)")
 
 
-class LoadError(RuntimeError):
+class LoadError(RunFailed):
     """The sweep could not start or measure anything (the CLI's exit 3)."""
 
 

@@ -14,12 +14,13 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
+from quant.errors import QuantgateError
 from quant.safe_files import parse_json
 
 MAX_BYTES = 8 << 20  # /v1/models of a server with a few models is a few kB
 
 
-class ProbeError(OSError):
+class ProbeError(QuantgateError, OSError):
     """The server did not give a usable answer; the message says what it did instead."""
 
 

@@ -17,6 +17,8 @@ import ast
 import operator
 from pathlib import Path
 
+from quant.errors import QuantgateError
+
 MAX_INT = 1 << 64  # a batch size or a tier; a bigger value is not a padding rule (and stops 1 << 10**9)
 MAX_STEPS = 100_000  # statements executed per call: a rule is a few dozen
 MAX_DEPTH = 16  # calls nested (get_padded_M -> nextPow2 is 2)
@@ -32,7 +34,7 @@ _COMPARE = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.
 _BUILTINS = {"min": min, "max": max, "len": len, "int": int, "abs": abs}
 
 
-class RuleError(ValueError):
+class RuleError(QuantgateError, ValueError):
     """The file's padding rule uses something this reader does not interpret."""
 
 

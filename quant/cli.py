@@ -12,17 +12,15 @@ import sys
 from pathlib import Path
 
 from quant.decode_plan import make_decode_plan
-from quant.errors import CheckpointError, ConvertError, DiskFullError, NonFiniteError
+from quant.errors import ConvertError, QuantgateError
 from quant.example import FAMILIES, MLA_SIZES
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
-from quant.layout import UnknownFamilyError, load_family
+from quant.layout import load_family
 from quant.outputs import check_destination
 from quant.plan import Plan, PlanError, make_plan
-from quant.recipe import RecipeError, load_recipe, with_overrides
+from quant.recipe import load_recipe, with_overrides
 from quant.safe_files import refuse_link
-from quant.safetensors_io import ShardError
-from quant.serving import NamingError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -237,13 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `quantize --dry-run --json | head`: the reader left; that is not a failure
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush stays quiet
         return EXIT_OK
-    except (DiskFullError, OSError) as exc:  # finished shards stay, no partial file is left: --resume
+    except QuantgateError as exc:  # each error carries its exit code: 2 bad input, 1 a failed run (disk full)
+        print(f"quantize: {'failed' if exc.exit_code == EXIT_FAILED else 'error'}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # finished shards stay, no partial file is left: --resume
         print(f"quantize: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (PlanError, CheckpointError, RecipeError, NamingError, UnknownFamilyError, ConvertError, NonFiniteError,
-            ShardError) as exc:
-        print(f"quantize: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("quantize: interrupted; finished shards are kept and no partial file is left: "
               "rerun with --resume to finish", file=sys.stderr)

@@ -51,7 +51,7 @@ import yaml
 
 from quant.aiter_padding import RuleError, read_rule
 from quant.checkpoint import read_json_object
-from quant.errors import CheckpointError
+from quant.errors import CheckpointError, QuantgateError
 from quant.layout import manifests_root
 from quant.outputs import write_atomic
 from quant.safe_files import read_regular
@@ -76,7 +76,7 @@ SOURCE_BYTES = 4 << 20  # aiter's fused_moe.py is ~100 kB
 TABLE_BYTES = 64 << 20  # aiter's tuned_fmoe tables are a few MB
 
 
-class KernelInputError(ValueError):
+class KernelInputError(QuantgateError, ValueError):
     """The config or a table is unusable; the message names the file (and line) and the fix."""
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from quant.errors import QuantgateError
 from quant.safe_files import read_yaml
 from quant.schema import JsonValue, Schema, load, template_problem
 
@@ -193,8 +194,8 @@ class Family:
         return TensorRole("other", False, False, layer, mtp)
 
 
-class UnknownFamilyError(ValueError):
-    pass
+class UnknownFamilyError(QuantgateError, ValueError):
+    """No family manifest describes the checkpoint (or the name asked for); the message lists the known ones."""
 
 
 MTP_LAYERS_MAX = 64  # draft layers an engine builds by default: released families build one

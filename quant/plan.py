@@ -20,6 +20,7 @@ from quant.engines import Module, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.fusion import fusing_gpus
 from quant.engines.replay import release_spans
+from quant.errors import QuantgateError
 from quant.formats.codecs import Codec, get_codec
 from quant.fused import Piece, pieces
 from quant.layout import Family, FusedTensor, family_for
@@ -34,7 +35,7 @@ QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
 Entry = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of an output tensor
 
 
-class PlanError(ValueError):
+class PlanError(QuantgateError, ValueError):
     """The source cannot be converted as asked; the message names the file/tensor and the fix."""
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import ValidationInfo, field_validator
 
+from quant.errors import QuantgateError
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
 from quant.layout import Family, TensorRole, _known, manifests_root
@@ -20,8 +21,8 @@ from quant.schema import Schema, load, nearest
 ACTIONS = ("quantize", "keep")
 
 
-class RecipeError(ValueError):
-    pass
+class RecipeError(QuantgateError, ValueError):
+    """A recipe that cannot be used as written; the message names the file and what to fix."""
 
 
 def _known_format(fmt: str) -> str:

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from quant.errors import QuantgateError
 from quant.safe_files import create_new, open_regular_fd, parse_json
 
 DTYPE_BYTES = {
@@ -42,7 +43,7 @@ def torch_dtype(name: str):
             "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64}[name]
 
 
-class ShardError(ValueError):
+class ShardError(QuantgateError, ValueError):
     """A shard that cannot be read as safetensors; the message names the file and what to do."""
 
 

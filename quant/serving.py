@@ -17,12 +17,13 @@ from collections import defaultdict
 from quant.engines import draft_name, rule_sets
 from quant.engines.replay import draft_module_name, is_draft
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
+from quant.errors import QuantgateError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")  # mlp.experts.E.*, block_sparse_moe.experts.E.*
 
 
-class NamingError(ValueError):
+class NamingError(QuantgateError, ValueError):
     """A quantization choice the engines cannot load (the message says which modules and why)."""
 
 

@@ -2,10 +2,10 @@
 
 Each function is the one its command runs (``quantize``, ``gate checkpoint``, ``evals run``,
 ``gate accuracy``); it returns a typed result instead of printing, and raises instead of exiting:
-``quant.errors.QuantgateError`` subclasses carry the exit code the command would return (2 bad input
-or refused, 3 a run that could not finish), and the converter's own errors (``PlanError``,
-``CheckpointError``, ``ConvertError``, ...) name the file or tensor and the fix. Nothing here calls
-``sys.exit``.
+every error a user can cause (``PlanError``, ``CheckpointError``, ``BadInput``, ...) is a
+``quant.errors.QuantgateError`` that names the file or tensor and the fix and carries the exit code
+the command would return (2 bad input or refused, 1 a conversion that failed (disk full), 3 a run
+that could not finish). Nothing here calls ``sys.exit``.
 
     import quantgate
     plan = quantgate.plan("/ckpt/GLM-5-bf16")                      # headers only; plan.summary()

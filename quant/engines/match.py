@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from quant.errors import QuantgateError
 
-class MixedShards(ValueError):
+
+class MixedShards(QuantgateError, ValueError):
     """The engine raises at load: the shards of one fused module disagree (message = the engine's)."""
 
 
