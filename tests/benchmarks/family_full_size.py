@@ -177,7 +177,7 @@ def layout_minimax_m3() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
     from transformers.core_model_loading import revert_weight_conversion
 
-    from tests.quant.family_checkpoints import _minimax_m3_release
+    from tests.quant.family_checkpoints import tiny_builder
 
     kinds = ["dense", "sparse", "sparse"]  # layer 0: dense; 1: MoE; 2: the MTP module's template
     text = {**M3_TEXT, "num_hidden_layers": 3, "mlp_layer_types": kinds,
@@ -204,7 +204,7 @@ def layout_minimax_m3() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     saved = {**config.to_dict(), "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "torch_dtype": "bfloat16"}
     freq = ["dense"] * M3_DENSE + ["sparse"] * (M3_LAYERS - M3_DENSE)
     saved["text_config"].update(num_hidden_layers=M3_LAYERS, mlp_layer_types=freq, layer_types=list(freq))
-    _minimax_m3_release(saved, M3_LAYERS)
+    tiny_builder("minimax_m3").release_config(saved, None, M3_LAYERS)
     return saved, out
 
 
@@ -306,7 +306,7 @@ def layout_deepseek_v4() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    from tests.quant.family_checkpoints import _deepseek_v4_config, _deepseek_v4_release
+    from tests.quant.family_checkpoints import tiny_builder
 
     default = DeepseekV4Config(num_hidden_layers=V4_LAYERS)
     config = DeepseekV4Config(num_hidden_layers=V4_LAYERS + 1, tie_word_embeddings=False,
@@ -314,10 +314,11 @@ def layout_deepseek_v4() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
                               mlp_layer_types=[*default.mlp_layer_types, "moe"])
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
-    state = _deepseek_v4_release(revert_weight_conversion(model, dict(model.state_dict())), config, V4_LAYERS)
+    tiny = tiny_builder("deepseek_v4")
+    state = tiny.release(revert_weight_conversion(model, dict(model.state_dict())), config, V4_LAYERS, 0)
     out = [(name, "I64" if name.endswith("tid2eid") else "BF16", tuple(t.shape)) for name, t in state.items()]
     saved = {**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16"}
-    _deepseek_v4_config(saved, V4_LAYERS)
+    tiny.release_config(saved, config, V4_LAYERS)
     return saved, out
 
 

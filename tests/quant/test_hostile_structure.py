@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from quant.layout import family_named
 from quant.outputs import INDEX_NAME
 from tests.conftest import quantize_cmd
-from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
+from tests.quant.family_checkpoints import built_families, write_family_checkpoint
 from tests.quant.test_hostile import edit_json, gate, one_line_error, quantize
 from tests.quant.test_hostile_links import _limited, gate_cmd
 
@@ -190,7 +190,7 @@ BAD_COUNTS = [10**12, -1, 4.0, "4", 0, True]
 
 
 @pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
-@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("family", sorted(built_families()))
 def test_expert_counts_must_be_positive_integers_the_shards_can_hold(family, value, built, tmp_path, capsys):
     src = copy(built, tmp_path, family)
     key = experts_key(src, family)
@@ -385,6 +385,6 @@ def test_a_required_tensors_entry_the_checker_cannot_use_is_refused(entry, why, 
 
 
 def test_the_shipped_checkpoints_of_every_family_still_pass(built, capsys):
-    for family in sorted(BUILDERS):
+    for family in sorted(built_families()):
         code, out, err = gate(capsys, built(family))
         assert code == 0, (family, out, err)

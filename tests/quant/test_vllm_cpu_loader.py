@@ -71,7 +71,7 @@ from pathlib import Path
 import pytest
 
 from tests.quant import vllm_cpu
-from tests.quant.family_checkpoints import BUILDERS, write_family_checkpoint
+from tests.quant.family_checkpoints import built_families, write_family_checkpoint
 
 EXAMPLE = ["--example-weights", "random", "--example-mla", "real"]  # MLA sizes vLLM's kernels accept
 
@@ -160,7 +160,8 @@ def quantize(*args) -> None:
 # what each checkpoint's broken copy loses: layer 1's shared experts (the class of the outage in the
 # Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
 CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
-         **dict.fromkeys(sorted(set(BUILDERS) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe", "deepseek_v4"}), ".layers.1.self_attn."),
+         **dict.fromkeys(sorted(set(built_families()) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe",
+                                                         "deepseek_v4"}), ".layers.1.self_attn."),
          # DeepSeek-V4 (attn, not self_attn): every entry of layer 1's attention, in either name
          "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe, minimax_m3: see above; gpt_oss: its own MXFP4 config (tests/quant/test_vllm_cpu_gpt_oss.py)
 
