@@ -16,7 +16,7 @@ from quant.errors import ConvertError, QuantgateError
 from quant.example import FAMILIES, MLA_SIZES
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
-from quant.layout import load_family
+from quant.layout import FAMILIES_ENV, UnknownFamilyError, families_listing, load_family
 from quant.outputs import check_destination
 from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import load_recipe, with_overrides
@@ -25,13 +25,12 @@ from quant.safe_files import refuse_link
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 DESCRIPTION = """\
-Convert a bf16 Hugging Face MoE checkpoint (GLM-5, DeepSeek-V3 / Kimi-K2, Kimi-K2.5, GLM-4.5, Qwen3-MoE,
-Qwen3-Next, Mixtral, MiniMax-M2, MiniMax-M3, Llama-4, DeepSeek-V4 layouts) into AMD Quark 0.13's MXFP4
-format, byte for byte what Quark's file-to-file exporter writes, with an exclude list that sglang
+Convert a bf16 Hugging Face MoE checkpoint of one of the model families listed below into AMD Quark 0.13's
+MXFP4 format, byte for byte what Quark's file-to-file exporter writes, with an exclude list that sglang
 and vLLM really match (including sglang's model.decoder.* names for the MTP layer).
 
-What is quantized is data: the model family manifest (manifests/families/) says which tensor is
-what; the recipe (manifests/recipes/) says which roles become MXFP4. The default recipe quantizes
+What is quantized is data: the model family manifest (manifests/families/<family>/family.yaml) says which
+tensor is what; the recipe (manifests/recipes/) says which roles become MXFP4. The default recipe quantizes
 routed experts only (W4A4) and keeps everything else bf16.
 
 Output appears atomically: each shard under its final name only when complete, and
@@ -49,6 +48,18 @@ examples:
   quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation"""
 
 
+class _Parser(argparse.ArgumentParser):
+    def format_help(self) -> str:
+        """The help, ending with the families read from their folders when it is shown (not on every run),
+        so it lists exactly what quantize reads, a family added by a folder included."""
+        try:
+            families = families_listing()
+        except UnknownFamilyError as exc:  # a broken QUANTGATE_FAMILIES root: help still prints, naming it
+            families = f"  (not listed: {exc})"
+        return (f"{super().format_help()}\nmodel families (manifests/families/<family>/, then each root in "
+                f"{FAMILIES_ENV}):\n{families}\n")
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
@@ -56,7 +67,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quantize", description=DESCRIPTION, epilog=EPILOG,
+    p = _Parser(prog="quantize", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", type=Path, help="source checkpoint folder (config.json, shards, index)")
     p.add_argument("dst", nargs="?", type=Path, help="output folder; must be empty (or see --overwrite)")

@@ -141,6 +141,7 @@ class Family:
     # (?P<expert>...) group. A fused family: fused_experts.experts_key unless given.
     experts_keys: tuple[str, ...] = ()
     required_tensors: tuple[Required, ...] = ()  # tensors the release always holds (REQUIRED_PER)
+    title: str = ""  # the releases' name for people (``GLM-4.5 / 4.6 / 4.7``): what help texts list
     path: Path | None = field(default=None, compare=False)  # the manifest it was read from, for messages
 
     def text_config(self, config: dict) -> dict:
@@ -308,6 +309,7 @@ class RequiredEntry(Schema):
 class FamilyFile(Schema):
     """A family manifest as written (``manifests/families/*/family.yaml``; the fields are ``Family``'s)."""
     family: str
+    title: str = ""
     model_types: list[str] = Field(min_length=1)
     num_layers_key: str = "num_hidden_layers"
     roles: list[RoleEntry]
@@ -377,6 +379,7 @@ def load_family(path: Path) -> Family:
         config_keys=tuple((f, tuple(sorted(keys.items()))) for f, keys in data.config_keys.items()),
         experts_keys=data.experts_keys,
         required_tensors=tuple(Required(r.name, r.per) for r in data.required_tensors),
+        title=data.title,
         path=Path(path),
     )
 
@@ -422,6 +425,15 @@ def _known() -> list[Family]:
                                      "make them the same (the folder's name is the family's)")
         families.append(family)
     return families
+
+
+def families_listing() -> str:
+    """One line per discovered family (its name, title and model types), read from the folders so
+    that help texts list exactly the families quantgate reads, a family added by a folder included."""
+    known = _known()
+    width = max((len(f.name) for f in known), default=0)
+    return "\n".join(f"  {f.name:<{width}}  {f.title or f.name} (model_type {', '.join(f.model_types)})"
+                     for f in known)
 
 
 def family_named(name: str) -> Family:

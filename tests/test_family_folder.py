@@ -1,0 +1,107 @@
+"""A family is one folder: an existing family's folder copied under a new name (new family, model
+type and engine model class) into a root listed in QUANTGATE_FAMILIES is read by every command, run
+as real processes, with no edit to the package: ``quantize --help`` lists it, the planner and the
+converter take its checkpoint, ``gate checkpoint`` replays its own rule files, ``gate kernels`` reads
+its MoE. Without the root the same checkpoint is refused as no known family, so the folder did it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quant.cli import build_parser
+from quant.layout import FAMILIES_ENV, FAMILY_FILE, family_dirs, family_named
+from tests.quant.family_checkpoints import write_family_checkpoint
+
+# Mixtral needs no new kind of layout or rule: its copy is "a new MoE release built like Mixtral"
+SOURCE, NEW, NEW_CLASS = "mixtral", "mixtral_copy", "MixtralCopyForCausalLM"
+
+
+def copy_family(root: Path) -> Path:
+    """``SOURCE``'s folder as ``root/NEW``: the manifest names the new family, model type and engine
+    classes; its rule files list the new class (so they, not the original's, are what is replayed)."""
+    folder = root / NEW
+    shutil.copytree(family_dirs()[SOURCE], folder)
+    manifest = yaml.safe_load((folder / FAMILY_FILE).read_text())
+    manifest.update(family=NEW, model_types=[NEW], engine_classes={e: NEW_CLASS for e in manifest["engine_classes"]})
+    (folder / FAMILY_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False))
+    for engine in manifest["engine_classes"]:
+        rules = yaml.safe_load((folder / f"{engine}.yaml").read_text())
+        rules["model_classes"] = [NEW_CLASS]
+        (folder / f"{engine}.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    return folder
+
+
+def as_new_family(src: Path) -> Path:
+    """A checkpoint of the copied family: the source family's tiny checkpoint whose config.json names
+    the new model type and architecture (what a release of the new family would say)."""
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type=NEW, architectures=[NEW_CLASS])
+    (src / "config.json").write_text(json.dumps(config, indent=2))
+    return src
+
+
+def run(*command, root: Path | None) -> subprocess.CompletedProcess:
+    """``python -m <command>`` in its own process, with ``root`` as the only QUANTGATE_FAMILIES root."""
+    env = {k: v for k, v in os.environ.items() if k != FAMILIES_ENV}
+    if root is not None:
+        env[FAMILIES_ENV] = str(root)
+    return subprocess.run([sys.executable, "-m", *map(str, command)], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+
+
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory):
+    """(the root holding the copied folder, a bf16 checkpoint of the new family, its MXFP4 conversion)."""
+    base = tmp_path_factory.mktemp("family_folder")
+    root = base / "families"
+    root.mkdir()
+    copy_family(root)
+    src = as_new_family(write_family_checkpoint(base / "bf16", SOURCE))
+    converted = run("quant.cli", "--to", "mxfp4", "-q", "--json", src, base / "mxfp4", root=root)
+    assert converted.returncode == 0, converted.stderr
+    return root, src, base / "mxfp4"
+
+
+def test_quantize_help_lists_every_family_from_its_folder():
+    """The help's family list is read from the folders (it was hand-written and omitted two families)."""
+    text = build_parser().format_help()
+    for family in map(family_named, family_dirs()):
+        assert f"  {family.name} " in text and family.title and family.title in text, family.name
+
+
+def test_quantize_help_lists_the_copied_family(copied):
+    root, _, _ = copied
+    shown = run("quant.cli", "--help", root=root)
+    assert shown.returncode == 0, shown.stderr
+    assert f"  {NEW} " in shown.stdout and f"model_type {NEW})" in shown.stdout
+    assert f"  {NEW} " not in run("quant.cli", "--help", root=None).stdout
+
+
+def test_the_planner_and_converter_read_the_copied_family(copied):
+    root, src, converted = copied
+    planned = run("quant.cli", "--to", "mxfp4", "--dry-run", "--json", src, converted.parent / "plan", root=root)
+    assert planned.returncode == 0, planned.stderr
+    summary = json.loads(planned.stdout)
+    assert summary["family"] == NEW and summary["by_role"]["routed_expert"]["quantize"] == 36, summary
+    manifest = json.loads((converted / "conversion_manifest.json").read_text())
+    assert manifest["family"] == NEW
+    unknown = run("quant.cli", "--to", "mxfp4", "--dry-run", src, converted.parent / "plan", root=None)
+    assert unknown.returncode == 2 and f"model_type {NEW!r}: no model family" in unknown.stderr, unknown.stderr
+
+
+def test_gate_checkpoint_replays_the_copied_family_rules(copied):
+    root, _, converted = copied
+    checked = run("evals.cli", "checkpoint", converted, "--json", root=root)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    report = json.loads(checked.stdout)
+    assert report["ok"] and set(report["engines"]) == {"sglang 0.5.21..0.5.23", "vllm 0.33.0"}, report["engines"]
+    unknown = run("evals.cli", "checkpoint", converted, root=None)
+    assert unknown.returncode == 2 and f"model_type {NEW!r}: no model family" in unknown.stderr, unknown.stderr
