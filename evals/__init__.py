@@ -1,4 +1,4 @@
-"""quantgate's evaluation side: run bundles, paired statistics and the release gate (see issues 5-7)."""
+"""quantgate's evaluation side: run bundles, paired statistics and the release gate."""
 
 from quant.user_cache import use_user_cache
 

@@ -1,6 +1,6 @@
 """The README's walkthrough on the built-in example runs anywhere: every command of its section, as
 written, in an empty folder (no clone around it: the arith policy is the package's own), with the
-installed entry points (issue 37 item 7).
+installed entry points (what a user runs, not the source tree).
 
 The one change is size: each `evals run` without `--plan` gets `--limit LIMIT` and `gate plan` gets
 `--items arith=LIMIT` (both documented flags; the planned runs then run the plan's LIMIT items), so

@@ -219,7 +219,7 @@ def expected_df(benchmark: str, assumptions: Assumptions, items: int, repeats: i
     independent repeats); else, stated, an (item, repeat) is discordant with probability
     ``between + within + drop^2`` (``outcome_rates``) and an item differs once one of its repeats is
     (independent repeats: an upper estimate; where the same items differ again and again, as under
-    issue 37's concentrated damage, fewer differ and the bound lies further out)."""
+    damage concentrated on a few items, fewer differ and the bound lies further out)."""
     seen = assumptions.differing
     if seen and repeats <= len(seen):
         differ = seen[repeats - 1]

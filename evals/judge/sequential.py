@@ -16,8 +16,8 @@ at the margin passes at some look with probability at most ``alpha``.
 The fractions the gate spends on are the observed ones (``observed_fractions``: each look's
 information, 1 / its observed variance, over the larger of the plan's final information and the
 final information the look's own data predict; the plan's last look is 1), not the plan's guess
-of them: Lan and DeMets' spending function needs the information actually seen, and the audit of
-issue 37 measured 6.4% false pass for GPQA 198 x 8 judged at the plan's fractions. Each look's
+of them: Lan and DeMets' spending function needs the information actually seen, and an audit
+measured 6.4% false pass for GPQA 198 x 8 judged at the plan's fractions. Each look's
 boundary depends only on the fractions so far (``look_boundaries``).
 
 The gate judges look k at the one-sided confidence ``Phi(c_k)`` (``nominal_confidence``): PASS

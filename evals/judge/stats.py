@@ -193,7 +193,7 @@ def _bca(groups: list[np.ndarray], delta: float, confidence: float, resamples: i
     lower, upper = float(np.quantile(boot, level(-z))), float(np.quantile(boot, level(z)))
     # The bias and skew corrections are estimated from the same few items that differ as the spread; where
     # they moved a bound nearer the delta than the expanded t bound it was too near (a candidate at the
-    # margin passed 5.6% +- 0.23 of 10,000 sequential GPQA 198 x 8 runs, issue 37; with this floor 5.1%).
+    # margin passed 5.6% +- 0.23 of 10,000 sequential GPQA 198 x 8 runs; with this floor 5.1%).
     # They may move a bound away from the delta (skewed losses, which the t bound alone passes too often).
     se = math.sqrt(sum(shares)) / len(groups)
     floor_lower, floor_upper = delta - z * se, delta + z * se

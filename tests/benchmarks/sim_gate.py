@@ -15,7 +15,7 @@ with a per-item probability and gains a reference failure with another (both Bet
 around their means: the quantization hurts some items more than others), chosen so the expected
 delta over items is exactly the cell's and the discordance the benchmark's. The arms are coupled
 per item (the candidate redraws independently with a per-item probability), so their correlation
-differs between items (``arms``). The second item model (``concentrated_arms``, issue 37's audit)
+differs between items (``arms``). The second item model (``concentrated_arms``: quantization breaks a few questions)
 puts all the damage on 10-20% of the items and couples the arms by a per-item uniform odds; every
 cell runs under both (``--models``). tau2 has three domains at their own levels (the macro's delta is each
 domain's), trials as repeats and, in one cell, infrastructure errors in the reference arm. The
@@ -187,7 +187,7 @@ def arms(rng: np.random.Generator, mix: Mix, n: int, repeats: int, discordance: 
 
 def concentrated_arms(rng: np.random.Generator, mix: Mix, n: int, repeats: int, discordance: float | None,
                       delta: float) -> tuple[np.ndarray, np.ndarray]:
-    """The second item model (issue 37's audit): the damage falls on 10-20% of the items only (the
+    """The second item model: the damage falls on 10-20% of the items only (the
     quantization breaks some questions and leaves the rest), gains are spread over every item, and
     the arms' coupling varies by item. E[candidate - reference] = ``delta`` over items, as in ``arms``."""
     d = -delta if discordance is None else discordance
@@ -261,7 +261,7 @@ def run(task: tuple[Cell, float, int, int, str, float | None, str]) -> Counter:
 
 
 def fixed_cases() -> list[str]:
-    """The few-discordance cases of issue 25, judged once each."""
+    """The few-discordance cases (one or two of 200-300 items differ), judged once each."""
     out = []
     for n, b in ((200, 1), (300, 2)):
         rows = [({"benchmark": "gsm8k", "item_id": str(i), "repeat": 0, "filter": "f", "score": 1.0},

@@ -1,6 +1,6 @@
 """A verdict bound to its artifacts, on the built-in example's real checkpoints and real `evals run` bundles:
 the released checkpoint must be the one the candidate run evaluated, the two arms must be two, and the
-report names what judged it (issue 37, item 1)."""
+report names what judged it."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def manifest_sha(model) -> str:
 
 def test_a_checkpoint_the_candidate_run_did_not_evaluate_is_refused_naming_both_hashes(example, capsys, tmp_path):
     _, models, runs = example
-    for wrong in ("fp8", "bf16"):  # issue 37: both said RELEASE (exit 0) for the MXFP4 run's numbers
+    for wrong in ("fp8", "bf16"):  # both once said RELEASE (exit 0) for the MXFP4 run's numbers
         code, _, err = gate(capsys, "release", models[wrong], "--candidate", runs / "mxfp4", "--reference",
                             runs / "fp8", "--policy", POLICY, "--report-dir", tmp_path / wrong)
         refused(code, err, manifest_sha(models["mxfp4"]),

@@ -1,5 +1,5 @@
-"""Every family evaluated locally as served (issue 35 item 5): GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral,
-MiniMax-M2, DeepSeek-V4 (its release names unprefixed, renamed by transformers on load) and Qwen3.5 MoE (issue 36: routed experts fused [E, 2I, H] in its bf16 release, per expert
+"""Every family evaluated locally as served: GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral,
+MiniMax-M2, DeepSeek-V4 (its release names unprefixed, renamed by transformers on load) and Qwen3.5 MoE (routed experts fused [E, 2I, H] in its bf16 release, per expert
 in a conversion, which transformers' own converters merge back) tiny checkpoints named as their releases, converted --to mxfp4 and --to fp8, loaded by
 evals.emulation and checked against a reference built without it: the conversion decoded by
 ``quantize --to bf16``, loaded by plain transformers (its own eager experts), with the activation

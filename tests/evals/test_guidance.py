@@ -1,5 +1,5 @@
 """Guidance for an INCONCLUSIVE comparison is what it takes from here, at the observed delta: each
-defect issue 25 found is pinned here (data the run already has, pass advice on a loss, a power that
+defect found in it is pinned here (data the run already has, pass advice on a loss, a power that
 assumed a delta of 0, a certified margin rounded down)."""
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_more_items_are_named_only_beyond_those_run_with_the_power_at_the_observ
     assert f"{g['items_needed'] - 400} more items ({g['items_needed']} of the benchmark's 1319)" in text
     assert f"at the observed delta {result.delta:+.4f}" in text and "were the true delta 0" in text
     assert g["power_at_observed"] >= 0.8 and g["power_at_observed"] != g["power_at_zero"]
-    # one outcome per item: the powers printed are the exact rule's for the items still to run (issue 37: the
-    # normal approximation of the bound promised "1 more items would reach 100% power")
+    # one outcome per item: the powers printed are the exact rule's for the items still to run (the
+    # normal approximation of the bound once promised "1 more items would reach 100% power")
     n_items = g["items_needed"]
     assert g["power_at_observed"] == pytest.approx(exact_power(n_items, 8 / 400, 6 / 400, 0.02, 0.95, 8, 6, 400))
     assert g["power_at_zero"] == pytest.approx(exact_power(n_items, 7 / 400, 7 / 400, 0.02, 0.95, 8, 6, 400))
@@ -101,7 +101,7 @@ def test_more_items_are_named_only_beyond_those_run_with_the_power_at_the_observ
 
 
 def test_a_near_miss_is_not_promised_a_certain_pass_by_one_more_item():
-    """Issue 37: 200 items, 4 lost and 3 won at 0.03 (the exact bound -0.0313): no "1 more items would reach
+    """200 items, 4 lost and 3 won at 0.03 (the exact bound -0.0313): no "1 more items would reach
     100% power"; the design named reaches the power by the exact rule."""
     result, text = judged(pairs_of(*binary_pair(200, 4, 3)), "gsm8k", gsm8k=0.03)
     g = result.guidance

@@ -1,4 +1,4 @@
-"""Hostile inputs, third campaign (issue 38 items 2 and 6, issue 37 item 2): plan files, policies and
+"""Hostile inputs, third campaign: plan files, policies and
 the plan a run bundle carries, each read by one validating reader and judged by the reviewer's policy.
 
 Every case runs the real command on real files (links to /dev/zero, FIFOs, alias bombs; as its own
@@ -282,7 +282,7 @@ def test_a_bad_reference_table_is_one_line(table, says, lost3, tmp_path, capsys)
     one_line(err, str(path), says)
 
 
-# ---- issue 37 item 2: no hidden margin; the example's policy ships with the package --------------------
+# ---- no hidden margin; the example's policy ships with the package --------------------
 
 @pytest.fixture
 def arith(tmp_path):

@@ -1,5 +1,5 @@
-"""Hostile inputs, third campaign, for ``evals run``'s own inputs and output folder (issue 38 items
-3, 4 and 8; issue 37 items 1 and 6): code and rescoring planted in ``OUT/tasks``, paths that YAML
+"""Hostile inputs, third campaign, for ``evals run``'s own inputs and output folder: code and
+rescoring planted in ``OUT/tasks``, paths that YAML
 or datasets would read as syntax, two runs into one folder, degenerate flags, ``--resume`` into
 another model's finished bundle, and the served checkpoint's identity.
 
@@ -89,7 +89,7 @@ def tree_hashes(folder: Path) -> dict[str, str]:
     return out
 
 
-# ---- issue 38 item 3: OUT/tasks is this run's alone; nothing planted there is read or run -------------
+# ---- OUT/tasks is this run's alone; nothing planted there is read or run -------------
 
 PLANTED_HOOK = """\
 task: quantgate_gsm8k
@@ -167,7 +167,7 @@ def test_a_planted_rescoring_task_never_rescores_and_a_rescored_run_is_not_compa
         line for line in err.splitlines() if "task_sha256" in line]  # the one difference named
 
 
-# ---- issue 38 item 4: a path is data, never YAML or glob syntax ---------------------------------------
+# ---- a path is data, never YAML or glob syntax ---------------------------------------
 
 PATHS = {"double quote": 'd"q', "backslash": "dd\\tx", "newline": "new\nline", "unicode": "dätä-数据-€",
          "glob brackets": "br[a]ck", "chained-hop colons": "co::lon", "yaml syntax": "x: {y: [z]} # c"}
@@ -224,7 +224,7 @@ def test_a_data_file_swapped_for_a_special_file_is_refused_without_hanging(speci
     assert not (tmp_path / "out").exists()
 
 
-# ---- issue 38 item 8: one writer per output folder ------------------------------------------------------
+# ---- one writer per output folder ------------------------------------------------------
 
 def test_a_second_evals_run_into_the_same_out_is_refused_naming_the_lock(hostile, outside, tmp_path):
     root, handler, _ = hostile
@@ -248,7 +248,7 @@ def test_a_second_evals_run_into_the_same_out_is_refused_naming_the_lock(hostile
     assert first.returncode == 130 and not (out / "run.json").exists()
 
 
-# ---- issue 37 item 6 and issue 38: degenerate flags are bad input, refused at once ----------------------
+# ---- degenerate flags are bad input, refused at once ----------------------
 
 DEGENERATE = {
     "--limit 0": (["--limit", "0"], "--limit 0: give a whole number of at least 1"),
@@ -301,7 +301,7 @@ def test_resume_into_a_finished_bundle_with_another_model_or_settings_keeps_it(r
     assert sorted(after) == sorted(before) and after["samples.jsonl"] == before["samples.jsonl"]
 
 
-# ---- issue 37 item 1 (evals run's part): the served checkpoint's identity -------------------------------
+# ---- the served checkpoint's identity, as evals run records it -------------------------------
 
 def served_checkpoint(folder: Path, weights: bytes = b"weights") -> Path:
     """A folder as `quantize` writes it: a shard and the conversion_manifest.json that records its sha256."""

@@ -1,5 +1,5 @@
 """The paired bounds hold their level where the percentile bootstrap did not: the exact bound of paired
-0/1 items checked by enumeration at small n, its known values and issue 37's cases, degenerate data,
+0/1 items checked by enumeration at small n, its known values and the cases an older bound misjudged, degenerate data,
 and the method named with every bound."""
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def test_exact_bounds_known_values():
 
 
 @pytest.mark.parametrize("n, b, c, margin, verdict", [
-    (200, 4, 4, 0.035, "PASS"),  # issue 37: INCONCLUSIVE while the loss rate's bound (-0.045) overrode Tango's
-    (200, 1, 0, 0.02, "INCONCLUSIVE"),  # the few-discordance guarantee (issue 25)
+    (200, 4, 4, 0.035, "PASS"),  # was INCONCLUSIVE while the loss rate's bound (-0.045) overrode Tango's
+    (200, 1, 0, 0.02, "INCONCLUSIVE"),  # the few-discordance guarantee
     (300, 2, 0, 0.02, "INCONCLUSIVE"),
     (250, 2, 3, 0.025, "PASS"),
 ])

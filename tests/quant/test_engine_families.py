@@ -389,7 +389,7 @@ def test_draft_class_and_names_are_the_engines(family, rules, release):
         assert naming["max_layers"] is None and "Only 1 nextn layer" not in source(whl, path)
 
 
-# The releases issue 35 asks to read for every new family: each one read and covered by one rule set.
+# The releases users serve today, which every new family's rules must cover: each one read and covered by one rule set.
 REQUIRED = {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}
 
 
