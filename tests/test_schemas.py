@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
@@ -64,3 +63,11 @@ def test_a_misspelt_family_manifest_key_is_refused(tmp_path):
              src, tmp_path / "dst"], str(tmp_path / "family.yaml"), "unknown key 'mtp_prefx'",
             "did you mean 'mtp_prefix'?")
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_misspelt_gate_policy_key_is_refused(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("confidence: 0.95\nbenchmarks:\n  gsm8k: {margn: 0.02}\n")
+    refused(["evals.cli", "plan", "--policy", policy, "--items", "gsm8k=3", "--out", tmp_path / "plan.yaml"],
+            str(policy), "benchmarks.gsm8k: unknown key 'margn'", "did you mean 'margin'?")
+    assert not (tmp_path / "plan.yaml").exists()

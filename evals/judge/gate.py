@@ -20,18 +20,30 @@ The overall verdict needs every required benchmark compared: one left out blocks
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from evals.judge import binding, design, render, tau2_gate
 from evals.bundle import RUN_JSON, BundleError, pair, read_bundle
 from evals.errors import BadInput, Refused
+from evals.judge import binding, design, render, tau2_gate
 from evals.judge.plan_file import plan_under_policy
 from evals.judge.policy import BenchmarkPolicy, GatePolicy
-from evals.judge.stats import (NOISE_ALPHA, Paired, discordance, guidance, macro_interval, mcnemar_exact_p, mean_ci,
-                         noise_floor_p, paired_delta, unpaired_delta, wilson_interval, z_two_sided)
+from evals.judge.stats import (
+    NOISE_ALPHA,
+    Paired,
+    discordance,
+    guidance,
+    macro_interval,
+    mcnemar_exact_p,
+    mean_ci,
+    noise_floor_p,
+    paired_delta,
+    unpaired_delta,
+    wilson_interval,
+    z_two_sided,
+)
 from quant.layout import read_yaml_mapping
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -195,7 +207,7 @@ def compare_benchmark(benchmark: str, pairs: list[tuple[dict, dict]], policy: Ga
     """The paired comparison of one benchmark's (reference, candidate) rows, judged by the policy.
 
     ``policy.confidence`` is the level of the one-sided bounds; a caller judging repeated looks at
-    one run passes a policy with the adjusted level (``dataclasses.replace``). ``greedy``: whether
+    one run passes a policy with the adjusted level (``policy.model_copy``). ``greedy``: whether
     repeats reproduce the answers (default: as the benchmark's protocol decodes, ``greedy_decoding``)."""
     rules = policy.of(benchmark)
     confidence, margin = policy.confidence, rules.margin
@@ -371,7 +383,7 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
                                        len({a["repeat"] for a, _ in all_pairs[bench]}), policy.confidence)
             if look["follows"]:  # the level spends alpha on the information observed, not the plan's guess of it
                 look = _observed_look(look, bench, plan, all_pairs[bench], 1 - policy.confidence)
-        level = replace(policy, confidence=look["confidence"]) if look and look["follows"] else policy
+        level = policy.model_copy(update={"confidence": look["confidence"]}) if look and look["follows"] else policy
         result = compare_benchmark(bench, all_pairs[bench], level, rerun_pairs,
                                    greedy_decoding(bench, ref_run["benchmarks"][bench]))
         if look:

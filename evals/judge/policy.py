@@ -2,11 +2,12 @@
 required, an absolute floor and what an INCONCLUSIVE does; the confidence and the bootstrap.
 
 The defaults live here and only here; ``manifests/gates/release.yaml`` says which values the
-release gate uses and why. A policy file is read by the validating reader (``safe_files.read_yaml``:
-a regular file, size capped, no aliases) and checked on load: a wrong key or value is a
-``BadInput`` naming the file and the key. A policy shipped with the package is named by its file's
-stem (``--policy arith-example``: ``manifests/gates/arith-example.yaml``) and found only there: a file
-of that name in the working folder never stands in for it (a path is written as one: ``./release``).
+release gate uses and why. A policy file is read by the one YAML loader (``quant.schema.load``:
+a regular file, size capped, no aliases) against ``PolicyFile``: a wrong key or value is a
+``BadInput`` naming the file, the key and, for a misspelt key, the nearest valid one. A policy
+shipped with the package is named by its file's stem (``--policy arith-example``:
+``manifests/gates/arith-example.yaml``) and found only there: a file of that name in the working
+folder never stands in for it (a path is written as one: ``./release``).
 Numbers that would void the bound's promise (too few bootstrap resamples for its level, a seed numpy
 refuses) are refused, and so are numbers that would exhaust the machine (resamples past ``MAX_RESAMPLES``).
 
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from scipy import stats as sps
 
 from evals.errors import BadInput
-from quant.layout import manifests_root, read_yaml_mapping
+from quant.layout import manifests_root
+from quant.schema import Schema, load
 
 INCONCLUSIVE_MODES = ("block", "warn")  # block: the release waits for more data; warn: reported only
 POLICY_SUFFIXES = (".yaml", ".yml", ".json")  # a --policy with one of these (or a slash) is a path, never a name
@@ -36,35 +39,95 @@ MAX_RESAMPLES = 1_000_000
 SEED_MAX = 2**32 - 1  # numpy's seed range, as `evals run --seeds` takes it
 
 
-@dataclass(frozen=True)
-class BenchmarkPolicy:
+class BenchmarkPolicy(Schema):
     margin: float  # the non-inferiority margin on the paired delta (score units, 0..1); no default: named or refused
     required: bool = True  # a verdict needs this benchmark compared
     floor: float | None = None  # candidate scores below this FAIL whatever the delta says
-    inconclusive: str = "block"  # see INCONCLUSIVE_MODES
+    inconclusive: Literal[INCONCLUSIVE_MODES] = "block"  # see INCONCLUSIVE_MODES
     min_items: int = 0  # fewer compared items: INCONCLUSIVE, blocking whatever the bounds say
     max_infra_error_rate: float | None = None  # tau2: an arm with more infrastructure errors is INCONCLUSIVE
 
+    @field_validator("margin")
+    @classmethod
+    def _margin(cls, margin: float) -> float:
+        if not 0 <= margin < 1:
+            raise ValueError(f"{margin} is not a score difference in [0, 1)")
+        return margin
 
-@dataclass(frozen=True)
-class Bootstrap:
-    resamples: int = 10000
+    @field_validator("floor", "max_infra_error_rate")
+    @classmethod
+    def _rate(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError(f"{value} is not a score or rate in [0, 1]")
+        return value
+
+    @field_validator("min_items")
+    @classmethod
+    def _min_items(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"{value} is negative; 0 means no minimum")
+        return value
+
+
+class Bootstrap(Schema):
+    resamples: int = 10000  # checked against the confidence by the policy (``min_resamples``)
     seed: int = 0
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed: int) -> int:
+        if not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"{seed}: a whole number from 0 to {SEED_MAX}, e.g. 0")
+        return seed
 
-@dataclass(frozen=True)
-class KernelsPolicy:
+
+class KernelsPolicy(Schema):
     # An untuned aiter MoE shape costs speed, not accuracy: a warning in the release report
     # unless the policy makes it block (``gate release --gpu ...`` runs ``gate kernels``).
     blocking: bool = False
 
 
-@dataclass(frozen=True)
-class GatePolicy:
+def _default_if_null(value, info: ValidationInfo):
+    """An empty key (``benchmarks:`` with nothing after it) is its default, as if it were absent."""
+    return PolicyFile.model_fields[info.field_name].get_default(call_default_factory=True) if value is None else value
+
+
+class PolicyFile(Schema):
+    """A gate policy as written (``manifests/gates/*.yaml``)."""
     confidence: float = 0.95  # one-sided, for the bounds of the paired delta
-    bootstrap: Bootstrap = field(default_factory=Bootstrap)
-    benchmarks: dict[str, BenchmarkPolicy] = field(default_factory=dict)
-    kernels: KernelsPolicy = field(default_factory=KernelsPolicy)
+    bootstrap: Bootstrap = Field(default_factory=Bootstrap)
+    benchmarks: dict[str, BenchmarkPolicy] = Field(default_factory=dict)
+    kernels: KernelsPolicy = Field(default_factory=KernelsPolicy)
+
+    _nulls = field_validator("bootstrap", "benchmarks", "kernels", mode="before")(_default_if_null)
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _names(cls, benchmarks):
+        for bench in benchmarks if isinstance(benchmarks, dict) else ():
+            if not isinstance(bench, str) or not bench:
+                raise ValueError(f"the key {bench!r} is not a benchmark's name; write names as the runs record "
+                                 "them, e.g. gsm8k")
+        return benchmarks
+
+    @model_validator(mode="after")
+    def _bound_holds(self):
+        """Numbers that would void the bound's promise or exhaust the machine."""
+        if not 0.5 < self.confidence < 1:
+            raise ValueError(f"confidence {self.confidence} must lie in (0.5, 1), e.g. 0.95")
+        least = min_resamples(self.confidence)
+        if least > MAX_RESAMPLES:
+            raise ValueError(f"confidence {self.confidence}: its bound needs {least} bootstrap resamples, more than "
+                             f"the {MAX_RESAMPLES} allowed; use a confidence such as 0.95 or 0.99")
+        if not least <= self.bootstrap.resamples <= MAX_RESAMPLES:
+            raise ValueError(f"bootstrap.resamples {self.bootstrap.resamples}: the bound at confidence "
+                             f"{self.confidence} needs from {least} (fewer leave it to chance) to {MAX_RESAMPLES} "
+                             "(more cost time and memory and change nothing), e.g. 10000")
+        return self
+
+
+class GatePolicy(PolicyFile):
+    """A policy and where it was read from (a file may not set that)."""
     source: str | None = None  # the file it was read from
 
     def of(self, benchmark: str) -> BenchmarkPolicy:
@@ -86,42 +149,17 @@ class GatePolicy:
             if not 0 <= margin < 1:
                 raise BadInput(f"--margin {bench}={margin}: a margin is a score difference between 0 and 1")
             named = benchmarks.get(bench)
-            benchmarks[bench] = replace(named, margin=margin) if named else BenchmarkPolicy(margin, required=False)
-        return replace(self, benchmarks=benchmarks)
+            benchmarks[bench] = named.model_copy(update={"margin": margin}) if named else \
+                BenchmarkPolicy(margin=margin, required=False)
+        return self.model_copy(update={"benchmarks": benchmarks})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self.model_dump()
 
 
 def finite_number(value) -> bool:
     """A real, finite number as YAML or JSON gives one (a bool is not one, NaN and Inf are not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _typed(cls, raw, where: str):
-    """``cls(**raw)`` with every key known and every value of its field's kind, else BadInput."""
-    if not isinstance(raw, dict):
-        raise BadInput(f"{where}: expected a mapping, got {raw!r}")
-    known = {f.name: f for f in fields(cls) if f.name != "source"}  # the file it was read from is not a key of it
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise BadInput(f"{where}: unknown key(s) {unknown}; known: {sorted(known)} (a misspelt key would otherwise "
-                       "leave its default in force): fix the policy")
-    for name, f in known.items():
-        if name not in raw and f.default is MISSING and f.default_factory is MISSING:
-            raise BadInput(f"{where}.{name}: missing; it has no default (a benchmark's margin is named, never "
-                           "assumed), e.g. {margin: 0.025}")
-    for key, value in raw.items():
-        kind = known[key].type
-        number = finite_number(value)
-        ok = (value is None and "None" in kind) or (
-            "bool" in kind and isinstance(value, bool)) or (
-            "float" in kind and number) or ("int" in kind and isinstance(value, int) and not isinstance(value, bool)) or (
-            "str" in kind and isinstance(value, str))
-        if not ok:
-            raise BadInput(f"{where}.{key}: {value!r} is not a{'n' if kind.startswith('int') else ''} {kind}; fix "
-                           "the policy (compare manifests/gates/release.yaml)")
-    return cls(**raw)
 
 
 def shipped_policies() -> list[str]:
@@ -176,49 +214,9 @@ def min_resamples(confidence: float) -> int:
     return math.ceil(alpha * (1 - alpha) / (MONTE_CARLO_SE * sps.norm.pdf(sps.norm.ppf(confidence))) ** 2)
 
 
-def _check_bootstrap(bootstrap: Bootstrap, confidence: float, path: Path) -> None:
-    least = min_resamples(confidence)
-    if least > MAX_RESAMPLES:
-        raise BadInput(f"{path}: confidence {confidence}: its bound needs {least} bootstrap resamples, more than the "
-                       f"{MAX_RESAMPLES} allowed; use a confidence such as 0.95 or 0.99")
-    if not least <= bootstrap.resamples <= MAX_RESAMPLES:
-        raise BadInput(f"{path}: bootstrap.resamples {bootstrap.resamples}: the bound at confidence {confidence} needs "
-                       f"from {least} (fewer leave it to chance) to {MAX_RESAMPLES} (more cost time and memory and "
-                       "change nothing), e.g. 10000")
-    if not 0 <= bootstrap.seed <= SEED_MAX:
-        raise BadInput(f"{path}: bootstrap.seed {bootstrap.seed}: a whole number from 0 to {SEED_MAX}, e.g. 0")
-
-
 def load_policy(path: Path | str | None = None) -> GatePolicy:
     """The policy at ``path`` (default: ``manifests/gates/release.yaml``; a bare name: a shipped one), validated."""
     path = policy_path(path)
-    raw = dict(read_yaml_mapping(path, "gate policy", BadInput))  # one line naming file and line, or BadInput
-    benchmarks = {}
-    named = raw.pop("benchmarks", None) or {}
-    if not isinstance(named, dict):
-        raise BadInput(f"{path}: benchmarks: a {type(named).__name__} where a mapping of benchmark -> rules belongs; "
-                       "compare manifests/gates/release.yaml")
-    for bench, rules in named.items():
-        if not isinstance(bench, str) or not bench:
-            raise BadInput(f"{path}: benchmarks: the key {bench!r} is not a benchmark's name; write names as the runs "
-                           "record them, e.g. gsm8k")
-        at = f"{path}: benchmarks.{bench}"
-        rules = _typed(BenchmarkPolicy, rules, at)
-        if rules.inconclusive not in INCONCLUSIVE_MODES:
-            raise BadInput(f"{at}.inconclusive must be one of {INCONCLUSIVE_MODES}")
-        if not 0 <= rules.margin < 1:
-            raise BadInput(f"{at}.margin {rules.margin} is not a score difference in [0, 1)")
-        for key in ("floor", "max_infra_error_rate"):
-            if getattr(rules, key) is not None and not 0 <= getattr(rules, key) <= 1:
-                raise BadInput(f"{at}.{key} {getattr(rules, key)} is not a score or rate in [0, 1]")
-        if rules.min_items < 0:
-            raise BadInput(f"{at}.min_items {rules.min_items} is negative; 0 means no minimum")
-        benchmarks[bench] = rules
-    bootstrap = _typed(Bootstrap, raw.pop("bootstrap", None) or {}, f"{path}: bootstrap")
-    kernels = _typed(KernelsPolicy, raw.pop("kernels", None) or {}, f"{path}: kernels")
-    policy = _typed(GatePolicy, raw, str(path))
-    if not 0.5 < policy.confidence < 1:
-        raise BadInput(f"{path}: confidence {policy.confidence} must lie in (0.5, 1), e.g. 0.95")
-    _check_bootstrap(bootstrap, policy.confidence, path)
-    return replace(policy, bootstrap=Bootstrap(int(bootstrap.resamples), int(bootstrap.seed)),
-                   benchmarks=benchmarks, kernels=kernels, source=str(path))
+    data = load(path, PolicyFile, "gate policy", BadInput,
+                f"compare it with {manifests_root() / 'gates' / 'release.yaml'}")
+    return GatePolicy(**dict(data), source=str(path))

@@ -143,7 +143,7 @@ def test_looks_at_their_observed_levels_hold_false_pass_where_naive_looks_inflat
         for k in range(1, 5):
             level = observed_levels("gsm8k", entry, 0.05, ref[:, :k], cand[:, :k])[-1]["confidence"]
             args = (ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), None, rules)
-            verdicts.append((judge(*args, policy)[1], judge(*args, replace(policy, confidence=level))[1]))
+            verdicts.append((judge(*args, policy)[1], judge(*args, policy.model_copy(update={"confidence": level}))[1]))
         naive += any(v == PASS for v, _ in verdicts)
         stopped = next((w for _, w in verdicts if w != "INCONCLUSIVE"), "INCONCLUSIVE")
         observed += stopped == PASS
