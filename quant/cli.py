@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", type=Path, metavar="FILE",
                    help="recipe YAML (default: manifests/recipes/mxfp4-w4a4-experts.yaml)")
     p.add_argument("--family-manifest", type=Path, metavar="FILE",
-                   help="model-family YAML, for a model_type without a built-in manifest")
+                   help="model-family YAML, for a model_type no family folder names (or add the family as a folder: "
+                        f"<root>/<family>/family.yaml with <root> listed in {FAMILIES_ENV})")
     p.add_argument("--shared-experts", choices=["bf16", "mxfp4", "quantize"],
                    help="shared experts: bf16 (the default, as the Wafer write-up served them) or mxfp4 (= quantize, in "
                         "the --to format). bf16 loads in sglang >= 0.5.18, which then skips its shared-expert "
