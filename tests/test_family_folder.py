@@ -1,8 +1,9 @@
 """A family is one folder: an existing family's folder copied under a new name (new family, model
 type and engine model class) into a root listed in QUANTGATE_FAMILIES is read by every command, run
-as real processes, with no edit to the package: ``quantize --help`` lists it, the planner and the
-converter take its checkpoint, ``gate checkpoint`` replays its own rule files, ``gate kernels`` reads
-its MoE. Without the root the same checkpoint is refused as no known family, so the folder did it."""
+as real processes, with no edit to the package: its own tiny.py builds its checkpoint, ``quantize
+--help`` lists it, the planner and the converter take the checkpoint, ``gate checkpoint`` replays its
+own rule files. Without the root the same checkpoint is refused as no known family, so the folder
+did it."""
 
 from __future__ import annotations
 
@@ -39,11 +40,15 @@ def copy_family(root: Path) -> Path:
     return folder
 
 
-def as_new_family(src: Path) -> Path:
-    """A checkpoint of the copied family: the source family's tiny checkpoint whose config.json names
-    the new model type and architecture (what a release of the new family would say)."""
+def new_family_checkpoint(dst: Path, root: Path) -> Path:
+    """A tiny checkpoint of the copied family, built by the folder's own tiny.py (config.json names the
+    new model type), its architecture the new class (what a release of the new family would say)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAMILIES_ENV, str(root))
+        src = write_family_checkpoint(dst, NEW)
     config = json.loads((src / "config.json").read_text())
-    config.update(model_type=NEW, architectures=[NEW_CLASS])
+    assert config["model_type"] == NEW
+    config["architectures"] = [NEW_CLASS]
     (src / "config.json").write_text(json.dumps(config, indent=2))
     return src
 
@@ -64,7 +69,7 @@ def copied(tmp_path_factory):
     root = base / "families"
     root.mkdir()
     copy_family(root)
-    src = as_new_family(write_family_checkpoint(base / "bf16", SOURCE))
+    src = new_family_checkpoint(base / "bf16", root)
     converted = run("quant.cli", "--to", "mxfp4", "-q", "--json", src, base / "mxfp4", root=root)
     assert converted.returncode == 0, converted.stderr
     return root, src, base / "mxfp4"
