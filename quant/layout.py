@@ -19,7 +19,6 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from quant.errors import QuantgateError
-from quant.safe_files import read_yaml
 from quant.schema import JsonValue, Schema, load, template_problem
 
 
@@ -341,16 +340,6 @@ class FamilyFile(Schema):
 
 def manifests_root() -> Path:
     return Path(str(resources.files("manifests")))
-
-
-def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
-    """A YAML file that must hold a mapping (read by ``safe_files.read_yaml``: a regular file, size
-    capped, no aliases); anything else raises ``error`` naming the file and line."""
-    data = read_yaml(Path(path), error, f"fix the {what}")
-    if not isinstance(data, dict):
-        raise error(f"{path}: a YAML {type(data).__name__}, not a mapping; compare it with the {what} files under "
-                    f"{manifests_root()}")
-    return data
 
 
 def load_family(path: Path) -> Family:

@@ -10,6 +10,7 @@ import sys
 import yaml
 
 from quant.layout import family_named
+from tests.evals.test_gate import binary_pair, bundle
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_hostile import one_line_error
 
@@ -71,3 +72,12 @@ def test_a_misspelt_gate_policy_key_is_refused(tmp_path):
     refused(["evals.cli", "plan", "--policy", policy, "--items", "gsm8k=3", "--out", tmp_path / "plan.yaml"],
             str(policy), "benchmarks.gsm8k: unknown key 'margn'", "did you mean 'margin'?")
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_a_misspelt_reference_table_key_is_refused(tmp_path):
+    ref, cand = binary_pair(50, 1, 1)
+    table = tmp_path / "table.yaml"
+    table.write_text("model: M\nbenchmarks:\n  gsm8k: {score: 0.9, protocl: 5-shot}\n")
+    refused(["evals.cli", "accuracy", "--candidate", bundle(tmp_path / "c", "gsm8k", cand), "--reference",
+             bundle(tmp_path / "r", "gsm8k", ref), "--margin", "gsm8k=0.05", "--reference-table", table],
+            str(table), "benchmarks.gsm8k: unknown key 'protocl'", "did you mean 'protocol'?")

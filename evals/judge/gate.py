@@ -30,6 +30,7 @@ from evals.errors import BadInput, Refused
 from evals.judge import binding, design, render, tau2_gate
 from evals.judge.plan_file import plan_under_policy
 from evals.judge.policy import BenchmarkPolicy, GatePolicy
+from evals.judge.reference_table import load_reference_table
 from evals.judge.stats import (
     NOISE_ALPHA,
     Paired,
@@ -44,7 +45,6 @@ from evals.judge.stats import (
     wilson_interval,
     z_two_sided,
 )
-from quant.layout import read_yaml_mapping
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 RELEASE, BLOCK = "RELEASE", "BLOCK"
@@ -441,14 +441,7 @@ def release_report(checkpoint: Path, structure: dict, accuracy: dict, kernels: d
 
 def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[dict]:
     """The weaker comparison against published summary scores (no per-item pairing possible)."""
-    table = read_yaml_mapping(Path(reference_table), "reference table", BadInput)
-    published = table.get("benchmarks")
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-    if not isinstance(published, dict) or not all(
-            isinstance(v, dict) and number(v.get("score")) and (v.get("se") is None or number(v["se"]))
-            for v in published.values()):
-        raise BadInput(f"{reference_table}: benchmarks: not a mapping of benchmark -> {{score, se}} in [0, 1]; "
-                       "compare it with the reference tables under manifests/references/")
+    published = load_reference_table(Path(reference_table)).benchmarks
     run, rows = read_bundle(candidate)
     out = []
     for bench, ref in published.items():
@@ -459,7 +452,7 @@ def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[d
         # tau2: the macro over domains, the number the table reports; else the normal interval the Wafer write-up used
         mean, low, high = macro_interval(scores, strata) if strata is not None else mean_ci(scores)
         se = (high - low) / 2 / z_two_sided() if np.isfinite(high) else float("nan")
-        u = unpaired_delta(mean, se, ref["score"], ref.get("se"))
-        out.append({"benchmark": bench, "kind": "UNPAIRED (weaker: summary scores only)", "reference": ref["score"],
+        u = unpaired_delta(mean, se, ref.score, ref.se)
+        out.append({"benchmark": bench, "kind": "UNPAIRED (weaker: summary scores only)", "reference": ref.score,
                     "candidate": mean, "delta": u.delta, "se": u.se, "ci95": [u.low, u.high]})
     return out

@@ -272,8 +272,9 @@ def test_a_policy_that_is_no_regular_file_is_refused_without_hanging(special, lo
 
 
 @pytest.mark.parametrize("table, says", [
-    ("benchmarks: [gsm8k]\n", "not a mapping of benchmark"),
-    ("benchmarks:\n  gsm8k: {se: 0.01}\n", "not a mapping of benchmark"),
+    ("benchmarks: [gsm8k]\n", "benchmarks: Input should be a valid dictionary"),
+    ("benchmarks:\n  gsm8k: {se: 0.01}\n", "benchmarks.gsm8k.score: a required key, missing"),
+    ("benchmarks:\n  gsm8k: {scor: 0.9}\n", "benchmarks.gsm8k: unknown key 'scor' (did you mean 'score'?)"),
     ("benchmarks:\n  gsm8k: {score: 96}\n", "in [0, 1]"),
     (BILLION_LAUGHS, "an alias"),
 ])
