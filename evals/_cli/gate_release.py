@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     load = load_gate(args.load_candidate, args.load_reference, args.load_margin, args.load_ttft_slo,
                      args.load_min_success) if args.load_candidate else None
     prov = provenance(bound, ref_run, accuracy["policy"]["source"], margins(args.margin))
-    report = release_report(args.checkpoint, structure.to_dict(), accuracy, kern, load, prov)
+    report = release_report(args.checkpoint, structure, accuracy, kern, load, prov)
     out_dir = args.report_dir or args.candidate
     report["page"] = str(args.plots.resolve() / "report.html") if args.plots else None  # (a link there is refused)
     # Everything is rendered and checked first, then written: a refusal writes nothing, and the

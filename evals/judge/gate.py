@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,6 +46,9 @@ from evals.judge.stats import (
     wilson_interval,
     z_two_sided,
 )
+
+if TYPE_CHECKING:
+    from quant.verify import Report
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 RELEASE, BLOCK = "RELEASE", "BLOCK"
@@ -411,14 +415,14 @@ def accuracy_gate(candidate: Path, reference: Path, policy: GatePolicy, referenc
             "benchmarks": [asdict(r) for r in results]}
 
 
-def release_verdict(structure: dict, accuracy: dict, kernels: dict | None = None,
+def release_verdict(structure: Report, accuracy: dict, kernels: dict | None = None,
                     load: dict | None = None) -> tuple[str, list[str]]:
     """RELEASE only when the checkpoint loads correctly in every engine, the accuracy gate passes on
     every required benchmark, (when the policy makes kernels blocking) every MoE shape has a tuned
     kernel, and (when load sweeps are given) the serving-load gate passes; otherwise BLOCK with the
     reasons."""
-    reasons = [f"structure: {engine} would not load it correctly ({len(e['findings'])} problem(s))"
-               for engine, e in structure["engines"].items() if not e["ok"]]
+    reasons = [f"structure: {engine} would not load it correctly ({len(found)} problem(s))"
+               for engine in structure.engines if (found := structure.for_engine(engine))]
     if accuracy["scope"]:
         reasons.append("accuracy: a release verdict needs every benchmark of the policy compared, not a scope")
     if accuracy["verdict"] != PASS:
@@ -430,13 +434,14 @@ def release_verdict(structure: dict, accuracy: dict, kernels: dict | None = None
     return (BLOCK if reasons else RELEASE), reasons
 
 
-def release_report(checkpoint: Path, structure: dict, accuracy: dict, kernels: dict | None = None,
+def release_report(checkpoint: Path, structure: Report, accuracy: dict, kernels: dict | None = None,
                    load: dict | None = None, provenance: dict | None = None) -> dict:
     """The release verdict with everything it rests on; ``provenance`` (``binding.provenance``): the
-    policy, tool, date, recipe and both arms' checkpoint hashes."""
+    policy, tool, date, recipe and both arms' checkpoint hashes. ``structure`` is ``gate checkpoint``'s
+    report as its type, read by its fields; the returned dict is report.json's content."""
     verdict, reasons = release_verdict(structure, accuracy, kernels, load)
     return {"verdict": verdict, "reasons": reasons, "checkpoint": str(checkpoint), "provenance": provenance,
-            "structure": structure, "accuracy": accuracy, "kernels": kernels, "load": load}
+            "structure": structure.to_dict(), "accuracy": accuracy, "kernels": kernels, "load": load}
 
 
 def unpaired_against_reference(candidate: Path, reference_table: Path) -> list[dict]:

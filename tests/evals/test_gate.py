@@ -203,3 +203,24 @@ def test_a_benchmark_named_with_benchmarks_decides_even_if_the_policy_makes_it_o
     code, result = run_gate(capsys, "accuracy", "--candidate", tmp_path / "cand", "--reference", tmp_path / "ref",
                             "--benchmarks", "arith", "--margin", "arith=0.02")
     assert result["benchmarks"][0]["verdict"] == "FAIL" and result["verdict"] == "FAIL" and code == 1
+
+
+def test_the_release_verdict_reads_the_structure_check_as_its_typed_report(glm_ckpt, tmp_path):
+    """``gate checkpoint``'s report crosses into the release verdict as ``quant.verify.Report`` (read by its
+    fields, so a renamed field fails here, not as a KeyError in a user's release), and report.json holds its dict."""
+    import shutil
+
+    from evals.judge.gate import release_report
+    from quant.verify import Report, verify
+
+    passed = {"verdict": "PASS", "scope": None, "blocking": []}
+    loads = verify(glm_ckpt)
+    assert isinstance(loads, Report) and loads.ok
+    assert release_report(glm_ckpt, loads, passed)["verdict"] == "RELEASE"
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(glm_ckpt, broken)
+    (broken / "tokenizer.json").unlink()  # a layout finding: no engine can tokenize a prompt
+    report = verify(broken)
+    blocked = release_report(broken, report, passed)
+    assert blocked["verdict"] == "BLOCK" and blocked["structure"] == report.to_dict()
+    assert blocked["reasons"] == [f"structure: {e} would not load it correctly (1 problem(s))" for e in report.engines]
