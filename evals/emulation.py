@@ -51,6 +51,7 @@ from quant.errors import CheckpointError
 from quant.formats import fp8, mx
 from quant.formats.codecs import CODECS, Codec, get_codec
 from quant.formats.constants import BLOCK, ScaleRule
+from quant.quark_config import config_kind
 
 METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
@@ -183,7 +184,7 @@ def emulation_of(config: dict, activations: str | None = None) -> Emulation | No
     qc = config.get("quantization_config")
     if not qc:
         return None
-    method = qc.get("quant_method")
+    method = config_kind(qc)
     if method == "mxfp4":  # gpt-oss's own layout (quant.blocks): weight-only on disk, activations the backend's
         if activations != "bf16":
             raise EmulationRefused("quantization_config quant_method 'mxfp4' (gpt-oss's own *_blocks layout) names no "
@@ -195,9 +196,9 @@ def emulation_of(config: dict, activations: str | None = None) -> Emulation | No
     elif method == "fp8":
         emulation = _from_fp8(qc)
     else:
-        raise EmulationRefused(f"quantization_config quant_method {method!r} is not emulated; covered: quark "
-                               "(MXFP4/MXFP6), fp8 (128x128 block, dynamic activations) and mxfp4 (gpt-oss, with "
-                               "--activations bf16)")
+        raise EmulationRefused(f"quantization_config quant_method {qc.get('quant_method')!r} is not emulated; "
+                               "covered: quark (MXFP4/MXFP6), fp8 (128x128 block, dynamic activations) and mxfp4 "
+                               "(gpt-oss, with --activations bf16)")
     if activations and emulation.activations:
         raise EmulationRefused(f"--activations {activations}: the checkpoint's config declares its activations "
                                f"({emulation.scheme}, {method}), which is what is evaluated; --activations is for a "

@@ -54,6 +54,7 @@ from quant.checkpoint import read_json_object
 from quant.errors import CheckpointError, QuantgateError
 from quant.layout import manifests_root
 from quant.outputs import write_atomic
+from quant.quark_config import config_kind
 from quant.safe_files import read_regular
 
 # aiter/fused_moe.py
@@ -186,7 +187,7 @@ class MoeShape:
 def checkpoint_format(qconfig: dict | None) -> str:
     if not qconfig:
         return "bf16"
-    method = qconfig.get("quant_method")
+    method = config_kind(qconfig)
     if method == "quark":
         glob = qconfig.get("global_quant_config") or {}
         weight = (glob.get("weight") or {}).get("dtype")
@@ -195,7 +196,7 @@ def checkpoint_format(qconfig: dict | None) -> str:
         return "mxfp4-w4a4" if (glob.get("input_tensors") or {}).get("dtype") == "fp4" else "mxfp4-w4a16"
     if method == "fp8" and list(qconfig.get("weight_block_size") or []) == [128, 128]:
         return "fp8-block"
-    raise KernelInputError(f"quantization_config {method!r} (weight_block_size "
+    raise KernelInputError(f"quantization_config {qconfig.get('quant_method')!r} (weight_block_size "
                            f"{qconfig.get('weight_block_size')}): no MoE kernel table is known for it")
 
 

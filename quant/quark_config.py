@@ -7,6 +7,15 @@ import copy
 from quant.formats.constants import BLOCK, ScaleRule
 
 QUARK_VERSION = "0.13"
+CONFIG_KINDS = ("quark", "fp8", "mxfp4")
+
+
+def config_kind(qconfig) -> str | None:
+    """The kind of a ``quantization_config``, as the engines dispatch on its ``quant_method``: ``quark``
+    (Quark MX), ``fp8`` (block FP8) or ``mxfp4`` (a release's own MXFP4 layout: gpt-oss); None for no
+    config, another method or a config that is not a mapping."""
+    method = qconfig.get("quant_method") if isinstance(qconfig, dict) else None
+    return method if method in CONFIG_KINDS else None
 
 
 def mx_spec(dtype: str, scale_rule: ScaleRule, is_dynamic: bool) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
-from quant.engines import Finding, Module, UnknownEngine, replay, select
+from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay, select
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.replay import loads_under
 from quant.engines.serving import DEFAULT, Serving
@@ -23,6 +23,7 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
+from quant.quark_config import config_kind
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -162,7 +163,7 @@ def _config_findings(qconfig: dict | None, has_u8: bool) -> list[Finding]:
         return [Finding("config", None, "quantization_config", "U8 weights but no quantization_config",
                         "re-export the checkpoint")] if has_u8 else []
     findings = []
-    if qconfig.get("quant_method") != "quark":
+    if config_kind(qconfig) != "quark":
         return findings  # not a Quark checkpoint: nothing more to check here
     for key in ("layer_quant_config", "layer_type_quant_config"):
         if not isinstance(qconfig.get(key), dict):
@@ -322,7 +323,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
     report.findings += malformed
-    native = isinstance(qconfig, dict) and qconfig.get("quant_method") == "mxfp4"  # a release's own MXFP4 (gpt-oss)
+    native = config_kind(qconfig) == "mxfp4"  # a release's own MXFP4 (gpt-oss)
     try:
         fmt = get_codec("mxfp4") if native else codec_for_config(config) if qconfig and not malformed else None
     except ValueError as exc:
@@ -363,7 +364,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     report.findings += [] if malformed else _config_findings(qconfig, has_quantized)
     exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
-    kind = None if malformed else {"quark": "quark", "fp8": "fp8", "mxfp4": "mxfp4"}.get((qconfig or {}).get("quant_method"))
+    kind = None if malformed else config_kind(qconfig)
     routers = router_tensors(tensors, family, num_hidden_layers)
     for rules in rule_sets:
         report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
@@ -378,11 +379,11 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
                                            "with quantize (it writes the Quark layout this class loads)"))
         elif kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None):
             usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
-            report.findings += replay(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
-                                      text, serving)
+            ctx = ReplayContext(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
+                                text, serving)
+            report.findings += replay(ctx)
             if rules.engine == "sglang":
-                report.conditions[rules.id] = loads_under(rules, modules, usable, family.name, num_hidden_layers,
-                                                          kind, _format_label(fmt), text, serving)
+                report.conditions[rules.id] = loads_under(ctx)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))

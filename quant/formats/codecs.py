@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from quant.errors import NonFiniteError
 from quant.formats.constants import BLOCK, E2M1, E2M3, E3M2, E4M3_MAX, FP8_TILE, ElementFormat, ScaleRule
-from quant.quark_config import fp8_config, quantization_config
+from quant.quark_config import config_kind, fp8_config, quantization_config
 
 if TYPE_CHECKING:
     import numpy as np
@@ -249,7 +249,7 @@ class MXCodec(Codec):
 
     def matches_config(self, qconfig):
         weight = (qconfig.get("global_quant_config") or {}).get("weight") or {}
-        return qconfig.get("quant_method") == "quark" and weight.get("dtype") == self.element.name
+        return config_kind(qconfig) == "quark" and weight.get("dtype") == self.element.name
 
 
 class BlockFP8Codec(Codec):
@@ -335,7 +335,7 @@ class BlockFP8Codec(Codec):
         return fp8_config(exclude)
 
     def matches_config(self, qconfig):
-        return qconfig.get("quant_method") == "fp8"
+        return config_kind(qconfig) == "fp8"
 
 
 _MXFP6_WARNING = ("vLLM loads MXFP6 (emulated); sglang's Quark loader accepts only fp4 today and will refuse "
@@ -361,7 +361,7 @@ def codec_for_config(config: dict) -> Codec:
     found = next((c for c in CODECS.values() if c.matches_config(qconfig)), None)
     if found:
         return found
-    if qconfig.get("quant_method") == "quark":
+    if config_kind(qconfig) == "quark":
         dtype = ((qconfig.get("global_quant_config") or {}).get("weight") or {}).get("dtype")
         raise ValueError(f"Quark weight dtype {dtype!r} is not one quantgate decodes (fp4, fp6_e2m3, fp6_e3m2)")
     raise ValueError(f"not a quantized checkpoint quantgate decodes (quant_method {qconfig.get('quant_method')!r}); "
