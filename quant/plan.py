@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quant import blocks
 from quant.checkpoint import TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
-from quant.engines import Module, draft_name, replay, select
+from quant.engines import Module, ReplayContext, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.fusion import fusing_gpus
 from quant.engines.replay import release_spans
@@ -384,9 +384,9 @@ def _check_engines_load(plan: Plan) -> list[str]:
     if kind == "mxfp4":
         _check_native_rules(plan)
     qconfig = plan.quantization_config()
-    findings = [f for rules in select("all", plan.family) for f in replay(rules, modules, qconfig, plan.family.name,
-                                                              plan.num_hidden_layers, kind, plan.recipe.format.upper(),
-                                                              plan.family.text_config(plan.config))]
+    findings = [f for rules in select("all", plan.family) for f in replay(ReplayContext(
+        rules, modules, qconfig, plan.family.name, plan.num_hidden_layers, kind, plan.recipe.format.upper(),
+        plan.family.text_config(plan.config)))]
     fusion = [f for f in findings if f.check == "fusion"]
     findings = [f for f in findings if f.check != "fusion"]
     moe_present = {plan.family.layer_index(t.source.name) for t in plan.tensors if t.role == "routed_expert" and not t.mtp}

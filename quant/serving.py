@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
-from quant.engines.replay import draft_module_name, is_draft
+from quant.engines.replay import draft_module_name, is_draft, shard_parent
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 from quant.errors import QuantgateError
 
@@ -51,9 +51,8 @@ def _fused_names(modules: set[str], family=DEFAULT_FAMILY) -> set[str]:
 
 
 def _shard_parents(module: str, shards: tuple[str, ...]) -> list[str]:
-    """The parent ``module`` is a shard of, for each shard it ends in (a shard may be dotted:
-    DeepSeek-V4's compressor.wkv, whose fused module is compressor.wkv_gate)."""
-    return [module[:-len(s) - 1] for s in shards if module.endswith("." + s)]
+    """The parent ``module`` is a shard of, for each shard it ends in."""
+    return [parent for shard in shards if (parent := shard_parent(module, shard)) is not None]
 
 
 def check_fused_agreement(kept: set[str], quantized: set[str], family=DEFAULT_FAMILY) -> None:

@@ -7,6 +7,7 @@ from quant.engines.match import Exclude, MixedShards
 from quant.engines.replay import (
            Finding,
            Module,
+           ReplayContext,
            draft_exclude,
            draft_name,
            engine_modules,
@@ -15,5 +16,5 @@ from quant.engines.replay import (
 )
 from quant.engines.rules import ENGINES, RuleSet, UnknownEngine, rule_sets, select
 
-__all__ = ["ENGINES", "Exclude", "Finding", "MixedShards", "Module", "RuleSet", "UnknownEngine", "draft_exclude",
-           "draft_name", "engine_modules", "excluded", "replay", "rule_sets", "select"]
+__all__ = ["ENGINES", "Exclude", "Finding", "MixedShards", "Module", "ReplayContext", "RuleSet", "UnknownEngine",
+           "draft_exclude", "draft_name", "engine_modules", "excluded", "replay", "rule_sets", "select"]

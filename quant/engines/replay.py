@@ -42,6 +42,20 @@ class Finding:
     fix: str
 
 
+@dataclass(frozen=True)
+class ReplayContext:
+    """One engine release loading one checkpoint: what every replay function reads."""
+    rules: RuleSet
+    modules: dict[str, Module]  # the checkpoint's Linear modules
+    qconfig: dict  # its quantization_config
+    family: str
+    num_hidden_layers: int
+    kind: str  # the quantization_config's kind (quant.quark_config.config_kind): quark | fp8 | mxfp4
+    fmt_name: str = ""  # the format as findings name it (MXFP4, FP8)
+    config: dict = field(default_factory=dict)  # config.json's text model: architecture, expert counts, indexer rope
+    serving: Serving = DEFAULT
+
+
 @dataclass
 class EngineModule:
     name: str  # the engine's module name
@@ -52,41 +66,10 @@ class EngineModule:
     role: str = ""
 
 
-def class_name(module: str, rules: RuleSet) -> str:
-    """A checkpoint module under the prefix the model class builds it with (``module_names``: a key
-    starting with ``^`` renames that prefix, any other key the first occurrence of that text)."""
-    for old, new in (rules.values.get("module_names") or {}).items():
-        if old.startswith("^"):
-            if module.startswith(old[1:]):
-                module = new + module[len(old) - 1:]
-        elif old in module:
-            module = module.replace(old, new, 1)
-    return module
-
-
-def is_draft(module: str, rules: RuleSet, num_hidden_layers: int) -> bool:
-    """Whether a checkpoint module belongs to the MTP draft: under the draft's own prefix where the
-    class reads one (``mtp_naming.prefix``, Qwen3-Next's mtp.*), else a layer at or after num_hidden_layers."""
-    prefix = rules["mtp_naming"].get("prefix")
-    if prefix:
-        return module.startswith(prefix)
-    match = _LAYER.match(module)
-    return bool(match) and int(match.group(1)) >= num_hidden_layers
-
-
-def _draft_layer(module: str, rules: RuleSet, num_hidden_layers: int) -> int | None:
-    """The draft layer's index among the draft's layers (None: not a draft layer's module)."""
-    prefix = rules["mtp_naming"].get("prefix")
-    if prefix:
-        index = module[len(prefix + "layers."):].partition(".")[0] if module.startswith(prefix + "layers.") else ""
-        return int(index) if index.isdigit() else None
-    match = _LAYER.match(module)
-    return int(match.group(1)) - num_hidden_layers if match and int(match.group(1)) >= num_hidden_layers else None
-
-
-def _renamed(module: str, renames: dict[str, str]) -> str:
-    """``renames`` applied in order, each once where it applies (a ``^`` key renames that prefix, any
-    other key the first occurrence of that text)."""
+def renamed(module: str, renames: dict[str, str]) -> str:
+    """``module`` under a rename rule (``module_names``, ``mtp_naming.renames``): applied in order,
+    each once where it applies; a key starting with ``^`` renames that prefix, any other key the
+    first occurrence of that text."""
     for old, new in renames.items():
         if old.startswith("^") and module.startswith(old[1:]):
             module = new + module[len(old) - 1:]
@@ -95,22 +78,46 @@ def _renamed(module: str, renames: dict[str, str]) -> str:
     return module
 
 
+def class_name(module: str, rules: RuleSet) -> str:
+    """A checkpoint module under the prefix the model class builds it with (rule ``module_names``)."""
+    return renamed(module, rules.values.get("module_names") or {})
+
+
+def draft_layer(module: str, rules: RuleSet, num_hidden_layers: int) -> int | None:
+    """Where a checkpoint module sits in the MTP draft: the index of its draft layer (0 for the first),
+    -1 for a draft module outside the draft's layers (Qwen3-Next's mtp.fc), None when it is not the
+    draft's. The draft is under its own prefix where the class reads one (``mtp_naming.prefix``,
+    Qwen3-Next's mtp.*), else the decoder layers at or after num_hidden_layers."""
+    prefix = rules["mtp_naming"].get("prefix")
+    if prefix:
+        if not module.startswith(prefix):
+            return None
+        index = module[len(prefix + "layers."):].partition(".")[0] if module.startswith(prefix + "layers.") else ""
+        return int(index) if index.isdigit() else -1
+    match = _LAYER.match(module)
+    return int(match.group(1)) - num_hidden_layers if match and int(match.group(1)) >= num_hidden_layers else None
+
+
+def is_draft(module: str, rules: RuleSet, num_hidden_layers: int) -> bool:
+    """Whether a checkpoint module belongs to the MTP draft (see ``draft_layer``)."""
+    return draft_layer(module, rules, num_hidden_layers) is not None
+
+
 def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:
     """The engine's name for a checkpoint module (None: the engine does not load it)."""
     naming = rules["mtp_naming"]
+    draft = is_draft(module, rules, num_hidden_layers)
     if naming["style"] == "renames":  # the draft under its own prefix, renamed by the class's loader
-        return _renamed(module, naming["renames"]) if is_draft(module, rules, num_hidden_layers) \
-            else class_name(module, rules)
-    match = _LAYER.match(module)
-    if match and int(match.group(1)) >= num_hidden_layers and naming["style"] == "dropped":
+        return renamed(module, naming["renames"]) if draft else class_name(module, rules)
+    if draft and naming["style"] == "dropped":
         return None  # the class skips the MTP layers' weights and builds no draft from them
     if naming.get("dropped_prefix") and module.startswith(naming["dropped_prefix"]):
         return None  # MTP modules stored outside the decoder stack, skipped the same way (MiniMax-M3)
-    if not match or int(match.group(1)) < num_hidden_layers or naming["style"] != "decoder":
+    if not draft or naming["style"] != "decoder":
         return class_name(module, rules)
     if any(part in module for part in naming["skipped"]):
         return None
-    rest = match.group(2)
+    rest = _LAYER.match(module).group(2)
     return ("model." if any(part in module for part in naming["top_level"]) else "model.decoder.") + rest
 
 
@@ -151,42 +158,59 @@ def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_la
     return entries, False
 
 
-def engine_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int, kind: str,
-                   whole_draft_bf16: bool = False, indexer_bf16: frozenset[str] | None = None,
-                   quantized: frozenset[tuple[str, str]] = frozenset()) -> dict[str, EngineModule]:
-    """The modules the engine builds from the checkpoint's Linear modules (``indexer_bf16``: the
-    indexer leaves built without quant config, from ``indexer_bf16_leaves``; ``quantized``: the
-    (role, leaf) pairs built quantized whatever the exclude list says, from ``quantized_leaves``)."""
-    if indexer_bf16 is None:
-        indexer_bf16 = indexer_bf16_leaves(rules, DEFAULT, {})
+def shard_parent(module: str, shard: str) -> str | None:
+    """The module ``module`` is ``shard`` of (``<parent>.<shard>`` -> parent), else None; a shard may be
+    dotted, named with its parent (DeepSeek-V4's compressor.wkv, fused with compressor.wgate)."""
+    return module[:-len(shard) - 1] if module.endswith("." + shard) else None
+
+
+def shards_of(fused: dict[str, list[str]]) -> dict[str, str]:
+    """A fused-module rule (fused module -> its shards: ``built_fused``, ``quark_fused``,
+    ``fp8_skip.fused``) as shard -> fused module, dotted shards first: DeepSeek-V4's compressor.wkv is
+    fused with compressor.wgate, its attention's wkv with wq_a."""
+    of = {shard: name for name, shards in fused.items() for shard in shards}
+    return dict(sorted(of.items(), key=lambda item: -item[0].count(".")))
+
+
+def fused_into(module: str, of: dict[str, str], dotted_only: bool = False) -> str | None:
+    """The fused module a checkpoint module is loaded into (``of`` from ``shards_of``), else None."""
+    for shard, fused in of.items():
+        if dotted_only and "." not in shard:
+            break
+        if (parent := shard_parent(module, shard)) is not None:
+            return f"{parent}.{fused}"
+    return None
+
+
+def engine_modules(ctx: ReplayContext, whole_draft_bf16: bool = False) -> dict[str, EngineModule]:
+    """The modules the engine builds from the checkpoint's Linear modules (``whole_draft_bf16``: the
+    draft is built without quant config, from ``draft_exclude``)."""
+    rules, num_hidden_layers, kind = ctx.rules, ctx.num_hidden_layers, ctx.kind
+    indexer_bf16 = indexer_bf16_leaves(rules, ctx.serving, ctx.config)
+    quantized = quantized_leaves(rules, kind, ctx.qconfig)
     built: dict[str, EngineModule] = {}
     experts: dict[str, EngineModule] = {}  # checkpoint "<layer>.mlp.experts" -> its FusedMoE (the common case, fast)
-    # shard -> fused module; a dotted key names the shard with its parent (DeepSeek-V4's
-    # compressor.wkv is fused with compressor.wgate, its attention's wkv with wq_a)
-    fused_of = {shard: fused for fused, shards in rules["built_fused"].items() for shard in shards}
+    fused_of = shards_of(rules["built_fused"])
     max_draft = rules["mtp_naming"]["max_layers"]
-    for module, info in modules.items():
+    for module, info in ctx.modules.items():
         moe = info.role == "routed_expert"
         if moe:
             group = experts.get(module[:module.rindex(".experts.") + len(".experts")])
             if group is not None:
                 group.members.append(module)
                 continue
-        draft = is_draft(module, rules, num_hidden_layers)
-        index = _draft_layer(module, rules, num_hidden_layers) if draft else None
-        if index is not None and max_draft is not None and index >= max_draft:
+        index = draft_layer(module, rules, num_hidden_layers)
+        draft = index is not None
+        if draft and max_draft is not None and index >= max_draft:
             continue  # not loaded (the config check reports the count)
         name = draft_name(module, rules, num_hidden_layers)
         if name is None:
             continue
-        parent, _, leaf = name.rpartition(".")
-        grandparent, _, tail = parent.rpartition(".")
+        leaf = name.rpartition(".")[2]
         if moe:
             name = name[:name.rindex(".experts.") + len(".experts")]
-        elif f"{tail}.{leaf}" in fused_of:
-            name = f"{grandparent}.{fused_of[f'{tail}.{leaf}']}"
-        elif leaf in fused_of and info.role != "indexer":
-            name = f"{parent}.{fused_of[leaf]}"
+        else:  # the indexer's leaves are never a plain shard (its wk is not an attention's wk)
+            name = fused_into(name, fused_of, dotted_only=info.role == "indexer") or name
         entry = built.get(name)
         if entry is None:
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
@@ -299,45 +323,38 @@ def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) 
                           error=rules["mixed_shards_error"])
 
 
-def replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
-           kind: str, fmt_name: str, config: dict | None = None, serving: Serving = DEFAULT) -> list[Finding]:
+def replay(ctx: ReplayContext) -> list[Finding]:
     """Findings for one engine release, from the checkpoint's Linear modules, its quantization_config
-    and ``config.json`` (``config``: architecture, expert counts, indexer rope), served as ``serving``."""
-    findings, slots, entries = _replay(rules, modules, qconfig, family, num_hidden_layers, kind, fmt_name,
-                                       config or {}, serving)
-    return findings + fusion_findings(rules, modules, entries, slots, family, num_hidden_layers, kind, fmt_name,
-                                      config or {}, serving)
+    and ``config.json``, served as ``ctx.serving``."""
+    findings, slots, entries = _replay(ctx)
+    return findings + fusion_findings(ctx, entries, slots)
 
 
 GRID = {"rocm": ("gfx950", "gfx942", "gfx90a"), "cuda": ("sm100", "sm90", "sm80", "sm75")}
 
 
-def loads_under(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
-                kind: str, fmt_name: str, config: dict, base: Serving) -> list[tuple[Serving, bool]]:
+def loads_under(ctx: ReplayContext) -> list[tuple[Serving, bool]]:
     """Whether this release loads the checkpoint on each GPU of ``GRID``, with expert parallelism
     off and on (ep = tp), with fusion on and off: the module checks once per platform, fusion per
     condition."""
     out = []
     for platform, arches in GRID.items():
-        on_platform = replace(base, platform=platform, gpu_arch=arches[0])
-        findings, slots, entries = _replay(rules, modules, qconfig, family, num_hidden_layers, kind, fmt_name,
-                                           config, on_platform)
+        on_platform = replace(ctx.serving, platform=platform, gpu_arch=arches[0])
+        findings, slots, entries = _replay(replace(ctx, serving=on_platform))
         for arch in arches:
-            for ep in sorted({1, base.tp}):
+            for ep in sorted({1, ctx.serving.tp}):
                 for disable in (False, True):
                     serving = replace(on_platform, gpu_arch=arch, ep=ep, disable_shared_experts_fusion=disable)
-                    fused = fusion_findings(rules, modules, entries, slots, family, num_hidden_layers, kind,
-                                            fmt_name, config, serving)
+                    fused = fusion_findings(replace(ctx, serving=serving), entries, slots)
                     out.append((serving, not findings and not fused))
     return out
 
 
-def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: str, num_hidden_layers: int,
-            kind: str, fmt_name: str, config: dict, serving: Serving) \
-        -> tuple[list[Finding], dict[str, bool], list[str]]:
+def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[str]]:
     """The module findings, each FusedMoE's slot scheme (quantized or not), and the exclude entries."""
-    entries = exclude_entries(qconfig, rules, kind, serving)
-    draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, family, num_hidden_layers, kind)
+    rules, modules, kind, fmt_name, serving = ctx.rules, ctx.modules, ctx.kind, ctx.fmt_name, ctx.serving
+    entries = exclude_entries(ctx.qconfig, rules, kind, serving)
+    draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, ctx.family, ctx.num_hidden_layers, kind)
     lists = {False: Exclude(entries), True: Exclude(draft_entries)}
     where = "modules_to_not_convert" if kind == "fp8" else "exclude"
     findings = []
@@ -346,8 +363,7 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
         findings.append(Finding("engine", rules.id, module, why, fix))
 
     slots: dict[str, bool] = {}  # FusedMoE name -> whether its expert slots are quantized
-    built = engine_modules(modules, rules, num_hidden_layers, kind, whole_draft_bf16,
-                           indexer_bf16_leaves(rules, serving, config), quantized_leaves(rules, kind, qconfig))
+    built = engine_modules(ctx, whole_draft_bf16)
     for name, em in sorted(built.items()):
         on_disk = {modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
@@ -368,12 +384,12 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
                 continue  # the loader dequantizes it into the bf16 slot
             if quantized_on_disk:
                 how = "as a plain bf16 Linear" if em.role == "mtp_proj" else f"unquantized ({em.role})"
-                where = f" on {serving.platform}" if em.role == "indexer" and rules.engine == "sglang" else ""
-                finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{where}; an {fmt_name} weight "
+                on = f" on {serving.platform}" if em.role == "indexer" and rules.engine == "sglang" else ""
+                finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{on}; an {fmt_name} weight "
                               "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
         if em.build == "quantized":
-            _forced_quantized(em, name, quantized_on_disk, lists[em.draft], rules, kind, fmt_name, where, finding)
+            _forced_quantized(ctx, em, name, quantized_on_disk, lists[em.draft], where, finding)
             continue
         try:
             expect_quantized = not excluded(name, lists[em.draft], rules, kind, em.moe)
@@ -393,11 +409,12 @@ def _replay(rules: RuleSet, modules: dict[str, Module], qconfig: dict, family: s
     return findings, slots, entries
 
 
-def _forced_quantized(em: EngineModule, name: str, quantized_on_disk: bool, exclude: Exclude, rules: RuleSet,
-                      kind: str, fmt_name: str, where: str, finding) -> None:
+def _forced_quantized(ctx: ReplayContext, em: EngineModule, name: str, quantized_on_disk: bool, exclude: Exclude,
+                      where: str, finding) -> None:
     """A module built with the quant config whatever the exclude list says (``built_quantized``):
     a bf16 weight cannot load, and an exclude entry for it makes the quant method unquantized where
     the class asserts a quantized one."""
+    rules, kind = ctx.rules, ctx.kind
     leaf = name.rsplit(".", 1)[-1]
     why = f"{rules.engine} builds {leaf} quantized whatever {where} says ({rules['built_quantized'][kind]['reason']})"
     if not quantized_on_disk:
@@ -432,11 +449,12 @@ def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers
     return out
 
 
-def fusion_findings(rules: RuleSet, modules: dict[str, Module], entries: list[str], slots: dict[str, bool],
-                    family: str, num_hidden_layers: int, kind: str, fmt_name: str, config: dict,
-                    serving: Serving) -> list[Finding]:
+def fusion_findings(ctx: ReplayContext, entries: list[str], slots: dict[str, bool]) -> list[Finding]:
     """A fused shared expert whose dtype on disk differs from its FusedMoE's expert slots: one
-    finding per runner (main model, MTP draft), naming the ways out."""
+    finding per runner (main model, MTP draft), naming the ways out (``entries``, ``slots``: from
+    ``_replay``)."""
+    rules, modules, family, num_hidden_layers = ctx.rules, ctx.modules, ctx.family, ctx.num_hidden_layers
+    kind, fmt_name, config, serving = ctx.kind, ctx.fmt_name, ctx.config, ctx.serving
     if rules.engine != "sglang" or not rules.values.get("shared_experts_fusion"):
         return []
     clashes: dict[bool, list[tuple[str, str]]] = {}

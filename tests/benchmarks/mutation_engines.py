@@ -203,7 +203,7 @@ MUTATIONS = [
     data("vllm.minimax_m3", "0.33.0", "mtp_naming", ["renames"], {"^language_model.model.mtp.": "model."},
          "m3 vLLM draft looked up with transformer_layer"),
     code("quant.engines.replay", "module.startswith(old[1:]):\n            module = new",
-         "module.startswith(old[1:]):\n            return new", "draft renames: the first only"),
+         "module.startswith(old[1:]):\n            return new", "renames: the first only"),
     data("vllm.minimax_m3", "0.33.0", "eh_proj", [], "plain", "m3 vLLM draft eh_proj bf16"),
     data("vllm.minimax_m3", "0.33.0", "eh_proj", [], "quant_config", "m3 vLLM FP8 draft eh_proj bf16"),
     data("vllm.minimax_m3", "0.33.0", "draft_exclude", [], {"minimax_m3": "glm_remap"}, "m3 vLLM draft list remapped"),

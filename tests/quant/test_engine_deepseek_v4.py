@@ -25,6 +25,7 @@ from packaging.version import Version
 from quant.engines import ENGINES, rule_sets
 from quant.engines.replay import (
     Module,
+    ReplayContext,
     class_name,
     draft_name,
     engine_modules,
@@ -212,7 +213,7 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
 def _built_name(rules, module: str) -> str:
     family = family_named(FAMILY)
     role = family.classify(module + ".weight", N).role
-    built = engine_modules({module: Module(False, (64, 64), role)}, rules, N, "quark")
+    built = engine_modules(ReplayContext(rules, {module: Module(False, (64, 64), role)}, {}, FAMILY, N, "quark"))
     return next(iter(built))
 
 
@@ -494,15 +495,13 @@ def test_sglang_builds_wo_a_quantized_under_block_fp8(rules, release):
     (no quant config) whatever the exclude list says for other FP8 layouts and Quark: the wheel's own
     constructor statements decide beside built_quantized and unquantized_leaves; the class asserts the quantized weight_scale_inv and load_weights raises
     for a wo_a not stored float8_e4m3fn."""
-    from quant.engines.replay import quantized_leaves
-
     whl = engine_wheel(rules, release)
     modules = {f"layers.1.attn.{leaf}": Module(True, (8, 8), "attention") for leaf in ("wo_a", "wo_b")}
     for config, qconfig in ((("fp8", [128, 128]), {"weight_block_size": [128, 128]}), (("fp8", [64, 64]), {"weight_block_size": [64, 64]}),
                             (("fp8", None), {}), (("quark", None), {})):
         built, quantize = _sglang_wo_a_quant_config(whl, config)
         kind = config[0]
-        mine = engine_modules(modules, rules, N, kind, quantized=quantized_leaves(rules, kind, qconfig))
+        mine = engine_modules(ReplayContext(rules, modules, qconfig, FAMILY, N, kind))
         assert (built is not None) == quantize, config
         assert mine["model.layers.1.self_attn.wo_a"].build == ("quantized" if quantize else "bf16"), config
         assert mine["model.layers.1.self_attn.wo_b"].build == "governed"
@@ -529,7 +528,8 @@ def test_sglang_wo_a_findings_under_block_fp8(rules, release):
                    "layers.1.attn.wo_b": Module(True, (8, 8), "attention")}
         qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": listed,
                    **({"weight_block_size": list(block)} if block else {})}
-        return [f for f in replay(rules, modules, qconfig, FAMILY, N, "fp8", "FP8") if f.check == "engine"]
+        return [f for f in replay(ReplayContext(rules, modules, qconfig, FAMILY, N, "fp8", "FP8"))
+                if f.check == "engine"]
 
     entry = ["model.layers.1.self_attn.wo_a"]
     assert findings(True, []) == []
@@ -542,8 +542,9 @@ def test_sglang_wo_a_findings_under_block_fp8(rules, release):
     (found,) = findings(True, [], block=None)
     assert "builds wo_a unquantized (attention)" in found.why, found
     modules = {"layers.1.attn.wo_a": Module(True, (8, 8), "attention")}
-    (found,) = [f for f in replay(rules, modules, {"quant_method": "quark", "exclude": []}, FAMILY, N, "quark", "MXFP4")
-                if f.check == "engine"]
+    quark = {"quant_method": "quark", "exclude": []}
+    ctx = ReplayContext(rules, modules, quark, FAMILY, N, "quark", "MXFP4")
+    (found,) = [f for f in replay(ctx) if f.check == "engine"]
     assert found.module == "model.layers.1.self_attn.wo_a" and "unquantized (attention)" in found.why, found
 
 

@@ -21,7 +21,7 @@ from packaging.version import Version
 from safetensors.torch import load_file
 
 from quant.cli import main as quantize
-from quant.engines import ENGINES, Module, replay, rule_sets
+from quant.engines import ENGINES, Module, ReplayContext, replay, rule_sets
 from quant.engines.config import moe_layers_built
 from quant.engines.rules import releases_read, select
 from quant.formats.codecs import get_codec
@@ -359,6 +359,6 @@ def test_quantized_q_and_k_load_where_the_engines_rotary_permute_takes_them(rule
     modules = {prefix + leaf: Module(True, shape, "attention") for leaf, shape in shapes.items()}
     kind = "fp8" if fmt == "fp8" else "quark"
     qconfig = get_codec(fmt).quantization_config([], ScaleRule.EVEN, False)
-    findings = [f for f in replay(rules, modules, qconfig, "llama4", 2, kind, fmt.upper(), {})
+    findings = [f for f in replay(ReplayContext(rules, modules, qconfig, "llama4", 2, kind, fmt.upper()))
                 if "permute it for rotary" in f.why]
     assert (not findings) == _loader_takes(rules, release, fmt), findings

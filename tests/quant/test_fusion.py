@@ -13,7 +13,7 @@ import json
 import pytest
 
 from evals.cli import main as gate
-from quant.engines import Module, replay, rule_sets
+from quant.engines import Module, ReplayContext, replay, rule_sets
 from quant.engines.serving import serving
 from quant.example import tiny_config
 from quant.plan import make_plan
@@ -200,16 +200,20 @@ def test_indexer_wk_where_the_loaders_dequantize_it(rules):
     config = {"indexer_rope_interleave": True}
     modules = _indexer_case(True)
     for setup in (cuda, rocm):
-        assert replay(rules, modules, fp8, "glm_moe_dsa", 1, "fp8", "FP8", config, setup) == [], setup
+        assert replay(ReplayContext(rules, modules, fp8, "glm_moe_dsa", 1, "fp8", "FP8", config, setup)) == [], setup
     wk_bf16_on_cuda = rules.engine == "vllm" or rules["indexer"]["wk_fused_bf16_on_cuda"]
-    on_cuda = [f.module for f in replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", config, cuda)]
+
+    def on(config, setup):
+        return replay(ReplayContext(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", config, setup))
+
+    on_cuda = [f.module for f in on(config, cuda)]
     assert on_cuda == (["model.layers.0.self_attn.indexer.wk"] if wk_bf16_on_cuda else [])
-    on_rocm = [f.module for f in replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", config, rocm)]
+    on_rocm = [f.module for f in on(config, rocm)]
     assert on_rocm == (["model.layers.0.self_attn.indexer.wk"] if rules.engine == "vllm" else [])
     # is_neox_style (indexer_rope_interleave false) keeps wk separate and quantized on CUDA too
-    neox = replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", {"indexer_rope_interleave": False}, cuda)
+    neox = on({"indexer_rope_interleave": False}, cuda)
     assert bool(neox) == (rules.engine == "vllm")
-    unset = replay(rules, modules, quark, "glm_moe_dsa", 1, "quark", "MXFP4", {}, cuda)  # getattr(..., False)
+    unset = on({}, cuda)  # getattr(..., False)
     assert bool(unset) == (rules.engine == "vllm")
 
 
