@@ -5,7 +5,9 @@ folder's ``<engine>.yaml`` (``manifests/families/<family>/``, named ``<engine>.<
 another model class's rules, read for that class in the releases it lists. A family manifest names
 its class per engine; adding a family is its folder: the manifest plus the rules read for its classes.
 
-Each rule carries its value and a citation (file and function in the release it was read in).
+Each rule carries its value and a citation (file and function in the release it was read in); every
+rule kind and the file's shape are defined once, strictly, in ``quant.engines.rule_kinds``, so a misspelt
+rule or key refuses the file (exit 2, naming the file, the key and the nearest valid name).
 A rule set starts from the previous one and overrides what changed, so the YAML only lists changes.
 Only releases that were read are replayed: ``checked`` lists them, ``post_releases`` maps each
 ``.postN`` to the release whose rule set it follows (a post release sorts after its base, so a
@@ -19,11 +21,12 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-import yaml
 from packaging.version import InvalidVersion, Version
 
+from quant.engines.rule_kinds import RuleFile
 from quant.errors import QuantgateError
 from quant.layout import Family, family_dirs, family_named, manifests_root
+from quant.schema import load
 
 ENGINES = ("sglang", "vllm")
 DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers that name no family mean
@@ -31,6 +34,11 @@ DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers tha
 
 class UnknownEngine(QuantgateError, ValueError):
     """An ``--engine`` the rules do not cover (exit code 2)."""
+
+
+class RuleFileError(UnknownEngine):
+    """An engine rule file that cannot be read or breaks its schema (exit code 2): no engine release can be
+    replayed from it, so every command that asks for its rules refuses as for an engine it does not cover."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,10 @@ def rules_path(name: str) -> Path:
 
 
 @cache
-def _manifest(name: str) -> dict:
-    return yaml.safe_load(rules_path(name).read_text())
+def rule_file(name: str) -> RuleFile:
+    """The rule file ``name``, checked against its schema."""
+    return load(rules_path(name), RuleFile, "engine rule file", RuleFileError,
+                "each rule kind and its keys are defined in quant/engines/rule_kinds.py")
 
 
 def _class_files(engine: str) -> list[str]:
@@ -84,7 +94,7 @@ def rules_file(engine: str, family: Family | str) -> str:
         raise UnknownEngine(f"family {family.name}: its manifest names no {engine} model class (engine_classes."
                             f"{engine}); read the class in the {engine} wheel and add it with its rule file")
     for name in _class_files(engine):
-        if model_class in _manifest(name)["model_classes"]:
+        if model_class in rule_file(name).model_classes:
             return name
     raise UnknownEngine(f"family {family.name}: no {engine} rules were read for its model class {model_class} "
                         f"(no family folder's {engine}.yaml lists it); read that class's loading in the wheels "
@@ -99,21 +109,21 @@ def _rules_file_named(engine: str, family: str) -> str:
 def releases_read(engine: str, family: Family | str = DEFAULT_FAMILY) -> dict[str, str]:
     """Each release whose sources were read for the family's class -> the release its rule set is
     chosen by (itself, or the base of a ``.postN``)."""
-    data = _manifest(rules_file(engine, family))
-    posts = {str(k): str(v) for k, v in (data.get("post_releases") or {}).items()}
-    return {**{str(v): str(v) for v in data["checked"]}, **posts}
+    file = rule_file(rules_file(engine, family))
+    return {**{v: v for v in file.checked}, **(file.post_releases or {})}
 
 
 def _raw_sets(name: str) -> tuple[RuleSet, ...]:
-    data = _manifest(name)
+    """A rule file's sets, each rule's value as plain data in the file's shape (what the replay reads)."""
+    file = rule_file(name)
     values: dict = {}
     cites: dict = {}
     out = []
-    for raw in data["rule_sets"]:
-        for rule, entry in raw["rules"].items():
-            values[rule], cites[rule] = entry["value"], entry["cite"]
-        first, last = (str(v) for v in raw["versions"])
-        out.append(RuleSet(data["engine"], first, last, dict(values), dict(cites), model_class=data["model_classes"][0]))
+    for entry in file.rule_sets:
+        for rule, stated in entry.rules.model_dump(by_alias=True, exclude_unset=True).items():
+            values[rule], cites[rule] = stated["value"], stated["cite"]
+        first, last = entry.versions
+        out.append(RuleSet(file.engine, first, last, dict(values), dict(cites), model_class=file.model_classes[0]))
     return tuple(out)
 
 
@@ -127,7 +137,7 @@ def _rule_sets(name: str) -> tuple[RuleSet, ...]:
     if name == engine:
         return own
     base = _raw_sets(engine)
-    shared = _manifest(engine)["engine_wide"]
+    shared = rule_file(engine).engine_wide or []
     out = []
     for rules in own:
         covering = [b for b in base if Version(b.first) <= Version(rules.last) and Version(b.last) >= Version(rules.first)]

@@ -5,7 +5,8 @@ tests/quant/test_fusion.py or tests/quant/test_engine_sources.py fail.
     PYTHONPATH=. nice -n 10 python tests/benchmarks/mutation_engines.py [--only N,M] [--json]
 
 Runs in one process (the wheels' parsed sources stay cached between runs): a data mutation is
-applied to the loaded YAML, a code mutation by swapping the module's functions for ones compiled
+applied to the loaded rule file (checked against its schema again: a value the schema refuses fails
+every test that reads the file), a code mutation by swapping the module's functions for ones compiled
 from the changed source; nothing on disk is changed. Prints one row per mutation (killed or
 SURVIVED, the first failing test) and the score. Needs the wheels (see tests/quant/engine_sources.py).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import quant.engines.rules as rules_module
+from quant.engines.rule_kinds import RuleFile
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
@@ -469,15 +471,16 @@ def _apply_data(manifest: dict, m: dict) -> None:
 @contextlib.contextmanager
 def mutated(m: dict):
     if m["kind"] in ("data", "top"):
-        original = rules_module._manifest
-        manifest = copy.deepcopy(original(m["engine"]))
+        original = rules_module.rule_file
+        manifest = original(m["engine"]).model_dump(by_alias=True, exclude_unset=True)
         _apply_data(manifest, m)
-        rules_module._manifest = lambda name: manifest if name == m["engine"] else original(name)
+        rules_module.rule_file = lambda name: (RuleFile.model_validate(manifest) if name == m["engine"]
+                                               else original(name))
         _clear_caches()
         try:
             yield
         finally:
-            rules_module._manifest = original
+            rules_module.rule_file = original
             _clear_caches()
         return
     module = sys.modules[m["module"]]

@@ -88,9 +88,9 @@ def _ids(cases) -> list[str]:
 
 def _classes(family: str, engine: str, rules) -> tuple[str, str | None]:
     """(the main class, the draft class or None) the rule file was read for."""
-    from quant.engines.rules import _manifest, rules_file
+    from quant.engines.rules import rule_file, rules_file
 
-    classes = _manifest(rules_file(engine, family))["model_classes"]
+    classes = rule_file(rules_file(engine, family)).model_classes
     assert classes[0] == family_named(family).engine_class[engine] == rules.model_class
     return classes[0], (classes[1] if len(classes) > 1 else None)
 
