@@ -19,7 +19,6 @@ from quant.engines.replay import draft_module_name, is_draft, shard_parent
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 from quant.errors import QuantgateError
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")  # mlp.experts.E.*, block_sparse_moe.experts.E.*
 
 

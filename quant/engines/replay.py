@@ -209,7 +209,7 @@ def engine_modules(ctx: ReplayContext, whole_draft_bf16: bool = False) -> dict[s
         leaf = name.rpartition(".")[2]
         if moe:
             name = name[:name.rindex(".experts.") + len(".experts")]
-        else:  # the indexer's leaves are never a plain shard (its wk is not an attention's wk)
+        else:  # an indexer module joins a dotted shard's fused module only, never an attention's by its leaf
             name = fused_into(name, fused_of, dotted_only=info.role == "indexer") or name
         entry = built.get(name)
         if entry is None:
@@ -477,12 +477,15 @@ def fusion_findings(ctx: ReplayContext, entries: list[str], slots: dict[str, boo
         runner = "the MTP draft" if draft else "the main model"
         ok = [r for r in rule_sets("sglang", family) if no_fusion_reason(
             r, family, config, kind, loader_mapped(entries, r, family) if draft else entries, serving, draft)]
+        slot_index = config.get(rules["shared_experts_fusion"].get("experts_key", "n_routed_experts"),
+                                config.get("num_local_experts"))
         findings.append(Finding(
             "fusion", rules.id, moe,
-            f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert "
-            f"{config.get(rules['shared_experts_fusion'].get('experts_key', 'n_routed_experts'), config.get('num_local_experts'))} ({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
+            f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert {slot_index} "
+            f"({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
             f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
-            (f"serve with {release_spans(ok, family)}, or " if ok else "") + "start sglang with --disable-shared-experts-fusion"
+            (f"serve with {release_spans(ok, family)}, or " if ok else "")
+            + "start sglang with --disable-shared-experts-fusion"
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
     return findings
 
