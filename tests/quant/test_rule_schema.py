@@ -75,16 +75,19 @@ def mixtral_checkpoint(tmp_path_factory):
     (_misspelt_key, "vllm", "rule_sets.0.rules.fp8_skip.value: unknown key 'keys_mod'", "keys_mode"),
 ], ids=["rule", "key-in-rule"])
 def test_a_misspelt_rule_is_refused_by_the_cli(tmp_path, mixtral_checkpoint, edit, engine, key, near):
-    """``gate checkpoint`` on a checkpoint of a family whose rule file holds the typo: exit 2, one line
-    naming the file, the key path and the nearest valid name."""
+    """``gate checkpoint`` and ``quantize --dry-run`` on a checkpoint of a family whose rule file holds
+    the typo: exit 2, one line naming the file, the key path and the nearest valid name, nothing written."""
     files = dict(zip(ENGINES, _copied_family(tmp_path / "families", edit)))
     n_sets = len(yaml.safe_load(Path(files["sglang"]).read_text())["rule_sets"])
     key = key.replace("rule_sets.2.", f"rule_sets.{n_sets - 1}.")
     env = {**os.environ, FAMILIES_ENV: str(tmp_path / "families")}
-    for command in ([sys.executable, "-m", "evals.cli", "checkpoint", str(mixtral_checkpoint)],):
+    for command in ([sys.executable, "-m", "evals.cli", "checkpoint", str(mixtral_checkpoint)],
+                    [sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--dry-run", str(mixtral_checkpoint),
+                     str(tmp_path / "out")]):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 2 and "Traceback" not in done.stderr, (command, done.stderr[-2000:])
         one_line_error(done.stderr, files[engine], key, f"did you mean {near!r}")
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_rule_value_the_code_does_not_know_is_refused():
