@@ -53,20 +53,21 @@ def full_size(family: str) -> FullSize:
     return load(family_dirs()[family] / "full_size.yaml", FullSize, "full-size config", ValueError)
 
 
-def layouts() -> dict[str, Callable[[], tuple[dict, list]]]:
-    """Each discovered family's full-size layouts by name: its folder's ``full_size.py`` (``layout()``, or
+def family_layouts(family: str) -> dict[str, Callable[[], tuple[dict, list]]]:
+    """The family's full-size layouts by name: its folder's ``full_size.py`` (``layout()``, or
     ``layout(variant)`` named ``<family>_<variant>`` for each of its ``VARIANTS``), else its
-    ``full_size.yaml`` (``layout(family)`` here)."""
-    out: dict[str, Callable[[], tuple[dict, list]]] = {}
-    for family, folder in family_dirs().items():
-        module = family_module(family, "full_size")
-        if module is not None and hasattr(module, "VARIANTS"):
-            out.update({f"{family}_{variant}": partial(module.layout, variant) for variant in module.VARIANTS})
-        elif module is not None:
-            out[family] = module.layout
-        elif (folder / "full_size.yaml").is_file():
-            out[family] = partial(layout, family)
-    return out
+    ``full_size.yaml`` (``layout(family)`` here); none where the folder has neither."""
+    module = family_module(family, "full_size")
+    if module is not None and hasattr(module, "VARIANTS"):
+        return {f"{family}_{variant}": partial(module.layout, variant) for variant in module.VARIANTS}
+    if module is not None:
+        return {family: module.layout}
+    return {family: partial(layout, family)} if (family_dirs()[family] / "full_size.yaml").is_file() else {}
+
+
+def layouts() -> dict[str, Callable[[], tuple[dict, list]]]:
+    """Every discovered family's full-size layouts by name."""
+    return {name: build for family in family_dirs() for name, build in family_layouts(family).items()}
 
 
 def layout(family: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:

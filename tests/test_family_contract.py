@@ -1,0 +1,122 @@
+"""Every family folder through the same checks: the families are the discovered ones
+(``quant.layout.family_names()``: the package's folders and every root in ``QUANTGATE_FAMILIES``), so a
+family added as a folder is checked by adding the folder. Each folder's own ``tiny.py`` builds a tiny
+checkpoint named as the release stores it; it must be read as its family, convert (``quantize --to
+mxfp4``), decode back to the release's layout (``--to bf16``), load in each engine's newest release read
+for its model class (``gate checkpoint``, whose decisions the wheels' own functions check:
+tests/quant/test_engine_*.py), evaluate locally where transformers builds the model, and plan at
+full size from its folder's ``full_size.*`` (``quantize --dry-run`` on sparse files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from packaging.version import Version
+from safetensors import safe_open
+
+from evals.cli import main as gate
+from evals.emulation import EmulationRefused, load_model
+from quant.cli import main as quantize
+from quant.engines import ENGINES
+from quant.engines.rules import releases_read
+from quant.layout import family_for, family_names
+from tests.benchmarks.family_full_size import family_layouts, write_sparse
+from tests.quant.family_checkpoints import write_family_checkpoint
+
+FAMILIES = family_names()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def converted(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    src = write_family_checkpoint(root / "bf16", family)
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(root / "mxfp4")]) == 0
+    return family, src, root / "mxfp4"
+
+
+def stored(folder) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's (dtype, shape), read from the shards' headers."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                piece = f.get_slice(name)
+                out[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    return out
+
+
+def config_of(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_the_folders_tiny_checkpoint_is_read_as_its_family(converted):
+    family, src, _ = converted
+    assert family_for(config_of(src)).name == family
+
+
+def test_convert_stores_the_routed_experts_quantized(converted):
+    family, _, out = converted
+    config = config_of(out)
+    roles = family_for(config)
+    layers = roles.text_config(config)[roles.num_layers_key]
+    # the packed weights (their scales are U8 too); gpt-oss writes its release's own <fused>_blocks
+    packed = [n for n, (dtype, _) in stored(out).items() if dtype == "U8" and n.endswith((".weight", "_blocks"))]
+    assert packed and "quantization_config" in config
+    # every packed weight is a routed expert's (the rest of the model stays as the recipe keeps it)
+    assert {roles.classify(n, layers).role for n in packed} == {"routed_expert"}, family
+
+
+def test_decode_gives_back_the_releases_names_and_shapes(converted, tmp_path):
+    family, src, out = converted
+    assert quantize(["--to", "bf16", "-q", str(out), str(tmp_path / "bf16")]) == 0
+    before, after = stored(src), stored(tmp_path / "bf16")
+    assert {n: s for n, (_, s) in after.items()} == {n: s for n, (_, s) in before.items()}, family
+    assert "quantization_config" not in config_of(tmp_path / "bf16")
+
+
+def newest_releases(family: str) -> list[str]:
+    """``<engine>==<release>`` for each engine's newest release read for the family's model classes."""
+    return [f"{engine}=={max(releases_read(engine, family), key=Version)}" for engine in ENGINES
+            if releases_read(engine, family)]
+
+
+def test_the_conversion_loads_in_each_engines_newest_release(converted, capsys):
+    """The replay of each engine's rules, with the shared expert left unfused (a routed-only MXFP4
+    checkpoint cannot be fused into the MXFP4 experts: tests/quant/test_families.py)."""
+    family, _, out = converted
+    releases = newest_releases(family)
+    assert releases, f"no engine release has been read for family {family}"
+    for release in releases:
+        code = gate(["checkpoint", str(out), "--engine", release, "--disable-shared-experts-fusion"])
+        text = capsys.readouterr()
+        assert code == 0 and "verdict: loads correctly" in text.out, (family, release, text.out + text.err)
+
+
+def test_local_evaluation_where_transformers_builds_the_model(converted):
+    family, _, out = converted
+    try:
+        model, emulation = load_model(out)
+    except EmulationRefused as exc:
+        pytest.skip(f"{family}: {exc}")
+    assert emulation is not None, family
+    tokens = torch.randint(3, 380, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens).logits).all(), family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_full_size_layout_plans(family, tmp_path, capsys):
+    found = family_layouts(family)
+    if not found:
+        pytest.skip(f"{family}: its folder has no full_size.yaml or full_size.py")
+    for name, build in found.items():
+        config, entries = build()
+        src = tmp_path / name
+        write_sparse(src, config, entries)
+        code = quantize(["--to", "mxfp4", "--dry-run", "-q", "--json", str(src), str(tmp_path / f"{name}-out")])
+        text = capsys.readouterr()
+        assert code == 0, (name, text.err)
+        assert family_for(config).name == family
