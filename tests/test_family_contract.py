@@ -10,18 +10,21 @@ full size from its folder's ``full_size.*`` (``quantize --dry-run`` on sparse fi
 from __future__ import annotations
 
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 from packaging.version import Version
 from safetensors import safe_open
 
+import manifests
 from evals.cli import main as gate
 from evals.emulation import EmulationRefused, load_model
 from quant.cli import main as quantize
 from quant.engines import ENGINES
 from quant.engines.rules import releases_read
-from quant.layout import family_for, family_names
+from quant.layout import family_dirs, family_for, family_names
 from tests.benchmarks.family_full_size import family_layouts, write_sparse
 from tests.quant.family_checkpoints import write_family_checkpoint
 
@@ -120,3 +123,21 @@ def test_the_full_size_layout_plans(family, tmp_path, capsys):
         text = capsys.readouterr()
         assert code == 0, (name, text.err)
         assert family_for(config).name == family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_folder_holds_its_builder_and_notes(family):
+    folder = family_dirs()[family]
+    assert (folder / "tiny.py").is_file(), f"{folder}: no tiny.py (the tests' tiny-checkpoint builder)"
+    notes = folder / "NOTES.md"
+    assert notes.is_file() and notes.read_text().startswith(f"# {family}: "), f"{folder}: no NOTES.md for {family}"
+
+
+def test_every_file_of_the_family_folders_ships_in_the_package():
+    """pyproject's package-data patterns for manifests cover every file the folders hold (a
+    non-editable install would drop the rest: a builder, a full-size config, the notes)."""
+    root = Path(manifests.__file__).parent
+    patterns = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for pattern in patterns["manifests"] for p in root.glob(pattern)}
+    held = {p for p in (root / "families").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert held and not held - shipped, sorted(str(p.relative_to(root)) for p in held - shipped)
