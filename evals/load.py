@@ -42,7 +42,7 @@ from importlib import metadata
 from pathlib import Path
 
 from evals.bundle import BundleError
-from evals.errors import RunFailed
+from evals.errors import BadInput, RunFailed
 from evals.probe import get_json
 from quant.outputs import write_atomic
 from quant.safe_files import create_new, make_folder, read_json
@@ -69,9 +69,9 @@ class Workload:
 
     def __post_init__(self):
         if self.prompt_tokens < 2 or self.output_tokens < 1:
-            raise ValueError("--prompt-tokens must be >= 2 and --output-tokens >= 1")
+            raise BadInput("--prompt-tokens must be >= 2 and --output-tokens >= 1")
         if not 0.0 <= self.prefix_hit < 1.0:
-            raise ValueError(f"--prefix-hit {self.prefix_hit}: expected a fraction in [0, 1)")
+            raise BadInput(f"--prefix-hit {self.prefix_hit}: expected a fraction in [0, 1)")
 
     @property
     def prefix_tokens(self) -> int:
@@ -273,7 +273,7 @@ def _check_served(spec: LoadSpec) -> tuple[str, list[str]]:
     root = server_root(spec.base_url)
     reported = served_models(root)
     if spec.model not in reported:
-        raise ValueError(f"--model {spec.model!r} is not served at {root}; the server reports {reported}")
+        raise BadInput(f"--model {spec.model!r} is not served at {root}; the server reports {reported}")
     return root, reported
 
 
@@ -288,7 +288,7 @@ def run_load(spec: LoadSpec, show_progress: bool = True, min_success: float = 0.
     except metadata.PackageNotFoundError:
         raise LoadError("guidellm is not installed: pip install 'quantgate[load]'") from None
     if _holds_bundle(spec.out):
-        raise ValueError(f"{spec.out} already holds a load bundle; choose a new --out")
+        raise BadInput(f"{spec.out} already holds a load bundle; choose a new --out")
     root, reported = _check_served(spec)
     spec.out.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)
@@ -358,10 +358,10 @@ def run_repeats(specs: dict[str, LoadSpec], repeats: int, show_progress: bool = 
     before the first request; an interrupted sweep ends the run with what was measured."""
     outs = [spec.out.resolve() for spec in specs.values()]
     if len(set(outs)) < len(outs):
-        raise ValueError("the candidate and reference sweeps need different --out folders")
+        raise BadInput("the candidate and reference sweeps need different --out folders")
     for spec in specs.values():
         if _holds_bundle(spec.out):
-            raise ValueError(f"{spec.out} already holds a load bundle; choose a new --out")
+            raise BadInput(f"{spec.out} already holds a load bundle; choose a new --out")
         _check_served(spec)
     done: dict[str, list[dict]] = {name: [] for name in specs}
     for k in range(1, repeats + 1):

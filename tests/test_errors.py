@@ -89,3 +89,11 @@ def test_gate_and_evals_map_every_error_to_one_line_and_its_code(error, command,
     assert code == error.exit_code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{command}: error: {error.__name__}: the input named"), err
+
+
+def test_the_load_sweeps_input_checks_carry_their_exit_code_on_the_api_too():
+    from evals.load import Workload
+
+    with pytest.raises(QuantgateError, match="--prefix-hit 1.5") as bad:
+        Workload(prefix_hit=1.5)
+    assert bad.value.exit_code == 2
