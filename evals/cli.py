@@ -88,7 +88,12 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _dispatch(build_parser(), argv)
+    try:
+        parser = build_parser()
+    except QuantgateError as exc:  # a table the flags' choices are read from (the GPUs) is unusable
+        print(f"gate: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return _dispatch(parser, argv)
 
 
 def evals_main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
+from pydantic import Field
 
 from quant.aiter_padding import RuleError, read_rule
 from quant.checkpoint import read_json_object
@@ -56,6 +56,7 @@ from quant.layout import manifests_root
 from quant.outputs import write_atomic
 from quant.quark_config import config_kind
 from quant.safe_files import read_regular
+from quant.schema import Model, Schema, load
 
 # aiter/fused_moe.py
 PADDED_M_TIERS = (32768, 131072)
@@ -153,14 +154,52 @@ class Gpu:
     device_names: tuple[str, ...]
 
 
+class GpuEntry(Schema):
+    """One GPU of ``manifests/kernels/gpus.yaml`` (what each key means: the file's header)."""
+    gfx: str
+    cu_num: int = Field(ge=1)
+    fp8: str
+    fp4: bool
+    device_names: list[str]
+
+
+class GpusFile(Schema):
+    gpus: dict[str, GpuEntry]
+
+
+class TritonKey(Schema):
+    """The dtype and block-shape parts of a Triton fused-MoE config file's name."""
+    dtype: str | None
+    block_shape: list[int] | None
+
+
+class FormatEntry(Schema):
+    """One checkpoint format of ``manifests/kernels/formats.yaml``: the MoE kernel keys it gives."""
+    q_type: str
+    q_dtype_a: str  # ``fp8``: the GPU's own FP8 dtype (``GpuEntry.fp8``)
+    q_dtype_w: str
+    needs_fp4: bool
+    triton: TritonKey | None  # None: the engine has no Triton path for it
+
+
+class FormatsFile(Schema):
+    formats: dict[str, FormatEntry]
+    activations: dict[str, str]  # config.json hidden_act -> aiter ActivationType
+
+
+def _table(name: str, schema: type[Model]) -> Model:
+    """A kernel table shipped under ``manifests/kernels/``, read by the one YAML loader."""
+    return load(manifests_root() / "kernels" / name, schema, "kernel table", KernelInputError,
+                "restore it from the quantgate package")
+
+
 def load_gpus() -> dict[str, Gpu]:
-    data = yaml.safe_load((manifests_root() / "kernels" / "gpus.yaml").read_text())["gpus"]
-    return {k: Gpu(k, v["gfx"], int(v["cu_num"]), v["fp8"], bool(v["fp4"]), tuple(v["device_names"]))
-            for k, v in data.items()}
+    return {k: Gpu(k, v.gfx, v.cu_num, v.fp8, v.fp4, tuple(v.device_names))
+            for k, v in _table("gpus.yaml", GpusFile).gpus.items()}
 
 
-def _formats() -> dict:
-    return yaml.safe_load((manifests_root() / "kernels" / "formats.yaml").read_text())
+def _formats() -> FormatsFile:
+    return _table("formats.yaml", FormatsFile)
 
 
 @dataclass
@@ -245,16 +284,16 @@ def derive_shape(config: dict, gpu: Gpu, tp: int, ep: int = 1, disable_fusion: b
                                f"{routed} / EP {ep} is not whole: sglang refuses this split")
     fmt = checkpoint_format(config.get("quantization_config"))
     spec = _formats()
-    fmt_spec = spec["formats"][fmt]
+    fmt_spec = spec.formats[fmt]
     act = config.get("hidden_act", "silu")
     fused, reason = shared_fusion(config, fmt, gpu, tp, ep, disable_fusion)
     resolve = lambda d: gpu.fp8 if d == "fp8" else d  # noqa: E731
     dtype = "torch.float16" if str(config.get("torch_dtype") or config.get("dtype")) == "float16" else "torch.bfloat16"
     shape = MoeShape(fmt, hidden, inter // moe_tp, routed // ep + fused, topk + fused, fused, reason,
-                     spec["activations"].get(act, "ActivationType.Gelu"), dtype,
-                     resolve(fmt_spec["q_dtype_a"]), resolve(fmt_spec["q_dtype_w"]), fmt_spec["q_type"],
-                     fmt_spec["triton"], tp, ep)
-    if fmt_spec["needs_fp4"] and not gpu.fp4:
+                     spec.activations.get(act, "ActivationType.Gelu"), dtype,
+                     resolve(fmt_spec.q_dtype_a), resolve(fmt_spec.q_dtype_w), fmt_spec.q_type,
+                     fmt_spec.triton and fmt_spec.triton.model_dump(), tp, ep)
+    if fmt_spec.needs_fp4 and not gpu.fp4:
         shape.notes.append(f"{gpu.name} ({gpu.gfx}) has no MXFP4 MoE kernels: aiter's per_1x32 fp4x2 path is gfx950")
     if fmt == "mxfp4-w4a16":
         shape.notes.append("W4A16: sglang refuses it (Quark MXFP4 needs an fp4 input_tensors spec); aiter would "

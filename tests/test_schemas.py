@@ -4,21 +4,25 @@ valid name, and nothing is written."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 
-from quant.layout import family_named
+from quant.layout import family_named, manifests_root
 from tests.evals.test_gate import binary_pair, bundle
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_hostile import one_line_error
 
 
-def refused(command: list, *needles: str) -> None:
+def refused(command: list, *needles: str, env: dict | None = None, cwd: Path | None = None) -> None:
     """``command`` (a module and its arguments) run in its own process: exit 2, one line holding ``needles``."""
     out = subprocess.run([sys.executable, "-m", *map(str, command)], capture_output=True, text=True, timeout=120,
-                         check=False)
+                         check=False, env=env, cwd=cwd)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     one_line_error(out.stderr, *needles)
 
@@ -81,3 +85,19 @@ def test_a_misspelt_reference_table_key_is_refused(tmp_path):
     refused(["evals.cli", "accuracy", "--candidate", bundle(tmp_path / "c", "gsm8k", cand), "--reference",
              bundle(tmp_path / "r", "gsm8k", ref), "--margin", "gsm8k=0.05", "--reference-table", table],
             str(table), "benchmarks.gsm8k: unknown key 'protocl'", "did you mean 'protocol'?")
+
+
+@pytest.mark.parametrize("table, old, new, says", [
+    ("gpus.yaml", "cu_num: 256", "cu_nmu: 256", ("gpus.mi355x: unknown key 'cu_nmu'", "did you mean 'cu_num'?")),
+    ("formats.yaml", "needs_fp4: false", "need_fp4: false",
+     ("formats.fp8-block: unknown key 'need_fp4'", "did you mean 'needs_fp4'?")),
+])
+def test_a_misspelt_kernel_table_key_is_refused(table, old, new, says, glm_ckpt, tmp_path):
+    """The kernel tables ship with the package: a copy of its manifests, first on the path (and the
+    working folder, which ``python -m`` puts first), stands in for it."""
+    shutil.copytree(manifests_root(), tmp_path / "manifests")
+    path = tmp_path / "manifests" / "kernels" / table
+    path.write_text(path.read_text().replace(old, new, 1))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1])])}
+    refused(["evals.cli", "kernels", "--gpu", "mi355x", "--tp", "8", glm_ckpt], str(path), *says, env=env,
+            cwd=tmp_path)
