@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from quant.schema import Schema, nearest, template_problem
 
@@ -38,6 +38,17 @@ def _mixed_shards_template(text: str) -> str:
         raise ValueError(problem)
     return text
 
+
+def _known_role(name: str, info: ValidationInfo) -> str:
+    """A role no family manifest gives a tensor would match nothing: a misspelt role must not pass
+    silently (``context["roles"]``: the roles the loader knows)."""
+    roles = (info.context or {}).get("roles")
+    if roles is not None and name not in roles:
+        raise ValueError(nearest(name, sorted(roles), "role"))
+    return name
+
+
+Role = Annotated[str, AfterValidator(_known_role)]  # a tensor role of the family manifests (quant.layout)
 
 V = TypeVar("V")
 
@@ -206,7 +217,7 @@ class ExcludeMapper(MapperRenames):
 class BuiltQuantized(Schema):
     """Leaves (per role) the class builds with the quant config whatever the exclude list says, under configs of
     ``weight_block_size`` when given; ``reason``, ``error`` and ``fix`` word the finding."""
-    leaves: dict[str, list[str]]
+    leaves: dict[Role, list[str]]
     weight_block_size: list[int] | None = None
     reason: str
     error: str
@@ -252,8 +263,8 @@ class Rules(Schema):
     draft_exclude: Rule[DraftExclude] | None = None
     eh_proj: Rule[EhProj] | None = None
     indexer: Rule[Indexer | None] | None = None  # None: a class without a DSA indexer
-    unquantized_roles: Rule[list[str]] | None = None  # roles always built bf16
-    unquantized_leaves: Rule[dict[str, list[str]] | None] | None = None  # role -> leaves always built bf16
+    unquantized_roles: Rule[list[Role]] | None = None  # roles always built bf16
+    unquantized_leaves: Rule[dict[Role, list[str]] | None] | None = None  # role -> leaves always built bf16
     quark_config: Rule[QuarkConfig] | None = None
     fp8_skip: Rule[Fp8Skip] | None = None
     router: Rule[Router] | None = None

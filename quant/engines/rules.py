@@ -26,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 from quant.engines.rule_kinds import RuleFile
 from quant.errors import QuantgateError
 from quant.layout import Family, family_dirs, family_named, manifests_root
+from quant.recipe import recipe_roles
 from quant.schema import load
 
 ENGINES = ("sglang", "vllm")
@@ -77,7 +78,8 @@ def rules_path(name: str) -> Path:
 def rule_file(name: str) -> RuleFile:
     """The rule file ``name``, checked against its schema."""
     return load(rules_path(name), RuleFile, "engine rule file", RuleFileError,
-                "each rule kind and its keys are defined in quant/engines/rule_kinds.py")
+                "each rule kind and its keys are defined in quant/engines/rule_kinds.py",
+                context={"roles": recipe_roles()})
 
 
 def _class_files(engine: str) -> list[str]:

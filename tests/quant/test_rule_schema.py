@@ -1,5 +1,5 @@
-"""Engine rule files are read against one strict schema (quant/engines/rule_kinds.py): a misspelt rule
-or a misspelt key inside a rule is refused in one line naming the file, the key and the nearest valid
+"""Engine rule files are read against one strict schema (quant/engines/rule_kinds.py): a misspelt rule,
+a misspelt key inside a rule or a role no family defines is refused in one line naming the file, the key and the nearest valid
 name (exit 2), where it used to load and silently stop applying. The typed reading changes no value."""
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def _misspelt_key(engine, data):
         skip["keys_mod"] = skip.pop("keys_mode")
 
 
+def _misspelt_role(engine, data):
+    if engine == "vllm":  # the router kept bf16, under a role no family manifest defines
+        data["rule_sets"][0]["rules"]["unquantized_roles"]["value"][0] = "routr"
+
+
 @pytest.fixture(scope="module")
 def mixtral_checkpoint(tmp_path_factory):
     from tests.quant.family_checkpoints import write_family_checkpoint
@@ -73,7 +78,8 @@ def mixtral_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize(("edit", "engine", "key", "near"), [
     (_misspelt_rule, "sglang", "rule_sets.2.rules: unknown key 'qk_rotary_permut'", "qk_rotary_permute"),
     (_misspelt_key, "vllm", "rule_sets.0.rules.fp8_skip.value: unknown key 'keys_mod'", "keys_mode"),
-], ids=["rule", "key-in-rule"])
+    (_misspelt_role, "vllm", "rule_sets.0.rules.unquantized_roles.value.0: unknown role 'routr'", "router"),
+], ids=["rule", "key-in-rule", "role"])
 def test_a_misspelt_rule_is_refused_by_the_cli(tmp_path, mixtral_checkpoint, edit, engine, key, near):
     """``gate checkpoint`` and ``quantize --dry-run`` on a checkpoint of a family whose rule file holds
     the typo: exit 2, one line naming the file, the key path and the nearest valid name, nothing written."""
