@@ -1,9 +1,10 @@
 """A plan as input: the file of ``evals run --plan`` and the copy a run bundle carries in run.json.
 
-Both are checked field by field against what ``gate plan`` writes (``design.make_plan``), so a
-hostile or hand-edited plan is one line naming the file and the field, never a traceback: items
-and repeats positive integers, one seed per repeat, looks rising strictly in repeats and
-information to the last repeat and to 1, every level a one-sided confidence in (0.5, 1).
+Both are checked against ``PlanFile``, the schema of what ``gate plan`` writes (``design.make_plan``),
+so a hostile or hand-edited plan is one line naming the file and the field (a misspelt key with the
+nearest valid one), never a traceback: items and repeats positive integers, one seed per repeat,
+looks rising strictly in repeats and information to the last repeat and to 1, every level a
+one-sided confidence in (0.5, 1).
 
 A plan decides nothing by itself. The gate judges a planned run at levels it computes from the
 reviewer's policy (its confidence) and the plan's look schedule (each look's repeats and
@@ -15,96 +16,114 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Annotated, Literal
 
+from pydantic import (
+    AfterValidator,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 from scipy import stats as sps
 
-from evals.judge import sequential
 from evals.errors import BadInput, Refused
-from evals.judge.policy import finite_number
-from quant.safe_files import read_yaml
+from evals.judge import sequential
+from quant.schema import JsonValue, Schema, load, validate
 
 PLAN_VERSION = 1
 LEVEL_TOLERANCE = 1e-6  # the levels are recomputed exactly as `gate plan` computes them; this only absorbs rounding
 FIX = "write the plan with `gate plan --out PLAN`"
 
 
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _confidence(value: float) -> float:
+    if not 0.5 < value < 1:
+        raise ValueError(f"{value} is not a one-sided confidence in (0.5, 1)")
+    return value
 
 
-class _Fields:
-    """Field checks that raise BadInput naming ``where.key``, the value found and ``fix``."""
-
-    def __init__(self, fix: str):
-        self.fix = fix
-
-    def need(self, entry: dict, key: str, where: str, ok, what: str):
-        if key not in entry:
-            raise BadInput(f"{where}.{key}: missing; {self.fix}")
-        value = entry[key]
-        if not ok(value):
-            raise BadInput(f"{where}.{key}: {value!r} is not {what}; {self.fix}")
-        return value
-
-    def mapping(self, value, where: str) -> dict:
-        if not isinstance(value, dict):
-            raise BadInput(f"{where}: a {type(value).__name__} where a mapping belongs; {self.fix}")
-        return value
+Confidence = Annotated[float, AfterValidator(_confidence)]
 
 
-def _confidence(value) -> bool:
-    return finite_number(value) and 0.5 < value < 1
+class PlannedLook(Schema):
+    """One look of a benchmark's plan: after ``repeats`` repeats, at ``confidence`` (one-sided)."""
+    repeats: PositiveInt
+    information_fraction: float = Field(gt=0, le=1)
+    confidence: Confidence
+    look: int | None = None  # what gate plan wrote beside them, for people: the gate recomputes the levels
+    alpha_spent: float | None = None
+    z: float | None = None
+
+
+class PlannedBenchmark(Schema):
+    """One benchmark of a plan: what the run does (items, repeats, seeds, looks); the rest is the
+    design ``gate plan`` wrote beside it for people (``design.Design``), which nothing judges by."""
+    items: PositiveInt
+    repeats: PositiveInt
+    seeds: list[NonNegativeInt]
+    looks: list[PlannedLook] = Field(min_length=1)
+    benchmark: str | None = None
+    margin: float | None = None
+    drop: float | None = None
+    power: float | None = None
+    feasible: bool | None = None
+    certifiable_margin: float | None = None
+    expected_repeats: float | None = None
+    assumptions: dict[str, JsonValue] | None = None
+    benchmark_items: int | None = None
+    max_repeats: int | None = None
+    gpu_hours: dict[str, JsonValue] | None = None
+    note: str = ""
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if len(self.seeds) != self.repeats or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds: {self.seeds} is not {self.repeats} distinct seeds, one per repeat")
+        steps = [lk.repeats for lk in self.looks]
+        if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != self.repeats:
+            raise ValueError(f"looks: at {steps} repeats; looks must rise strictly to the plan's {self.repeats} "
+                             "repeats")
+        fractions = [lk.information_fraction for lk in self.looks]
+        if any(b <= a for a, b in itertools.pairwise(fractions)) or fractions[-1] != 1:
+            raise ValueError(f"looks: information fractions {fractions} must rise strictly to 1")
+        return self
+
+
+class PlanFile(Schema):
+    """A plan as ``gate plan`` writes it (``design.make_plan``)."""
+    plan_version: Literal[PLAN_VERSION]
+    confidence: Confidence
+    benchmarks: dict[str, PlannedBenchmark] = Field(min_length=1)
+    made_by: str | None = None  # the rest: what gate plan wrote beside them, for people
+    alpha: float | None = None
+    policy: str | None = None
+    power: float | None = None
+    spending: str | None = None
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _names(cls, benchmarks):
+        for bench in benchmarks if isinstance(benchmarks, dict) else ():
+            if not isinstance(bench, str):
+                raise ValueError(f"{bench!r} is not a benchmark name")  # noqa: TRY004 (pydantic reports ValueError)
+        return benchmarks
 
 
 def check_plan(plan, where: str, fix: str = FIX) -> dict:
     """``plan`` if it is a whole plan of ``PLAN_VERSION`` (see the module's docstring), else BadInput
     naming ``where`` (the file) and the field, and saying ``fix``."""
-    f = _Fields(fix)
-    _need, _mapping = f.need, f.mapping
-    plan = _mapping(plan, where)
-    version = plan.get("plan_version")
-    if version != PLAN_VERSION:
-        raise BadInput(f"{where}.plan_version: {version!r}, not {PLAN_VERSION}; {fix}")
-    _need(plan, "confidence", where, _confidence, "a one-sided confidence in (0.5, 1)")
-    benchmarks = _mapping(_need(plan, "benchmarks", where, lambda v: True, ""), f"{where}.benchmarks")
-    if not benchmarks:
-        raise BadInput(f"{where}.benchmarks: empty; {fix}")
-    for bench, entry in benchmarks.items():
-        at = f"{where}.benchmarks.{bench}"
-        if not isinstance(bench, str):
-            raise BadInput(f"{at}: {bench!r} is not a benchmark name; {fix}")
-        entry = _mapping(entry, at)
-        _need(entry, "items", at, _positive_int, "a positive integer")
-        repeats = _need(entry, "repeats", at, _positive_int, "a positive integer")
-        seeds = _need(entry, "seeds", at, lambda v: isinstance(v, list) and all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in v), "a list of non-negative integers")
-        if len(seeds) != repeats or len(set(seeds)) != len(seeds):
-            raise BadInput(f"{at}.seeds: {seeds} is not {repeats} distinct seeds, one per repeat; {fix}")
-        looks = _need(entry, "looks", at, lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list of looks")
-        for k, look in enumerate(looks):
-            look = _mapping(look, f"{at}.looks[{k}]")
-            _need(look, "repeats", f"{at}.looks[{k}]", _positive_int, "a positive integer")
-            _need(look, "information_fraction", f"{at}.looks[{k}]", lambda v: finite_number(v) and 0 < v <= 1,
-                  "an information fraction in (0, 1]")
-            _need(look, "confidence", f"{at}.looks[{k}]", _confidence, "a one-sided confidence in (0.5, 1)")
-        steps = [lk["repeats"] for lk in looks]
-        if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != repeats:
-            raise BadInput(f"{at}.looks: at {steps} repeats; looks must rise strictly to the plan's {repeats} "
-                           f"repeats; {fix}")
-        fractions = [lk["information_fraction"] for lk in looks]
-        if any(b <= a for a, b in itertools.pairwise(fractions)) or fractions[-1] != 1:
-            raise BadInput(f"{at}.looks: information fractions {fractions} must rise strictly to 1; {fix}")
-    return plan
+    if not isinstance(plan, dict):
+        raise BadInput(f"{where}: a {type(plan).__name__} where a mapping belongs; {fix}")
+    return validate(plan, PlanFile, where, "plan", BadInput, fix).model_dump(exclude_unset=True)
 
 
 def read_plan(path: Path) -> dict:
     """The plan in the file ``path`` (YAML or JSON; a regular file, size capped, no aliases), checked."""
-    where = f"--plan {path}"
-    try:
-        data = read_yaml(Path(path), BadInput, FIX)
+    try:  # the keys as written (a plan is carried on into the run bundle as it was)
+        return load(Path(path), PlanFile, "plan", BadInput, FIX).model_dump(exclude_unset=True)
     except BadInput as exc:
         raise BadInput(f"--plan {exc}") from None
-    return check_plan(data, where)
 
 
 def levels(fractions: list[float], alpha: float) -> list[float]:
