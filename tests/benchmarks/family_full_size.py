@@ -28,7 +28,7 @@ from quant.layout import family_dirs
 from quant.safetensors_io import DTYPE_BYTES, numel
 from quant.schema import JsonValue, Schema, load
 from tests.conftest import write_sparse_shards
-from tests.quant.family_checkpoints import family_module
+from tests.quant.family_checkpoints import family_module, named_as
 
 ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
 
@@ -59,10 +59,19 @@ def family_layouts(family: str) -> dict[str, Callable[[], tuple[dict, list]]]:
     ``full_size.yaml`` (``layout(family)`` here); none where the folder has neither."""
     module = family_module(family, "full_size")
     if module is not None and hasattr(module, "VARIANTS"):
-        return {f"{family}_{variant}": partial(module.layout, variant) for variant in module.VARIANTS}
-    if module is not None:
-        return {family: module.layout}
-    return {family: partial(layout, family)} if (family_dirs()[family] / "full_size.yaml").is_file() else {}
+        found = {f"{family}_{variant}": partial(module.layout, variant) for variant in module.VARIANTS}
+    elif module is not None:
+        found = {family: module.layout}
+    else:
+        found = {family: partial(layout, family)} if (family_dirs()[family] / "full_size.yaml").is_file() else {}
+    # config.json names the family's model type (a copied folder's layout is read as the copy)
+    return {name: partial(_named, family, build) for name, build in found.items()}
+
+
+def _named(family: str, build: Callable[[], tuple[dict, list]]) -> tuple[dict, list]:
+    config, entries = build()
+    named_as(config, family)
+    return config, entries
 
 
 def layouts() -> dict[str, Callable[[], tuple[dict, list]]]:

@@ -90,11 +90,19 @@ def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 
     else:
         dst = _write_built(Path(dst), builder, num_hidden_layers, seed, config_overrides)
     config = json.loads((dst / "config.json").read_text())
-    model_types = family_named(family).model_types
-    if config.get("model_type") not in model_types:
-        config["model_type"] = model_types[0]
+    if named_as(config, family):
         (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def named_as(config: dict, family: str) -> bool:
+    """Give ``config`` the family manifest's first model type where its own is not one of the family's
+    (a copied folder's builder still writes the original's); whether it changed."""
+    model_types = family_named(family).model_types
+    if config.get("model_type") in model_types:
+        return False
+    config["model_type"] = model_types[0]
+    return True
 
 
 def _write_built(dst: Path, builder: ModuleType, num_hidden_layers: int, seed: int, overrides: dict) -> Path:
