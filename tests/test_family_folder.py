@@ -2,13 +2,14 @@
 type and engine model class) into a root listed in QUANTGATE_FAMILIES is read by every command, run
 as real processes, with no edit to the package: its own tiny.py builds its checkpoint, ``quantize
 --help`` lists it, the planner and the converter take the checkpoint, ``gate checkpoint`` replays its
-own rule files. Without the root the same checkpoint is refused as no known family, so the folder
-did it."""
+own rule files, and the contract test runs every check on it. Without
+the root the same checkpoint is refused as no known family, so the folder did it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def copy_family(root: Path) -> Path:
         rules = yaml.safe_load((folder / f"{engine}.yaml").read_text())
         rules["model_classes"] = [NEW_CLASS]
         (folder / f"{engine}.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    notes = (folder / "NOTES.md").read_text()  # the new family's notes start as the original's
+    (folder / "NOTES.md").write_text(notes.replace(f"# {SOURCE}: ", f"# {NEW}: ", 1))
     return folder
 
 
@@ -110,3 +113,15 @@ def test_gate_checkpoint_replays_the_copied_family_rules(copied):
     assert report["ok"] and set(report["engines"]) == {"sglang 0.5.21..0.5.23", "vllm 0.33.0"}, report["engines"]
     unknown = run("evals.cli", "checkpoint", converted, root=None)
     assert unknown.returncode == 2 and f"model_type {NEW!r}: no model family" in unknown.stderr, unknown.stderr
+
+
+def test_the_contract_test_checks_the_copied_family(copied):
+    """The contract test's families are the discovered ones: with the root listed, every check runs on
+    the copy too (convert, decode, both engines' newest releases, local evaluation where transformers
+    builds the model, the full-size plan from the folder's full_size file, the folder's builder and notes)."""
+    root, _, _ = copied
+    contract = Path(__file__).with_name("test_family_contract.py")
+    out = run("pytest", "-q", "-p", "no:cacheprovider", contract, "-k", NEW, root=root)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) >= 6 and "failed" not in out.stdout, out.stdout[-2000:]
