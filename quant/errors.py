@@ -1,5 +1,9 @@
 """Errors of the conversion step, importable without loading the converter's numeric kernels,
-and the project's error base, which carries the exit code a command returns for it."""
+and the project's error base, which carries the exit code a command returns for it.
+
+Every error a user can cause, in any module, derives from ``QuantgateError``: ``quantize``, ``gate``
+and ``evals`` catch that base alone and return its ``exit_code``, so a new error needs no command
+changed (tests/test_errors.py walks every module's exception classes to keep it so)."""
 
 
 class QuantgateError(Exception):
