@@ -100,7 +100,8 @@ def test_unknown_family_says_which_manifest_to_write(tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src", config)
     (src / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k9"}))
     code, err = run_cli(capsys, src, tmp_path / "dst")
-    assert code == 2 and "'kimi_k9'" in err and "glm_moe_dsa.yaml" in err and "--family-manifest" in err
+    assert code == 2 and "'kimi_k9'" in err and "family.yaml" in err and "--family-manifest" in err
+    assert "QUANTGATE_FAMILIES" in err and err.count("\n") == 1  # one line: copy a family folder into a root
 
 
 def test_missing_config(tmp_path, capsys):
