@@ -162,7 +162,7 @@ def sequential_verdict(cell: Cell, ref: np.ndarray, cand: np.ndarray, strata, ru
         cell.benchmark, entry, 1 - policy.confidence, ref, cand, strata)]
     for k, level in enumerate(levels, 1):
         verdict = judge(ref[:, :k].mean(axis=1), cand[:, :k].mean(axis=1), strata, rules,
-                        replace(policy, confidence=level))[1]
+                        policy.model_copy(update={"confidence": level}))[1]
         if verdict != "INCONCLUSIVE":
             break
     return verdict, k
@@ -243,7 +243,7 @@ def run(task: tuple[Cell, float, int, int, str, float | None, str]) -> Counter:
     cell, delta, sims, seed, model, confidence, plan_from = task
     policy, rng = load_policy(), np.random.default_rng(seed)
     if confidence is not None:  # a fixed cell judged at another one-sided level (a look's, e.g. 0.99)
-        policy = replace(policy, confidence=confidence)
+        policy = policy.model_copy(update={"confidence": confidence})
     rules = policy.of(cell.benchmark)
     entry = plan_entry(cell, 1 - policy.confidence, delta, model, plan_from) if cell.looks == "planned" else None
     out: Counter = Counter()
@@ -300,7 +300,9 @@ def main() -> None:
         parser.error(f"--models {args.models!r}: choose from {','.join(MODELS)}")
     if args.confidence is not None and not 0.5 < args.confidence < 1:
         parser.error(f"--confidence {args.confidence}: a one-sided level in (0.5, 1), e.g. 0.99")
-    policy = load_policy() if args.confidence is None else replace(load_policy(), confidence=args.confidence)
+    policy = load_policy()
+    if args.confidence is not None:
+        policy = policy.model_copy(update={"confidence": args.confidence})
     wanted = [f.strip().lower() for f in args.cells.split(";" if ";" in args.cells else ",") if f.strip()]
     cells = [c for c in CELLS if not wanted or any(c.name.lower() == f[1:] if f.startswith("=") else f in c.name.lower()
                                                    for f in wanted)]
