@@ -15,6 +15,7 @@ import yaml
 
 from quant.layout import family_named, manifests_root
 from tests.evals.test_gate import binary_pair, bundle
+from tests.evals.test_hostile_evals import as_process
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_hostile import one_line_error
 
@@ -101,3 +102,14 @@ def test_a_misspelt_kernel_table_key_is_refused(table, old, new, says, glm_ckpt,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1])])}
     refused(["evals.cli", "kernels", "--gpu", "mi355x", "--tp", "8", glm_ckpt], str(path), *says, env=env,
             cwd=tmp_path)
+
+
+def test_a_misspelt_plan_key_is_refused(glm_ckpt, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    assert as_process("main", "plan", "--policy", "arith-example", "--items", "arith=3", "--out", plan).returncode < 2
+    plan.write_text(plan.read_text().replace("seeds:", "sedes:"))
+    out = as_process("evals_main", "run", "--benchmarks", "arith", "--model", glm_ckpt, "--out", tmp_path / "out",
+                     "--plan", plan)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    one_line_error(out.stderr, str(plan), "benchmarks.arith: unknown key 'sedes'", "did you mean 'seeds'?")
+    assert not (tmp_path / "out").exists()
