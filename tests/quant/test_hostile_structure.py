@@ -114,7 +114,11 @@ def _drop_expert(tensors: dict, family: str, expert: int = 1, draft: bool = Fals
     return container
 
 
-PER_EXPERT = ["deepseek_v4", "glm4_moe", "kimi_k25", "minimax_m2", "minimax_m3", "mixtral", "qwen3_moe", "qwen3_next"]
+# the built families by how their release stores routed experts (manifest fused_experts): per expert,
+# fused 3-D tensors, and of those the ones converted to per-expert weights (gpt-oss writes its own blocks)
+PER_EXPERT = [f for f in built_families() if family_named(f).fused_experts is None]
+FUSED = [f for f in built_families() if family_named(f).fused_experts is not None]
+FUSED_TO_PER_EXPERT = [f for f in FUSED if family_named(f).fused_experts.writes == "per_expert"]
 
 
 @pytest.mark.parametrize("family", PER_EXPERT + ["qwen3_5_moe"])
@@ -136,7 +140,7 @@ def test_a_missing_expert_projection_is_flagged(built, tmp_path, capsys):
     gate_finds(capsys, src, "experts 3 have no tensor or lack some", "experts.3.w2.weight")
 
 
-@pytest.mark.parametrize("family", ["llama4", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", FUSED_TO_PER_EXPERT)
 def test_a_missing_expert_of_a_fused_family_output_is_flagged_and_not_decoded(family, built, tmp_path, capsys):
     """Llama-4 / Qwen3.5 are converted to per-expert weights: one of them gone from the output is
     flagged, and --to bf16 refuses to write the fused tensor back without it."""
@@ -159,7 +163,7 @@ def keep_fused_experts(src, family: str, count: int, biases: bool = False):
     return fused
 
 
-@pytest.mark.parametrize("family", ["llama4", "gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", FUSED)
 def test_a_fused_tensor_holding_fewer_experts_than_declared_is_flagged(family, built, tmp_path, capsys):
     src = copy(built, tmp_path, family)
     keep_fused_experts(src, family, 3)
@@ -202,7 +206,7 @@ def test_expert_counts_must_be_positive_integers_the_shards_can_hold(family, val
     quantize_refuses(capsys, src, tmp_path, "config.json", f"{where}{key}")
 
 
-@pytest.mark.parametrize("family", ["llama4", "qwen3_5_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", FUSED)
 def test_zero_experts_with_empty_fused_tensors_is_one_line(family, built, tmp_path, capsys):
     """config 0 experts and fused tensors [0, ...] agree with each other: still no model (IndexError before)."""
     src = copy(built, tmp_path, family)
