@@ -45,6 +45,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 
 from pydantic import Field
@@ -52,7 +53,11 @@ from pydantic import Field
 from quant.aiter_padding import RuleError, read_rule
 from quant.checkpoint import read_json_object
 from quant.errors import CheckpointError, QuantgateError
-from quant.layout import manifests_root
+from quant.engines.fusion import main_model_fusion
+from quant.engines.replay import exclude_entries
+from quant.engines.rules import RuleSet, select
+from quant.engines.serving import TABLE, Serving, from_args
+from quant.layout import Family, UnknownFamilyError, family_for, manifests_root
 from quant.outputs import write_atomic
 from quant.quark_config import config_kind
 from quant.safe_files import read_regular
@@ -67,9 +72,9 @@ INT_COLUMNS = {"cu_num", "token", "model_dim", "inter_dim", "expert", "topk", "u
 # aiter/configs/untuned_fmoe.csv's header: the tuner's input, and (with cu_num, gfx, _tag) the merge's dedup key.
 UNTUNED_COLUMNS = ("token", "model_dim", "inter_dim", "expert", "topk", "act_type", "dtype", "q_dtype_a",
                    "q_dtype_w", "q_type", "use_g1u1", "doweight_stage1")
-LEGACY_CU_NUM_TO_GFX = {256: "gfx950", 80: "gfx942", 228: "gfx942", 304: "gfx942"}  # chip_info.py
 AITER_TUNE = ("python3 {aiter}/csrc/ck_gemm_moe_2stages_codegen/gemm_moe_tune.py -i {untuned} "
               "-o aiter/configs/model_configs/<model>_tuned_fmoe.csv   (or serve once with AITER_ONLINE_TUNE=1)")
+INTER_KEYS = ("moe_intermediate_size", "intermediate_size")  # the routed experts' width, the first present
 TRITON_TUNE = {"sglang": "sglang benchmark/kernels/fused_moe_triton (tuning_fused_moe_triton.py --tune)",
                "vllm": "vllm benchmarks/kernels/benchmark_moe.py --tune"}
 
@@ -154,19 +159,6 @@ class Gpu:
     device_names: tuple[str, ...]
 
 
-class GpuEntry(Schema):
-    """One GPU of ``manifests/kernels/gpus.yaml`` (what each key means: the file's header)."""
-    gfx: str
-    cu_num: int = Field(ge=1)
-    fp8: str
-    fp4: bool
-    device_names: list[str]
-
-
-class GpusFile(Schema):
-    gpus: dict[str, GpuEntry]
-
-
 class TritonKey(Schema):
     """The dtype and block-shape parts of a Triton fused-MoE config file's name."""
     dtype: str | None
@@ -176,7 +168,7 @@ class TritonKey(Schema):
 class FormatEntry(Schema):
     """One checkpoint format of ``manifests/kernels/formats.yaml``: the MoE kernel keys it gives."""
     q_type: str
-    q_dtype_a: str  # ``fp8``: the GPU's own FP8 dtype (``GpuEntry.fp8``)
+    q_dtype_a: str  # ``fp8``: the GPU's own FP8 dtype (``quant.engines.serving.GpuEntry.fp8``)
     q_dtype_w: str
     needs_fp4: bool
     triton: TritonKey | None  # None: the engine has no Triton path for it
@@ -194,8 +186,7 @@ def _table(name: str, schema: type[Model]) -> Model:
 
 
 def load_gpus() -> dict[str, Gpu]:
-    return {k: Gpu(k, v.gfx, v.cu_num, v.fp8, v.fp4, tuple(v.device_names))
-            for k, v in _table("gpus.yaml", GpusFile).gpus.items()}
+    return {k: Gpu(k, v.gfx, v.cu_num, v.fp8, v.fp4, tuple(v.device_names)) for k, v in TABLE.gpus.items()}
 
 
 def _formats() -> FormatsFile:
@@ -239,25 +230,22 @@ def checkpoint_format(qconfig: dict | None) -> str:
                            f"{qconfig.get('weight_block_size')}): no MoE kernel table is known for it")
 
 
-def shared_fusion(config: dict, fmt: str, gpu: Gpu, tp: int, ep: int, disable: bool) -> tuple[int, str]:
-    """Whether the newest sglang release read fuses the main model's shared expert into the routed
-    FusedMoE (as expert ``n_routed_experts``), decided by the same rule ``gate checkpoint`` replays
-    (``quant.engines.fusion``, from models/deepseek_v2.py and quantization/quark/quark.py)."""
-    from quant.engines.fusion import no_fusion_reason
-    from quant.engines.rules import rule_sets
-    from quant.engines.serving import serving
+def sglang_rules(family: Family, engine: str) -> RuleSet | None:
+    """The sglang rule set whose fusion decision sizes the MoE: the newest sglang release ``engine``
+    selects (as ``gate checkpoint --engine`` does) for the family's model class; None without one."""
+    chosen = [r for r in select(engine, family) if r.engine == "sglang"]
+    return chosen[-1] if chosen else None
 
-    n_shared, n_routed = config.get("n_shared_experts") or 0, config.get("n_routed_experts")
-    if not n_shared:
-        return 0, "the model has no shared expert"
-    rules = rule_sets("sglang")[-1]
-    kind = "fp8" if fmt == "fp8-block" else "quark"
-    entries = (config.get("quantization_config") or {}).get("exclude") or []
-    launch = serving("rocm", gpu.gfx, tp=tp, ep=ep, disable_shared_experts_fusion=disable)
-    reason = no_fusion_reason(rules, config.get("model_type"), config, kind, list(entries), launch, draft=False)
-    if reason is not None:
-        return 0, f"not fused ({rules.id}): {reason}"
-    return n_shared, f"fused as expert {n_routed} (topk + {n_shared}; {rules.id})"
+
+def shared_fusion(config: dict, family: Family, rules: RuleSet | None, setup: Serving) -> tuple[int, str]:
+    """How many shared experts sglang folds into the routed FusedMoE (as expert ``n_routed``), decided
+    by the rule ``gate checkpoint`` replays for the same release and setup (``quant.engines.fusion``)."""
+    if rules is None:
+        return 0, "not fused: no sglang release selected (vLLM keeps the shared expert out of the FusedMoE)"
+    qconfig = config.get("quantization_config") or {}
+    kind = config_kind(qconfig)
+    entries = exclude_entries(qconfig, rules, kind, setup) if kind else []
+    return main_model_fusion(rules, family, config, kind, entries, setup)
 
 
 def _require(config: dict, key: str, path: Path) -> int:
@@ -267,28 +255,38 @@ def _require(config: dict, key: str, path: Path) -> int:
     return value
 
 
-def derive_shape(config: dict, gpu: Gpu, tp: int, ep: int = 1, disable_fusion: bool = False,
+def derive_shape(config: dict, gpu: Gpu, setup: Serving, engine: str = "all",
                  path: Path = Path("config.json")) -> MoeShape:
-    """The per-rank MoE shape sglang builds for this config on ``gpu`` under TP/EP."""
-    hidden = _require(config, "hidden_size", path)
-    inter = _require(config, "moe_intermediate_size", path)
-    routed = config.get("n_routed_experts") or config.get("num_experts")
-    if not isinstance(routed, int) or routed <= 0:
-        raise KernelInputError(f"{path}: neither n_routed_experts nor num_experts: not a MoE model")
-    topk = _require(config, "num_experts_per_tok", path)
-    if tp < 1 or ep < 1 or tp % ep:
+    """The per-rank MoE shape sglang builds for this config on ``gpu`` under the setup's TP/EP, read
+    through the checkpoint's family (its text config, its routed-experts key, its shared expert)."""
+    try:
+        family = family_for(config)
+    except UnknownFamilyError as exc:
+        raise KernelInputError(f"{path}: {exc}") from None
+    text = family.text_config(config)
+    hidden = _require(text, "hidden_size", path)
+    # families without dense layers keep the experts' width in intermediate_size (Mixtral, MiniMax-M2)
+    inter = _require(text, next((k for k in INTER_KEYS if k in text), INTER_KEYS[0]), path)
+    experts_key = next((k for k in family.experts_keys if k in text), None)
+    if experts_key is None:
+        raise KernelInputError(f"{path}: none of {', '.join(family.experts_keys) or 'the routed-expert keys'} "
+                               f"({family.name}): not a MoE model")
+    routed = _require(text, experts_key, path)
+    topk = _require(text, "num_experts_per_tok", path)
+    tp, ep = setup.tp, setup.ep
+    if tp % ep:
         raise KernelInputError(f"--tp {tp} --ep {ep}: sglang needs EP to divide TP (moe_tp_size = tp // ep)")
     moe_tp = tp // ep
     if inter % moe_tp or routed % ep:
-        raise KernelInputError(f"{path}: moe_intermediate_size {inter} / moe_tp {moe_tp} or n_routed_experts "
+        raise KernelInputError(f"{path}: {family.name} expert width {inter} / moe_tp {moe_tp} or {experts_key} "
                                f"{routed} / EP {ep} is not whole: sglang refuses this split")
     fmt = checkpoint_format(config.get("quantization_config"))
     spec = _formats()
     fmt_spec = spec.formats[fmt]
-    act = config.get("hidden_act", "silu")
-    fused, reason = shared_fusion(config, fmt, gpu, tp, ep, disable_fusion)
+    act = text.get("hidden_act", "silu")
+    fused, reason = shared_fusion(config, family, sglang_rules(family, engine), setup)
     resolve = lambda d: gpu.fp8 if d == "fp8" else d  # noqa: E731
-    dtype = "torch.float16" if str(config.get("torch_dtype") or config.get("dtype")) == "float16" else "torch.bfloat16"
+    dtype = "torch.float16" if str(text.get("torch_dtype") or text.get("dtype")) == "float16" else "torch.bfloat16"
     shape = MoeShape(fmt, hidden, inter // moe_tp, routed // ep + fused, topk + fused, fused, reason,
                      spec.activations.get(act, "ActivationType.Gelu"), dtype,
                      resolve(fmt_spec.q_dtype_a), resolve(fmt_spec.q_dtype_w), fmt_spec.q_type,
@@ -360,9 +358,15 @@ def _rows(path: Path, reader) -> list[Row]:
         for column in INT_COLUMNS:
             record[column] = _parse_int(record[column], where, column)
         if not record.get("gfx") or record["gfx"] in ("0", "nan", "None"):
-            record["gfx"] = LEGACY_CU_NUM_TO_GFX.get(record["cu_num"], "")  # "" = the live GPU's arch
+            record["gfx"] = _gfx_of_cu_num().get(record["cu_num"], "")  # "" = the live GPU's arch
         rows.append(Row(where, tuple(record[c] for c in KEY_COLUMNS), record))
     return rows
+
+
+@cache
+def _gfx_of_cu_num() -> dict[int, str]:
+    """aiter's chip_info._LEGACY_CU_NUM_TO_GFX, read from the GPU table (each CU count is one arch)."""
+    return {gpu.cu_num: gpu.gfx for gpu in load_gpus().values()}
 
 
 def installed_aiter_configs() -> Path | None:
@@ -451,11 +455,12 @@ def lookup(tables: AiterTables, key: tuple) -> tuple[Row | None, str]:
 
 # --- Triton configs ---------------------------------------------------------------------------
 
-def triton_names(engine: str, shape: MoeShape, gpu: Gpu, routed: int) -> list[str]:
+def triton_names(engine: str, shape: MoeShape, gpu: Gpu) -> list[str]:
     """Candidate file names (one per device-name spelling): get_config_file_name of each engine."""
     dtype = shape.triton["dtype"]
     block = shape.triton["block_shape"]
-    experts = shape.experts if engine == "sglang" else routed // shape.ep  # vLLM's Triton path does not fuse
+    # vLLM's Triton path does not fuse the shared expert
+    experts = shape.experts if engine == "sglang" else shape.experts - shape.fused_shared
     block_part = f",block_shape={block}" if block else ""
     if engine == "vllm":
         block_part = block_part.replace(" ", "")
@@ -492,6 +497,8 @@ class KernelReport:
     backend: str
     untuned_rows: list[str]
     aiter_topk: int  # topk as aiter keys its tables (one less under EP: get_2stage_cfgs' `topk -= is_ep`)
+    serving: dict  # the setup judged (quant.engines.serving.Serving), as gate checkpoint records it
+    engine: str  # the sglang rule set whose shared-expert fusion sized the MoE ("none": no sglang release)
 
     @property
     def fallbacks(self) -> list[dict]:
@@ -520,17 +527,17 @@ def read_config(checkpoint: Path) -> dict:
         raise KernelInputError(str(exc)) from None
 
 
-def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: Path | None = None,
-          max_tokens: int = 32768, disable_fusion: bool = False, backend: str = "aiter",
-          engine_roots: dict[str, Path] | None = None) -> KernelReport:
+def check(checkpoint: Path, setup: Serving, engine: str = "all", aiter_configs: Path | None = None,
+          max_tokens: int = 32768, backend: str = "aiter", engine_roots: dict[str, Path] | None = None) -> KernelReport:
     gpus = load_gpus()
-    if gpu_name not in gpus:
-        raise KernelInputError(f"unknown GPU {gpu_name!r}; known: {sorted(gpus)} (manifests/kernels/gpus.yaml)")
+    if setup.gpu is None:
+        raise KernelInputError(f"{setup.platform} {setup.gpu_arch} names no GPU model: aiter keys its tables on the "
+                               f"CU count; give --gpu ({', '.join(gpus)})")
     if max_tokens < 1:
         raise KernelInputError(f"--max-tokens {max_tokens}: must be at least 1")
-    gpu = gpus[gpu_name]
+    gpu = gpus[setup.gpu]
     config = read_config(checkpoint)
-    shape = derive_shape(config, gpu, tp, ep, disable_fusion, checkpoint)
+    shape = derive_shape(config, gpu, setup, engine, checkpoint)
     files, where = find_tables(aiter_configs)
     tables = load_tables(files)
     rules = aiter_source(aiter_configs or installed_aiter_configs())  # the aiter that will read the tables
@@ -546,21 +553,22 @@ def check(checkpoint: Path, gpu_name: str, tp: int, ep: int = 1, aiter_configs: 
                           "block_m": row.values.get("block_m"), "source": row.source, "match": how})
         results.append(entry)
     triton = {}
-    routed = config.get("n_routed_experts") or config.get("num_experts")
-    for engine in ("sglang", "vllm"):
+    for name in ("sglang", "vllm"):
         if shape.triton is None:
-            triton[engine] = {"status": "n/a", "why": "no Triton path for this format (aiter only)"}
+            triton[name] = {"status": "n/a", "why": "no Triton path for this format (aiter only)"}
             continue
-        names = triton_names(engine, shape, gpu, routed)
-        dirs = engine_config_dirs(engine, (engine_roots or {}).get(engine))
+        names = triton_names(name, shape, gpu)
+        dirs = engine_config_dirs(name, (engine_roots or {}).get(name))
         if dirs is None:
-            triton[engine] = {"status": "unknown", "names": names, "why": f"{engine} is not installed here"}
+            triton[name] = {"status": "unknown", "names": names, "why": f"{name} is not installed here"}
             continue
         found = [str(d / n) for d in dirs for n in names if (d / n).is_file()]
-        triton[engine] = {"status": "tuned" if found else "default", "names": names, "found": found[:1],
-                          "searched": [str(d) for d in dirs]}
+        triton[name] = {"status": "tuned" if found else "default", "names": names, "found": found[:1],
+                        "searched": [str(d) for d in dirs]}
+    sglang = sglang_rules(family_for(config), engine)
     return KernelReport(str(checkpoint), asdict(gpu), asdict(shape), [where] + tables.files, rules.where, results,
-                        triton, backend, untuned, aiter_key(shape, gpu, 1, rules.ep_strips_topk)[6])
+                        triton, backend, untuned, aiter_key(shape, gpu, 1, rules.ep_strips_topk)[6], asdict(setup),
+                        sglang.id if sglang else "none")
 
 
 def write_untuned(rows: list[str], path: Path) -> None:
@@ -577,6 +585,7 @@ def _aiter_topk(report: KernelReport) -> str:
 def human(report: KernelReport) -> str:
     s, g = report.shape, report.gpu
     lines = [f"kernels  {report.checkpoint}  on {g['name']} ({g['gfx']}, {g['cu_num']} CUs)  TP{s['tp']} EP{s['ep']}",
+             f"serving     {Serving(**report.serving).label()}; shared-expert fusion as {report.engine}",
              f"MoE per rank: model_dim {s['model_dim']}, inter_dim {s['inter_dim']}, experts {s['experts']}, "
              f"topk {s['topk']}{_aiter_topk(report)}  ({s['format']}: {s['q_type']}, a {s['q_dtype_a']}, w {s['q_dtype_w']}, "
              f"{s['act_type']})",
@@ -617,34 +626,31 @@ def human(report: KernelReport) -> str:
 HELP = """\
 Derive, from config.json alone, the fused-MoE shape sglang requests per rank (model_dim, inter_dim
 under TP/EP, experts per rank with the shared expert fused or not, topk, act/weight dtypes and
-q_type from the quantization_config), then look it up in aiter's tuned tables exactly as aiter
+q_type from the quantization_config), read through the checkpoint's family (its text config, its
+routed-experts key, its shared expert); whether the shared expert is fused is the decision gate
+checkpoint replays for the same setup and the newest sglang release --engine selects. Then look it up in aiter's tuned tables exactly as aiter
 does, for every token bucket a batch of 1..--max-tokens tokens maps to; and name the Triton
 fused-MoE config files sglang and vLLM would read (present, or the default config).
 
 example: gate kernels /ckpt/GLM-5-mxfp4 --gpu mi355x --tp 4 --aiter-configs ~/aiter/aiter/configs
+         gate kernels /ckpt/GLM-4.5-mxfp4 --engine sglang==0.5.23 --disable-shared-experts-fusion
+The serving setup flags (default: MI355X, TP 8, fusion on) are gate checkpoint's and gate release's.
 
 exit codes: 0 every bucket tuned; 1 some fall back to a default kernel (named, with the shape and
 the command that tunes it); 2 bad input (config, table: file and line)"""
 
 
 def add_arguments(parser, release: bool = False) -> None:
-    gpus = sorted(load_gpus())
+    """The kernel check's own flags; the serving setup's (GPU, TP, EP, engine, fusion) are
+    ``quant.engines.serving.add_arguments``, shared with gate checkpoint and gate release."""
     if not release:
         parser.add_argument("dir", type=Path, help="checkpoint folder (only config.json is read) or a config.json")
-    parser.add_argument("--gpu", choices=gpus, required=not release,
-                        help="target GPU (gfx and CU count from manifests/kernels/gpus.yaml)"
-                             + ("; runs the kernel check as part of the release" if release else ""))
-    parser.add_argument("--tp", type=int, default=1 if release else None, required=not release,
-                        help="tensor-parallel size of the deployment")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp; default 1)")
     parser.add_argument("--aiter-configs", type=Path, metavar="DIR",
                         help="aiter/configs folder to read (default: AITER_CONFIG_FMOE, else the installed aiter)")
     if release:
         return
     parser.add_argument("--max-tokens", type=int, default=32768,
                         help="largest batch (tokens per MoE call) to cover; default 32768 (chunked prefill size)")
-    parser.add_argument("--disable-shared-experts-fusion", action="store_true",
-                        help="as sglang's flag: keep the shared expert out of the fused MoE")
     parser.add_argument("--backend", choices=["aiter", "triton", "both"], default="aiter",
                         help="which engine kernel path decides the exit code (aiter: the ROCm default, and the "
                              "only path for MXFP4); Triton configs are reported either way")
@@ -659,9 +665,8 @@ def run_cli(args) -> int:
     import sys
 
     try:
-        report = check(args.dir, args.gpu, args.tp, args.ep, args.aiter_configs, args.max_tokens,
-                       args.disable_shared_experts_fusion, args.backend,
-                       {"sglang": args.sglang_root, "vllm": args.vllm_root})
+        report = check(args.dir, from_args(args), args.engine, args.aiter_configs, args.max_tokens,
+                       args.backend, {"sglang": args.sglang_root, "vllm": args.vllm_root})
     except KernelInputError as exc:
         print(f"gate: error: {exc}", file=sys.stderr)
         return 2
@@ -671,17 +676,18 @@ def run_cli(args) -> int:
     return 0 if report.ok else 1
 
 
-def release_check(args, policy: dict) -> dict | None:
-    """The kernel check inside ``gate release``: warning-level unless the policy's kernels.blocking."""
-    if not getattr(args, "gpu", None):
+def release_check(args, policy: dict, setup: Serving) -> dict | None:
+    """The kernel check inside ``gate release`` (run when --gpu names the GPU), for the release's
+    serving setup: warning-level unless the policy's kernels.blocking."""
+    if not args.gpu:
         return None
     blocking = bool((policy.get("kernels") or {}).get("blocking", False))
     try:
-        report = check(args.checkpoint, args.gpu, args.tp, args.ep, args.aiter_configs)
+        report = check(args.checkpoint, setup, args.engine, args.aiter_configs)
     except KernelInputError as exc:
         return {"ok": False, "blocking": blocking, "error": str(exc), "summary": f"kernel check failed: {exc}"}
     tuned = len(report.buckets) - len(report.fallbacks)
-    summary = (f"MoE kernels on {args.gpu} TP{args.tp} EP{args.ep}: {tuned}/{len(report.buckets)} aiter token "
+    summary = (f"MoE kernels on {setup.gpu} TP{setup.tp} EP{setup.ep}: {tuned}/{len(report.buckets)} aiter token "
                f"buckets tuned" + ("" if report.ok else f"; untuned: "
                                    f"{', '.join(str(b['bucket']) for b in report.fallbacks)}"))
     return {**report.to_dict(), "blocking": blocking, "summary": summary, "text": human(report)}

@@ -17,7 +17,8 @@ from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay, select
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
-from quant.engines.replay import loads_under
+from quant.engines.fusion import main_model_fusion
+from quant.engines.replay import exclude_entries, loads_under
 from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
@@ -45,6 +46,8 @@ class Report:
     modules_quantized: int = 0  # 0: a plain (e.g. bf16) checkpoint; it loads, but nothing was quantized
     serving: Serving = DEFAULT
     conditions: dict[str, list[tuple[Serving, bool]]] = field(default_factory=dict)  # rule set id -> loads per condition
+    # sglang rule set id -> whether it folds the main model's shared expert into the routed FusedMoE, and why
+    fusion: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -58,7 +61,8 @@ class Report:
                 "modules_quantized": self.modules_quantized,
                 "serving": asdict(self.serving),
                 "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
-                                "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])]}
+                                "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])],
+                                **({"shared_expert_fusion": self.fusion[e]} if e in self.fusion else {})}
                             for e in self.engines}}
 
 
@@ -366,6 +370,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     report.findings += exclude_findings
     kind = None if malformed else config_kind(qconfig)
     routers = router_tensors(tensors, family, num_hidden_layers)
+    # the quantization_config as the engines match it; None where they cannot read its exclude list
+    usable = None if malformed or (kind == "quark" and exclude is None) else \
+        dict(qconfig, exclude=exclude) if kind == "quark" else qconfig or {}
     for rules in rule_sets:
         report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
                                           moe_layers, family.mtp_layers_default)
@@ -378,7 +385,6 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
                                            f"{rules.model_class} was not read to load it", "convert the bf16 release "
                                            "with quantize (it writes the Quark layout this class loads)"))
         elif kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None):
-            usable = dict(qconfig, exclude=exclude) if kind == "quark" else qconfig
             ctx = ReplayContext(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
                                 text, serving)
             report.findings += replay(ctx)
@@ -387,6 +393,10 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             report.findings.append(Finding("config", rules.id, "quantization_config",
                                            "quantized weights without a Quark or FP8 quantization_config", "re-export"))
+        if rules.engine == "sglang" and usable is not None:
+            entries = exclude_entries(usable, rules, kind, serving) if kind else []
+            fused, why = main_model_fusion(rules, family, config, kind, entries, serving)
+            report.fusion[rules.id] = {"fused": bool(fused), "why": why}
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
         report.findings += expert_id_findings(checkpoint, family, declared)

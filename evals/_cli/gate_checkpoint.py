@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
-from quant.engines.serving import CAPABILITY, DEFAULT_ARCH, serving
+from quant.engines import serving as setup
 
 HELP = """\
 Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
@@ -22,13 +22,15 @@ Loading also depends on how sglang is started: it folds the shared expert into t
 (shared-expert fusion) on ROCm gfx942+ and CUDA sm80+ unless --disable-shared-experts-fusion is
 given or (0.5.18+) the exclude list keeps the shared experts bf16; a shared expert whose dtype differs
 from the routed experts' then cannot load. On CUDA, 0.5.15+ builds the DSA indexer's wk bf16. The
-checks assume the serving setup below (default: MI355X, ROCm gfx950, TP 8, fusion on) and list, per
-sglang release, the GPUs and switches under which the checkpoint loads.
+checks assume the serving setup below (default: MI355X, ROCm gfx950, TP 8, fusion on; gate kernels and
+gate release take the same flags) and list, per sglang release, the GPUs and switches under which the
+checkpoint loads.
 
   gate checkpoint DIR                         every release read, of both engines
   gate checkpoint DIR --engine sglang         every sglang release read, reported per rule set
   gate checkpoint DIR --engine sglang==0.5.23 that release (a .postN release names the rules it follows)
   gate checkpoint DIR --platform cuda --gpu-arch sm90 --ep 8
+  gate checkpoint DIR --gpu mi300x            ROCm gfx942 (the GPU models: manifests/kernels/gpus.yaml)
   gate checkpoint DIR --disable-shared-experts-fusion
 
 exit codes: 0 loads correctly in every engine asked for; 1 it would not (or would load wrong);
@@ -39,20 +41,9 @@ def register(sub) -> None:
     p = sub.add_parser("checkpoint", help="prove a checkpoint loads correctly in sglang and vLLM", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, nargs="?", help="checkpoint folder (config.json, shards, index)")
-    p.add_argument("--engine", default="all", metavar="ENGINE[==VERSION]",
-                   help="all (default), sglang, vllm, or one release such as sglang==0.5.23")
     p.add_argument("--list-engines", action="store_true",
                    help="list the engine releases whose rules are known, with each rule's source, and exit")
-    serve = p.add_argument_group("serving setup (what sglang is started with)")
-    serve.add_argument("--platform", choices=sorted(CAPABILITY), default="rocm", help="rocm (default) or cuda")
-    serve.add_argument("--gpu-arch", metavar="ARCH", help="rocm: " + ", ".join(CAPABILITY["rocm"]) + " (default "
-                       f"{DEFAULT_ARCH['rocm']}, MI355X); cuda: " + ", ".join(CAPABILITY["cuda"]) +
-                       f" (default {DEFAULT_ARCH['cuda']})")
-    serve.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-    serve.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    serve.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")
-    serve.add_argument("--disable-shared-experts-fusion", action="store_true",
-                       help="sglang is started with --disable-shared-experts-fusion")
+    setup.add_arguments(p)
     p.add_argument("--deep", action="store_true",
                    help="also read tensor data: decode every quantized weight and flag NaN/Inf codes or results, "
                         "E8M0 0xFF scales, NaN/Inf/negative FP8 scales, all-zero scale rows, NaN/Inf in bf16 tensors")
@@ -112,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_PASS
     if args.dir is None:
         raise BadInput("give a checkpoint folder (or --list-engines)")
-    setup = serving(args.platform, args.gpu_arch, args.tp, args.pp, args.ep, args.disable_shared_experts_fusion)
-    report = verify(args.dir, args.engine, args.deep, setup)
+    report = verify(args.dir, args.engine, args.deep, setup.from_args(args))
     print(json.dumps(report.to_dict(), indent=2) if args.json else human(report))
     return EXIT_PASS if report.ok else EXIT_BLOCK

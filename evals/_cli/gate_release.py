@@ -26,6 +26,10 @@ checkpoint is refused naming both, a run that recorded none is refused unless
 same shards) are refused. report.md/json and the page name the policy (path, sha256), tool version,
 date, recipe and both checkpoints' identities.
 
+The checkpoint is judged for the serving setup given (the flags gate checkpoint and gate kernels
+take; default MI355X, TP 8, fusion on): the structure check for the engines --engine selects, and,
+with --gpu, the kernel check. The report records the setup.
+
 Everything is checked before anything is written: the report and the page (--plots) are written
 together, and their paths printed. A report of another release (checkpoint, runs or policy) in the
 report folder is replaced only with --overwrite, and a report whose page is elsewhere only with
@@ -38,6 +42,7 @@ checkpoint, a report of another release in the way)"""
 
 def register(sub) -> None:
     from quant import kernels
+    from quant.engines import serving
 
     p = sub.add_parser("release", help="gate checkpoint + gate accuracy: one verdict, report.md and report.json",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +66,7 @@ def register(sub) -> None:
                    help="also write the figures (PNG) and report.html to DIR: one self-contained page (styles and "
                         "figures inside), verdict first, the same content as report.md")
     kernels.add_arguments(p, release=True)
+    serving.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -74,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from evals.judge.knee import human as human_load
     from evals.judge.knee import load_gate
     from quant import kernels
+    from quant.engines import serving
     from quant.outputs import write_atomic
     from quant.safe_files import make_folder, refuse_link
     from quant.verify import verify
@@ -87,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.load_candidate) != bool(args.load_reference):
         raise BadInput("give both --load-candidate and --load-reference, or neither")
-    structure = verify(args.checkpoint, "all")
-    kern = kernels.release_check(args, accuracy["policy"])
+    setup = serving.from_args(args)  # one setup for the structure check and the kernel check
+    structure = verify(args.checkpoint, args.engine, serving=setup)
+    kern = kernels.release_check(args, accuracy["policy"], setup)
     load = load_gate(args.load_candidate, args.load_reference, args.load_margin, args.load_ttft_slo,
                      args.load_min_success) if args.load_candidate else None
     prov = provenance(bound, ref_run, accuracy["policy"]["source"], margins(args.margin))

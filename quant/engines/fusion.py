@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from quant.engines.rules import RuleSet
 from quant.engines.serving import CAPABILITY, Serving
+from quant.layout import Family
 
 _MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
 
@@ -87,6 +88,21 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
     if serving.ep > 1 and (ep_least is None or serving.capability < tuple(ep_least)):
         return f"expert parallelism on {serving.platform} {serving.gpu_arch}"
     return None
+
+
+def main_model_fusion(rules: RuleSet, family: Family, config: dict, kind: str | None, entries: list[str],
+                      serving: Serving) -> tuple[int, str]:
+    """How many shared experts this release folds into the main model's routed FusedMoE (0 when it
+    does not) and the decision in words: the one answer ``gate checkpoint`` replays and ``gate
+    kernels`` sizes the MoE by. ``config``: config.json (the family reads its text config from it);
+    ``entries``: the exclude list as the release matches it."""
+    text = family.text_config(config)
+    reason = no_fusion_reason(rules, family.name, text, kind, entries, serving, draft=False)
+    if reason is not None:
+        return 0, f"not fused ({rules.id}): {reason}"
+    shared = text.get("n_shared_experts") or 1  # a Qwen2-MoE-style block has one (get_num_shared_experts)
+    routed = next((text[k] for k in family.experts_keys if k in text), None)
+    return shared, f"fused as expert {routed} (topk + {shared}; {rules.id})"
 
 
 def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str], serving: Serving) -> str | None:

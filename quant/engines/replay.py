@@ -19,7 +19,7 @@ from quant.engines.match import (
     quark_excluded,
 )
 from quant.engines.rules import RuleSet, rule_sets
-from quant.engines.serving import DEFAULT, Serving
+from quant.engines.serving import DEFAULT, LOADS_UNDER, Serving
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GLM_DRAFT_EXPERTS = "model.decoder.mlp.experts"  # added by GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config
@@ -330,16 +330,14 @@ def replay(ctx: ReplayContext) -> list[Finding]:
     return findings + fusion_findings(ctx, entries, slots)
 
 
-GRID = {"rocm": ("gfx950", "gfx942", "gfx90a"), "cuda": ("sm100", "sm90", "sm80", "sm75")}
-
-
 def loads_under(ctx: ReplayContext) -> list[tuple[Serving, bool]]:
-    """Whether this release loads the checkpoint on each GPU of ``GRID``, with expert parallelism
+    """Whether this release loads the checkpoint on each GPU arch of ``LOADS_UNDER``, with expert parallelism
     off and on (ep = tp), with fusion on and off: the module checks once per platform, fusion per
     condition."""
     out = []
-    for platform, arches in GRID.items():
-        on_platform = replace(ctx.serving, platform=platform, gpu_arch=arches[0])
+    for platform, arches in LOADS_UNDER.items():
+        # an arch, not a GPU model
+        on_platform = replace(ctx.serving, platform=platform, gpu_arch=arches[0], gpu=None)
         findings, slots, entries = _replay(replace(ctx, serving=on_platform))
         for arch in arches:
             for ep in sorted({1, ctx.serving.tp}):

@@ -1,57 +1,116 @@
-"""How the engine is started, as far as loading depends on it: platform, GPU, parallelism, and the
-shared-expert fusion switch. The default is the product's target: sglang on MI355X (ROCm gfx950),
-tensor parallel over 8 GPUs, fusion left on.
+"""How the engine is started, as far as loading and kernels depend on it: the engine release,
+platform, GPU, parallelism, and the shared-expert fusion switch. The default is the product's target:
+sglang on MI355X (ROCm gfx950), tensor parallel over 8 GPUs, fusion left on.
+
+Every command that judges a checkpoint (``gate checkpoint``, ``gate kernels``, ``gate release``)
+takes the same setup flags (``add_arguments``), read once into one ``Serving`` (``from_args``) that
+each report records, so the three answer for the same setup. The GPU facts are one table,
+``manifests/kernels/gpus.yaml``: the archs and capabilities the engines compare, and the GPU models
+aiter keys its kernel tables on.
 
 In the releases read, the GPU and the expert-parallel size change what loads (shared-expert fusion,
 the CUDA indexer); TP and PP sizes are recorded in the report but change no loading decision for a
 Quark checkpoint (sglang's fusion reads moe_ep_size only; quark.py: can_fuse_shared_expert reads the
-exclude list, which every pipeline stage gets whole).
+exclude list, which every pipeline stage gets whole). TP and EP size the kernels' MoE shape.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-from quant.errors import QuantgateError
+from pydantic import Field, model_validator
 
-# torch.cuda.get_device_capability() per GPU arch, what the engines compare (ROCm reports the gfx
-# number: gfx942 -> (9, 4), the MI300 family; gfx950 -> (9, 5), MI350/MI355X).
-CAPABILITY = {
-    "rocm": {"gfx90a": (9, 0), "gfx942": (9, 4), "gfx950": (9, 5)},
-    "cuda": {"sm75": (7, 5), "sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0),
-             "sm120": (12, 0)},
-}
-DEFAULT_ARCH = {"rocm": "gfx950", "cuda": "sm90"}
+from quant.errors import QuantgateError
+from quant.layout import manifests_root
+from quant.schema import Schema, load
 
 
 class BadServing(QuantgateError, ValueError):
     """Serving conditions that do not describe a real launch (exit code 2)."""
 
 
+class PlatformArchs(Schema):
+    default: str
+    capability: dict[str, list[int]]  # arch -> torch.cuda.get_device_capability(), oldest first
+    loads_under: list[str]
+
+    @model_validator(mode="after")
+    def _known(self):
+        if bad := next((a for a, cap in self.capability.items() if len(cap) != 2), None):
+            raise ValueError(f"capability.{bad}: give [major, minor]")
+        if bad := next((a for a in [self.default, *self.loads_under] if a not in self.capability), None):
+            raise ValueError(f"{bad!r} is not an arch of capability")
+        return self
+
+
+class GpuEntry(Schema):
+    """One GPU model of ``manifests/kernels/gpus.yaml`` (what each key means: the file's header)."""
+    gfx: str
+    cu_num: int = Field(ge=1)
+    fp8: str
+    fp4: bool
+    device_names: list[str]
+
+
+class GpuTable(Schema):
+    archs: dict[str, PlatformArchs]
+    default_gpu: str
+    gpus: dict[str, GpuEntry]
+
+    @model_validator(mode="after")
+    def _known(self):
+        if self.default_gpu not in self.gpus:
+            raise ValueError(f"default_gpu {self.default_gpu!r} is not one of gpus")
+        if bad := next((g for g, e in self.gpus.items() if e.gfx not in self.archs["rocm"].capability), None):
+            raise ValueError(f"gpus.{bad}.gfx is not an arch of archs.rocm")
+        return self
+
+
+TABLE = load(manifests_root() / "kernels" / "gpus.yaml", GpuTable, "GPU table", BadServing)
+# torch.cuda.get_device_capability() per GPU arch, what the engines compare, oldest first
+CAPABILITY = {p: {arch: tuple(cap) for arch, cap in a.capability.items()} for p, a in TABLE.archs.items()}
+DEFAULT_ARCH = {p: a.default for p, a in TABLE.archs.items()}
+LOADS_UNDER = {p: tuple(a.loads_under) for p, a in TABLE.archs.items()}  # the archs gate checkpoint lists
+
+
 @dataclass(frozen=True)
 class Serving:
     platform: str = "rocm"
-    gpu_arch: str = "gfx950"
+    gpu_arch: str = TABLE.gpus[TABLE.default_gpu].gfx
     tp: int = 8
     pp: int = 1
     ep: int = 1
     disable_shared_experts_fusion: bool = False
+    gpu: str | None = TABLE.default_gpu  # the GPU model (--gpu), where one is named: aiter keys on its CU count
 
     @property
     def capability(self) -> tuple[int, int]:
         return CAPABILITY[self.platform][self.gpu_arch]
 
     def label(self) -> str:
-        parts = [f"{self.platform} {self.gpu_arch}", f"tp {self.tp}"]
+        parts = [f"{self.platform} {self.gpu_arch}" + (f" ({self.gpu})" if self.gpu else ""), f"tp {self.tp}"]
         parts += [f"pp {self.pp}"] if self.pp > 1 else []
         parts += [f"ep {self.ep}"] if self.ep > 1 else []
         parts += ["--disable-shared-experts-fusion"] if self.disable_shared_experts_fusion else []
         return ", ".join(parts)
 
 
-def serving(platform: str = "rocm", gpu_arch: str | None = None, tp: int = 8, pp: int = 1, ep: int = 1,
-            disable_shared_experts_fusion: bool = False) -> Serving:
-    """Checked conditions; a GPU arch of another platform or a parallel size below 1 is refused."""
+def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 8, pp: int = 1, ep: int = 1,
+            disable_shared_experts_fusion: bool = False, gpu: str | None = None) -> Serving:
+    """Checked conditions. A GPU model sets its platform and arch (naming nothing means the default
+    GPU); a GPU arch of another platform or of another GPU, or a parallel size below 1, is refused."""
+    if gpu is not None and gpu not in TABLE.gpus:
+        raise BadServing(f"--gpu {gpu!r}: use one of {', '.join(TABLE.gpus)} (manifests/kernels/gpus.yaml)")
+    if gpu is None and platform is None and gpu_arch is None:
+        gpu = TABLE.default_gpu
+    if gpu is not None:
+        arch = TABLE.gpus[gpu].gfx
+        if platform not in (None, "rocm") or gpu_arch not in (None, arch):
+            raise BadServing(f"--gpu {gpu} is ROCm {arch}; --platform {platform or 'rocm'} --gpu-arch "
+                             f"{gpu_arch or arch} says otherwise: give the GPU or the arch")
+        platform, gpu_arch = "rocm", arch
+    platform = platform or "rocm"
     if platform not in CAPABILITY:
         raise BadServing(f"--platform {platform!r}: use one of {', '.join(CAPABILITY)}")
     arch = gpu_arch or DEFAULT_ARCH[platform]
@@ -61,7 +120,32 @@ def serving(platform: str = "rocm", gpu_arch: str | None = None, tp: int = 8, pp
     for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if size < 1:
             raise BadServing(f"{flag} {size}: a parallel size is at least 1")
-    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion)
+    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion, gpu)
 
 
 DEFAULT = Serving()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The setup flags, the same for every command that judges a checkpoint."""
+    group = parser.add_argument_group("serving setup (how the engine is started; default: sglang on "
+                                      f"{TABLE.default_gpu.upper()}, TP 8, fusion on)")
+    group.add_argument("--engine", default="all", metavar="ENGINE[==VERSION]",
+                       help="all (default), sglang, vllm, or one release such as sglang==0.5.23; gate kernels "
+                            "takes the shared-expert fusion of the newest sglang release selected")
+    group.add_argument("--gpu", choices=list(TABLE.gpus),
+                       help=f"GPU model (default {TABLE.default_gpu}): sets --platform rocm and its --gpu-arch; "
+                            "gate kernels keys aiter's tables on its CU count")
+    group.add_argument("--platform", choices=sorted(CAPABILITY), help="rocm (default) or cuda")
+    group.add_argument("--gpu-arch", metavar="ARCH", help="; ".join(
+        f"{p}: {', '.join(archs)} (default {DEFAULT_ARCH[p]})" for p, archs in CAPABILITY.items()))
+    group.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")
+    group.add_argument("--disable-shared-experts-fusion", action="store_true",
+                       help="sglang is started with --disable-shared-experts-fusion")
+
+
+def from_args(args: argparse.Namespace) -> Serving:
+    return serving(args.platform, args.gpu_arch, args.tp, args.pp, args.ep, args.disable_shared_experts_fusion,
+                   args.gpu)

@@ -17,7 +17,9 @@ import pytest
 from evals.cli import main as gate
 from quant import kernels
 from quant.convert import convert
+from quant.engines.serving import serving
 from quant.example import glm5_config
+from quant.layout import family_for
 from quant.plan import make_plan
 from quant.recipe import load_recipe
 from quant.quark_config import fp8_config
@@ -119,10 +121,11 @@ def test_shared_expert_fusion_on_and_off(glm5, tmp_path, capsys):
     assert not any(b["tuned"] for b in report["buckets"])
     # FP8 (no Quark exclude rule) fuses; a non-GLM/DeepSeek architecture never does
     config = json.loads((glm5["fp8"] / "config.json").read_text())
-    gpu = kernels.load_gpus()["mi355x"]
-    fused, _ = kernels.shared_fusion(config, "fp8-block", gpu, tp=4, ep=1, disable=False)
+    family, setup = family_for(config), serving(gpu="mi355x", tp=4)
+    rules = kernels.sglang_rules(family, "all")
+    fused, _ = kernels.shared_fusion(config, family, rules, setup)
     config["architectures"] = ["Qwen3MoeForCausalLM"]
-    assert (fused, kernels.shared_fusion(config, "fp8-block", gpu, tp=4, ep=1, disable=False)[0]) == (1, 0)
+    assert (fused, kernels.shared_fusion(config, family, rules, setup)[0]) == (1, 0)
 
 
 def test_tp8_and_ep_shapes(glm5, tmp_path, capsys):
@@ -131,10 +134,10 @@ def test_tp8_and_ep_shapes(glm5, tmp_path, capsys):
     assert code == 1 and not any(b["tuned"] for b in report["buckets"])  # the published table is TP4 only
     gpu = kernels.load_gpus()["mi355x"]
     config = json.loads((glm5["fp8"] / "config.json").read_text())
-    shape = kernels.derive_shape(config, gpu, tp=8, ep=8)
+    shape = kernels.derive_shape(config, gpu, serving(gpu="mi355x", tp=8, ep=8))
     assert (shape.inter_dim, shape.experts, shape.topk) == (2048, 33, 9)  # 256/8 routed + the shared one
     assert kernels.aiter_key(shape, gpu, 64)[:7] == ("gfx950", 256, 64, 6144, 2048, 33, 8)  # topk -= is_ep
-    shape = kernels.derive_shape(config, gpu, tp=8, ep=2)
+    shape = kernels.derive_shape(config, gpu, serving(gpu="mi355x", tp=8, ep=2))
     assert (shape.inter_dim, shape.experts) == (512, 129)  # moe_tp = tp // ep = 4
     row = ("gfx950,256,64,6144,2048,33,8,ActivationType.Silu,torch.bfloat16,torch.float8_e4m3fn,torch.float8_e4m3fn,"
            "QuantType.per_1x128,1,0,64,0,1.0,kernel_ep_a,0.0%,1.0,kernel_ep_b,0.0%,2.0,0,0,0,1.0,1.0,")
@@ -208,7 +211,7 @@ def test_buckets_come_from_the_aiter_release_beside_the_tables(glm5, tmp_path, c
     assert code == 0 and report["padding"].endswith("fused_moe.py get_padded_M")
     rules = kernels.aiter_source(configs)
     shape = kernels.derive_shape(json.loads((glm5["fp8"] / "config.json").read_text()), kernels.load_gpus()["mi355x"],
-                                 tp=8, ep=8)
+                                 serving(gpu="mi355x", tp=8, ep=8))
     assert kernels.aiter_key(shape, kernels.load_gpus()["mi355x"], 16, rules.ep_strips_topk)[6] == 9  # no EP strip
 
 
@@ -258,7 +261,10 @@ def test_bad_configs_exit_2(glm5, tmp_path, capsys):
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128}))
     code, _, err = run(capsys, dense, "--gpu", "mi355x", "--tp", "1", "--aiter-configs", AITER)
-    assert code == 2 and "not a MoE config" in err
+    assert code == 2 and "model_type None: no model-family manifest" in err  # the family says where the MoE is
+    (dense / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128}))
+    code, _, err = run(capsys, dense, "--gpu", "mi355x", "--tp", "1", "--aiter-configs", AITER)
+    assert code == 2 and "none of num_local_experts (mixtral): not a MoE model" in err
     config = json.loads((glm5["fp8"] / "config.json").read_text())
     config["quantization_config"] = fp8_config([]) | {"weight_block_size": None}
     (dense / "config.json").write_text(json.dumps(config))
