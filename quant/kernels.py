@@ -56,7 +56,7 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.engines.fusion import main_model_fusion
 from quant.engines.replay import exclude_entries
 from quant.engines.rules import RuleSet, select
-from quant.engines.serving import TABLE, Serving, from_args
+from quant.engines.serving import Serving, from_args, gpu_table
 from quant.layout import Family, UnknownFamilyError, family_for, manifests_root
 from quant.outputs import write_atomic
 from quant.quark_config import config_kind
@@ -186,7 +186,7 @@ def _table(name: str, schema: type[Model]) -> Model:
 
 
 def load_gpus() -> dict[str, Gpu]:
-    return {k: Gpu(k, v.gfx, v.cu_num, v.fp8, v.fp4, tuple(v.device_names)) for k, v in TABLE.gpus.items()}
+    return {k: Gpu(k, v.gfx, v.cu_num, v.fp8, v.fp4, tuple(v.device_names)) for k, v in gpu_table().gpus.items()}
 
 
 def _formats() -> FormatsFile:
@@ -528,7 +528,8 @@ def read_config(checkpoint: Path) -> dict:
 
 
 def check(checkpoint: Path, setup: Serving, engine: str = "all", aiter_configs: Path | None = None,
-          max_tokens: int = 32768, backend: str = "aiter", engine_roots: dict[str, Path] | None = None) -> KernelReport:
+          max_tokens: int = 32768, backend: str = "aiter",
+          engine_roots: dict[str, Path] | None = None) -> KernelReport:
     gpus = load_gpus()
     if setup.gpu is None:
         raise KernelInputError(f"{setup.platform} {setup.gpu_arch} names no GPU model: aiter keys its tables on the "
@@ -628,9 +629,10 @@ Derive, from config.json alone, the fused-MoE shape sglang requests per rank (mo
 under TP/EP, experts per rank with the shared expert fused or not, topk, act/weight dtypes and
 q_type from the quantization_config), read through the checkpoint's family (its text config, its
 routed-experts key, its shared expert); whether the shared expert is fused is the decision gate
-checkpoint replays for the same setup and the newest sglang release --engine selects. Then look it up in aiter's tuned tables exactly as aiter
-does, for every token bucket a batch of 1..--max-tokens tokens maps to; and name the Triton
-fused-MoE config files sglang and vLLM would read (present, or the default config).
+checkpoint replays for the same setup and the newest sglang release --engine selects. Then look it
+up in aiter's tuned tables exactly as aiter does, for every token bucket a batch of 1..--max-tokens
+tokens maps to; and name the Triton fused-MoE config files sglang and vLLM would read (present, or
+the default config).
 
 example: gate kernels /ckpt/GLM-5-mxfp4 --gpu mi355x --tp 4 --aiter-configs ~/aiter/aiter/configs
          gate kernels /ckpt/GLM-4.5-mxfp4 --engine sglang==0.5.23 --disable-shared-experts-fusion

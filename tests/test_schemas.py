@@ -90,6 +90,8 @@ def test_a_misspelt_reference_table_key_is_refused(tmp_path):
 
 @pytest.mark.parametrize("table, old, new, says", [
     ("gpus.yaml", "cu_num: 256", "cu_nmu: 256", ("gpus.mi355x: unknown key 'cu_nmu'", "did you mean 'cu_num'?")),
+    ("gpus.yaml", "loads_under: [gfx950", "load_under: [gfx950",
+     ("archs.rocm: unknown key 'load_under'", "did you mean 'loads_under'?")),
     ("formats.yaml", "needs_fp4: false", "need_fp4: false",
      ("formats.fp8-block: unknown key 'need_fp4'", "did you mean 'needs_fp4'?")),
 ])

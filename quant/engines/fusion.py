@@ -12,7 +12,7 @@ vLLM's fusion (ROCm AITER, opt-in by environment variable) checks each layer's s
 from __future__ import annotations
 
 from quant.engines.rules import RuleSet
-from quant.engines.serving import CAPABILITY, Serving
+from quant.engines.serving import Serving, capabilities
 from quant.layout import Family
 
 _MAPPER_61 = ("model.layers.61", "model.decoder")  # sglang DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
@@ -134,7 +134,7 @@ def fusing_gpus(rules: RuleSet) -> str:
         return ", ".join(names[p] for p in rule["platforms"])
     named = []
     for platform, least in sorted(rule["min_capability"].items(), reverse=True):  # rocm first: the target
-        archs = [arch for arch, cap in CAPABILITY[platform].items() if cap >= tuple(least)]
+        archs = [arch for arch, cap in capabilities()[platform].items() if cap >= tuple(least)]
         named.append(f"{'ROCm' if platform == 'rocm' else 'CUDA'} {archs[0]}+" if archs else None)
     return ", ".join(n for n in named if n)
 

@@ -19,7 +19,7 @@ from quant.engines.match import (
     quark_excluded,
 )
 from quant.engines.rules import RuleSet, rule_sets
-from quant.engines.serving import DEFAULT, LOADS_UNDER, Serving
+from quant.engines.serving import DEFAULT, Serving, loads_under_archs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GLM_DRAFT_EXPERTS = "model.decoder.mlp.experts"  # added by GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config
@@ -331,11 +331,11 @@ def replay(ctx: ReplayContext) -> list[Finding]:
 
 
 def loads_under(ctx: ReplayContext) -> list[tuple[Serving, bool]]:
-    """Whether this release loads the checkpoint on each GPU arch of ``LOADS_UNDER``, with expert parallelism
+    """Whether this release loads the checkpoint on each GPU arch of ``loads_under_archs``, with expert parallelism
     off and on (ep = tp), with fusion on and off: the module checks once per platform, fusion per
     condition."""
     out = []
-    for platform, arches in LOADS_UNDER.items():
+    for platform, arches in loads_under_archs().items():
         # an arch, not a GPU model
         on_platform = replace(ctx.serving, platform=platform, gpu_arch=arches[0], gpu=None)
         findings, slots, entries = _replay(replace(ctx, serving=on_platform))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import cache
 
 from pydantic import Field, model_validator
 
@@ -30,17 +31,22 @@ class BadServing(QuantgateError, ValueError):
     """Serving conditions that do not describe a real launch (exit code 2)."""
 
 
+# The product's target, what a command means when the setup names no GPU, and the arch a platform
+# means when no arch is named; the facts about each are in the GPU table.
+DEFAULT_GPU = "mi355x"
+DEFAULT_ARCH = {"rocm": "gfx950", "cuda": "sm90"}
+
+
 class PlatformArchs(Schema):
-    default: str
     capability: dict[str, list[int]]  # arch -> torch.cuda.get_device_capability(), oldest first
-    loads_under: list[str]
+    loads_under: list[str]  # the archs gate checkpoint lists loading on, newest first
 
     @model_validator(mode="after")
     def _known(self):
         if bad := next((a for a, cap in self.capability.items() if len(cap) != 2), None):
             raise ValueError(f"capability.{bad}: give [major, minor]")
-        if bad := next((a for a in [self.default, *self.loads_under] if a not in self.capability), None):
-            raise ValueError(f"{bad!r} is not an arch of capability")
+        if bad := next((a for a in self.loads_under if a not in self.capability), None):
+            raise ValueError(f"loads_under: {bad!r} is not an arch of capability")
         return self
 
 
@@ -55,38 +61,50 @@ class GpuEntry(Schema):
 
 class GpuTable(Schema):
     archs: dict[str, PlatformArchs]
-    default_gpu: str
     gpus: dict[str, GpuEntry]
 
     @model_validator(mode="after")
     def _known(self):
-        if self.default_gpu not in self.gpus:
-            raise ValueError(f"default_gpu {self.default_gpu!r} is not one of gpus")
+        if bad := next((p for p, arch in DEFAULT_ARCH.items()
+                        if p not in self.archs or arch not in self.archs[p].capability), None):
+            raise ValueError(f"archs.{bad}: has no {DEFAULT_ARCH[bad]}, the arch --platform {bad} means by default")
         if bad := next((g for g, e in self.gpus.items() if e.gfx not in self.archs["rocm"].capability), None):
             raise ValueError(f"gpus.{bad}.gfx is not an arch of archs.rocm")
+        if DEFAULT_GPU not in self.gpus:
+            raise ValueError(f"gpus: has no {DEFAULT_GPU}, the GPU meant when none is named")
         return self
 
 
-TABLE = load(manifests_root() / "kernels" / "gpus.yaml", GpuTable, "GPU table", BadServing)
-# torch.cuda.get_device_capability() per GPU arch, what the engines compare, oldest first
-CAPABILITY = {p: {arch: tuple(cap) for arch, cap in a.capability.items()} for p, a in TABLE.archs.items()}
-DEFAULT_ARCH = {p: a.default for p, a in TABLE.archs.items()}
-LOADS_UNDER = {p: tuple(a.loads_under) for p, a in TABLE.archs.items()}  # the archs gate checkpoint lists
+@cache
+def gpu_table() -> GpuTable:
+    """``manifests/kernels/gpus.yaml``, read when first needed (a broken table is one line, exit 2)."""
+    return load(manifests_root() / "kernels" / "gpus.yaml", GpuTable, "GPU table", BadServing,
+                "restore it from the quantgate package")
+
+
+def capabilities() -> dict[str, dict[str, tuple[int, int]]]:
+    """torch.cuda.get_device_capability() per platform and GPU arch, what the engines compare, oldest first."""
+    return {p: {arch: tuple(cap) for arch, cap in a.capability.items()} for p, a in gpu_table().archs.items()}
+
+
+def loads_under_archs() -> dict[str, list[str]]:
+    """Per platform, the archs gate checkpoint lists loading on (newest first)."""
+    return {p: list(a.loads_under) for p, a in gpu_table().archs.items()}
 
 
 @dataclass(frozen=True)
 class Serving:
     platform: str = "rocm"
-    gpu_arch: str = TABLE.gpus[TABLE.default_gpu].gfx
+    gpu_arch: str = DEFAULT_ARCH["rocm"]
     tp: int = 8
     pp: int = 1
     ep: int = 1
     disable_shared_experts_fusion: bool = False
-    gpu: str | None = TABLE.default_gpu  # the GPU model (--gpu), where one is named: aiter keys on its CU count
+    gpu: str | None = DEFAULT_GPU  # the GPU model (--gpu), where one is named: aiter keys on its CU count
 
     @property
     def capability(self) -> tuple[int, int]:
-        return CAPABILITY[self.platform][self.gpu_arch]
+        return capabilities()[self.platform][self.gpu_arch]
 
     def label(self) -> str:
         parts = [f"{self.platform} {self.gpu_arch}" + (f" ({self.gpu})" if self.gpu else ""), f"tp {self.tp}"]
@@ -100,23 +118,24 @@ def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 
             disable_shared_experts_fusion: bool = False, gpu: str | None = None) -> Serving:
     """Checked conditions. A GPU model sets its platform and arch (naming nothing means the default
     GPU); a GPU arch of another platform or of another GPU, or a parallel size below 1, is refused."""
-    if gpu is not None and gpu not in TABLE.gpus:
-        raise BadServing(f"--gpu {gpu!r}: use one of {', '.join(TABLE.gpus)} (manifests/kernels/gpus.yaml)")
+    table, known = gpu_table(), capabilities()
+    if gpu is not None and gpu not in table.gpus:
+        raise BadServing(f"--gpu {gpu!r}: use one of {', '.join(table.gpus)} (manifests/kernels/gpus.yaml)")
     if gpu is None and platform is None and gpu_arch is None:
-        gpu = TABLE.default_gpu
+        gpu = DEFAULT_GPU
     if gpu is not None:
-        arch = TABLE.gpus[gpu].gfx
+        arch = table.gpus[gpu].gfx
         if platform not in (None, "rocm") or gpu_arch not in (None, arch):
             raise BadServing(f"--gpu {gpu} is ROCm {arch}; --platform {platform or 'rocm'} --gpu-arch "
                              f"{gpu_arch or arch} says otherwise: give the GPU or the arch")
         platform, gpu_arch = "rocm", arch
     platform = platform or "rocm"
-    if platform not in CAPABILITY:
-        raise BadServing(f"--platform {platform!r}: use one of {', '.join(CAPABILITY)}")
+    if platform not in known:
+        raise BadServing(f"--platform {platform!r}: use one of {', '.join(known)}")
     arch = gpu_arch or DEFAULT_ARCH[platform]
-    if arch not in CAPABILITY[platform]:
+    if arch not in known[platform]:
         raise BadServing(f"--gpu-arch {arch!r} is not a {platform} GPU known here; use one of "
-                         f"{', '.join(CAPABILITY[platform])}")
+                         f"{', '.join(known[platform])}")
     for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if size < 1:
             raise BadServing(f"{flag} {size}: a parallel size is at least 1")
@@ -128,17 +147,18 @@ DEFAULT = Serving()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The setup flags, the same for every command that judges a checkpoint."""
+    table, known = gpu_table(), capabilities()
     group = parser.add_argument_group("serving setup (how the engine is started; default: sglang on "
-                                      f"{TABLE.default_gpu.upper()}, TP 8, fusion on)")
+                                      f"{DEFAULT_GPU.upper()}, TP 8, fusion on)")
     group.add_argument("--engine", default="all", metavar="ENGINE[==VERSION]",
                        help="all (default), sglang, vllm, or one release such as sglang==0.5.23; gate kernels "
                             "takes the shared-expert fusion of the newest sglang release selected")
-    group.add_argument("--gpu", choices=list(TABLE.gpus),
-                       help=f"GPU model (default {TABLE.default_gpu}): sets --platform rocm and its --gpu-arch; "
+    group.add_argument("--gpu", choices=list(table.gpus),
+                       help=f"GPU model (default {DEFAULT_GPU}): sets --platform rocm and its --gpu-arch; "
                             "gate kernels keys aiter's tables on its CU count")
-    group.add_argument("--platform", choices=sorted(CAPABILITY), help="rocm (default) or cuda")
+    group.add_argument("--platform", choices=sorted(known), help="rocm (default) or cuda")
     group.add_argument("--gpu-arch", metavar="ARCH", help="; ".join(
-        f"{p}: {', '.join(archs)} (default {DEFAULT_ARCH[p]})" for p, archs in CAPABILITY.items()))
+        f"{p}: {', '.join(archs)} (default {DEFAULT_ARCH[p]})" for p, archs in known.items()))
     group.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")

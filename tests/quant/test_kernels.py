@@ -262,7 +262,8 @@ def test_bad_configs_exit_2(glm5, tmp_path, capsys):
     (dense / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128}))
     code, _, err = run(capsys, dense, "--gpu", "mi355x", "--tp", "1", "--aiter-configs", AITER)
     assert code == 2 and "model_type None: no model family" in err  # the family says where the MoE is
-    (dense / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128}))
+    (dense / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64,
+                                                   "intermediate_size": 128}))
     code, _, err = run(capsys, dense, "--gpu", "mi355x", "--tp", "1", "--aiter-configs", AITER)
     assert code == 2 and "none of num_local_experts (mixtral): not a MoE model" in err
     config = json.loads((glm5["fp8"] / "config.json").read_text())
