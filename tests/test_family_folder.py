@@ -2,7 +2,7 @@
 type and engine model class) into a root listed in QUANTGATE_FAMILIES is read by every command, run
 as real processes, with no edit to the package: its own tiny.py builds its checkpoint, ``quantize
 --help`` lists it, the planner and the converter take the checkpoint, ``gate checkpoint`` replays its
-own rule files, and the contract test runs every check on it. Without
+own rule files, ``gate kernels`` reads its MoE, and the contract test runs every check on it. Without
 the root the same checkpoint is refused as no known family, so the folder did it."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tests.quant.family_checkpoints import write_family_checkpoint
 
 # Mixtral needs no new kind of layout or rule: its copy is "a new MoE release built like Mixtral"
 SOURCE, NEW, NEW_CLASS = "mixtral", "mixtral_copy", "MixtralCopyForCausalLM"
+AITER = Path(__file__).parent / "quant" / "data" / "aiter_configs"  # aiter's tuned tables, as test_kernels reads
 
 
 def copy_family(root: Path) -> Path:
@@ -112,6 +113,19 @@ def test_gate_checkpoint_replays_the_copied_family_rules(copied):
     report = json.loads(checked.stdout)
     assert report["ok"] and set(report["engines"]) == {"sglang 0.5.21..0.5.23", "vllm 0.33.0"}, report["engines"]
     unknown = run("evals.cli", "checkpoint", converted, root=None)
+    assert unknown.returncode == 2 and f"model_type {NEW!r}: no model family" in unknown.stderr, unknown.stderr
+
+
+def test_gate_kernels_reads_the_copied_family(copied):
+    """The MoE shape from the copy's own manifest (its experts key) and fusion from its own rule files."""
+    root, _, converted = copied
+    command = ("evals.cli", "kernels", converted, "--gpu", "mi355x", "--tp", "1", "--aiter-configs", AITER, "--json")
+    looked_up = run(*command, root=root)
+    assert looked_up.returncode in (0, 1), looked_up.stderr  # a verdict (tiny shapes are untuned), not a refusal
+    shape = json.loads(looked_up.stdout)["shape"]
+    assert (shape["experts"], shape["inter_dim"]) == (4, 32), shape
+    assert "sglang 0.5.21..0.5.23" in shape["fusion_reason"], shape
+    unknown = run(*command, root=None)
     assert unknown.returncode == 2 and f"model_type {NEW!r}: no model family" in unknown.stderr, unknown.stderr
 
 
