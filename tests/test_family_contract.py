@@ -3,14 +3,18 @@
 family added as a folder is checked by adding the folder. Each folder's own ``tiny.py`` builds a tiny
 checkpoint named as the release stores it; it must be read as its family, convert (``quantize --to
 mxfp4``), decode back to the release's layout (``--to bf16``), load in each engine's newest release read
-for its model class (``gate checkpoint``, whose decisions the wheels' own functions check:
-tests/quant/test_engine_*.py), evaluate locally where transformers builds the model, and plan at
-full size from its folder's ``full_size.*`` (``quantize --dry-run`` on sparse files)."""
+for its model class (``gate checkpoint``), with the replay's exclude decisions on that conversion equal
+to the release wheel's own function's (the wheels come from tests/quant/engine_sources.py; without the
+registry those cases skip, saying why), evaluate locally where transformers builds the model, and plan
+at full size from its folder's ``full_size.*`` (``quantize --dry-run`` on sparse files)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,11 +26,14 @@ import manifests
 from evals.cli import main as gate
 from evals.emulation import EmulationRefused, load_model
 from quant.cli import main as quantize
-from quant.engines import ENGINES
-from quant.engines.rules import releases_read
+from quant.engines import ENGINES, Exclude, excluded
+from quant.engines.replay import Module, ReplayContext, engine_modules
+from quant.engines.rules import releases_read, select
 from quant.layout import family_dirs, family_for, family_names
 from tests.benchmarks.family_full_size import family_layouts, write_sparse
 from tests.quant.family_checkpoints import write_family_checkpoint
+from tests.quant.test_engine_families import class_mapping
+from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel
 
 FAMILIES = family_names()
 
@@ -96,6 +103,62 @@ def test_the_conversion_loads_in_each_engines_newest_release(converted, capsys):
         code = gate(["checkpoint", str(out), "--engine", release, "--disable-shared-experts-fusion"])
         text = capsys.readouterr()
         assert code == 0 and "verdict: loads correctly" in text.out, (family, release, text.out + text.err)
+
+
+MODELS = ("sglang/srt/models/", "vllm/model_executor/models/", "vllm/models/")  # where the engines' model classes live
+
+
+@functools.cache
+def class_files(whl: Path, cls: str) -> tuple[str, ...]:
+    """The wheel's model source files defining the top-level class ``cls``."""
+    with zipfile.ZipFile(whl) as z:
+        return tuple(n for n in z.namelist() if n.startswith(MODELS) and n.endswith(".py")
+                     and re.search(rf"^class {cls}\(", z.read(n).decode(errors="replace"), re.MULTILINE))
+
+
+def linear_modules(folder, family) -> tuple[dict[str, Module], int]:
+    """The checkpoint's Linear modules as the replay reads them (quantized on disk or not, role)."""
+    config = config_of(folder)
+    layers = family.text_config(config)[family.num_layers_key]
+    modules = {}
+    for name, (dtype, shape) in stored(folder).items():
+        role = family.classify(name, layers)
+        if role.linear and name.endswith(".weight") and len(shape) == 2:
+            modules[name.removesuffix(".weight")] = Module(dtype == "U8", shape, role.role)
+    return modules, layers
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_replays_exclude_decisions_are_the_wheels(converted, engine):
+    """On the conversion's own exclude list and modules, the replay of the engine's newest release read
+    for the family decides every module the exclude list governs as that release's own
+    ``should_ignore_layer`` does, fed the packed-modules mapping read from the same wheel's model class."""
+    family, _, out = converted
+    qconfig = config_of(out)["quantization_config"]
+    if qconfig.get("quant_method") != "quark":
+        pytest.skip(f"{family}: the conversion is the release's own {qconfig.get('quant_method')} layout, "
+                    "which no exclude list governs")
+    release = max(releases_read(engine, family), key=Version)
+    rules = select(f"{engine}=={release}", family)[0]
+    whl = engine_wheel(rules, release)
+    found = class_files(whl, rules.model_class)
+    if len(found) != 1:
+        pytest.skip(f"{family}: {engine} {release} defines {rules.model_class} in {len(found)} files {found} "
+                    "(per platform): its own tests/quant/test_engine_*.py read it")
+    try:
+        fused = class_mapping(whl, engine, found[0], rules.model_class, "quark")
+    except ValueError as exc:  # a mapping built at run time, not a literal
+        pytest.skip(f"{family}: {rules.model_class}.packed_modules_mapping is not a literal ({exc})")
+    decide = _quark_engine(rules, whl)
+    fam = family_for(config_of(out))
+    modules, layers = linear_modules(out, fam)
+    context = ReplayContext(rules, modules, qconfig, family, layers, "quark", "MXFP4", fam.text_config(config_of(out)))
+    governed = {name: m for name, m in engine_modules(context).items() if m.build == "governed"}
+    exclude = qconfig["exclude"]
+    disagree = [(name, mine, theirs) for name, m in governed.items()
+                if (mine := _outcome(excluded, name, Exclude(exclude), rules, "quark", m.moe))
+                != (theirs := _outcome(decide, name, exclude, fused, m.moe))]
+    assert governed and not disagree, (family, rules.id, disagree[:3])
 
 
 def test_local_evaluation_where_transformers_builds_the_model(converted):
