@@ -86,6 +86,15 @@ def test_quantize_help_lists_every_family_from_its_folder():
         assert f"  {family.name} " in text and family.title and family.title in text, family.name
 
 
+def test_quantize_help_still_prints_with_a_broken_family_root(tmp_path):
+    """A misspelt family manifest in a listed root: the help prints, naming the file and the key."""
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "typo" / FAMILY_FILE).write_text("family: typo\nmodel_typ: [typo]\nroles: []\n")
+    shown = run("quant.cli", "--help", root=tmp_path)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert f"(not listed: {tmp_path / 'typo' / FAMILY_FILE}: " in shown.stdout and "'model_types'" in shown.stdout
+
+
 def test_quantize_help_lists_the_copied_family(copied):
     root, _, _ = copied
     shown = run("quant.cli", "--help", root=root)
