@@ -107,8 +107,8 @@ def convert(planned: Plan, output: str | Path, *, overwrite: bool = False, resum
 
 def check(checkpoint: str | Path, engine: str = "all", *, deep: bool = False, **serving: Any) -> Report:
     """``gate checkpoint``: whether each engine release loads the checkpoint correctly. ``serving``
-    is the setup sglang is started with: ``platform``, ``gpu_arch``, ``tp``, ``pp``, ``ep``,
-    ``disable_shared_experts_fusion`` (default: MI355X, TP 8). ``report.ok`` is the verdict."""
+    is the setup sglang is started with: ``gpu`` (a GPU model), ``platform``, ``gpu_arch``, ``tp``, ``pp``,
+    ``ep``, ``disable_shared_experts_fusion`` (default: MI355X, TP 8). ``report.ok`` is the verdict."""
     from quant.engines.serving import serving as setup
     from quant.verify import verify
 

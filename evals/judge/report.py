@@ -12,6 +12,7 @@ from pathlib import Path
 
 from evals.errors import Refused
 from evals.judge import binding, render
+from quant.engines.serving import Serving
 from quant.safe_files import read_json
 
 
@@ -38,6 +39,7 @@ def markdown(report: dict) -> str:
     loads = ("loads correctly in " + ", ".join(structure["engines"])) if structure["ok"] else "WOULD NOT LOAD"
     lines = [f"# Release gate: {report['verdict']}", "",
              f"- checkpoint: `{report['checkpoint']}` - structure: {loads}",
+             f"- serving setup: {Serving(**structure['serving']).label()}",
              f"- candidate run: `{acc['candidate']}`", f"- reference run: `{acc['reference']}`",
              *([f"- page: `{report['page']}`"] if report.get("page") else []),
              *[f"- {label}: {text}" for label, text in binding.lines(report.get("provenance"))], "",

@@ -86,6 +86,8 @@ def test_disable_shared_experts_fusion_is_one_setup_for_all_three(checkpoints, t
     assert kern["shape"]["fused_shared"] == 0 and "--disable-shared-experts-fusion" in kern["shape"]["fusion_reason"]
     code, report = release(capsys, tmp_path / "off", ckpt, *off)
     assert code == 0 and report["verdict"] == "RELEASE" and report["structure"] == structure
+    md = (tmp_path / "off" / "c" / "report.md").read_text()
+    assert "- serving setup: rocm gfx950 (mi355x), tp 8, --disable-shared-experts-fusion" in md
     code, report = release(capsys, tmp_path / "on", ckpt, *SETUP)
     assert code == 1 and report["verdict"] == "BLOCK" and not report["structure"]["ok"]
 
