@@ -48,15 +48,13 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
-from pydantic import Field
-
 from quant.aiter_padding import RuleError, read_rule
 from quant.checkpoint import read_json_object
-from quant.errors import CheckpointError, QuantgateError
 from quant.engines.fusion import main_model_fusion
 from quant.engines.replay import exclude_entries
 from quant.engines.rules import RuleSet, select
 from quant.engines.serving import Serving, from_args, gpu_table
+from quant.errors import CheckpointError, QuantgateError
 from quant.layout import Family, UnknownFamilyError, family_for, manifests_root
 from quant.outputs import write_atomic
 from quant.quark_config import config_kind

@@ -4,12 +4,12 @@ answer on the same checkpoint and setup: whether sglang folds the shared expert 
 FusedMoE is decided once, by the rules read for the checkpoint's family and the release asked for.
 
 The checkpoints are the families' tiny releases (tests/quant/family_checkpoints.py) converted by
-``quantize --to mxfp4`` (routed experts MXFP4, the shared expert kept bf16 by the exclude list):
-GLM-4.5 (sglang's Glm4Moe class fuses the shared expert whatever the exclude list says, so the bf16
-shared expert meets MXFP4 slots), Qwen3-Next (a shared expert under ``shared_expert``, sized by
-``shared_expert_intermediate_size``: the exclude list vetoes its fusion), Mixtral (experts counted by
-``num_local_experts``, no shared expert) and Kimi-K2.5 (the language model's config under
-``text_config``; 4 routed experts is not a configuration the DeepSeek class fuses).
+``quantize --to mxfp4`` (routed experts MXFP4, the shared expert kept bf16 by the exclude list) and
+``--to fp8``: GLM-4.5 (sglang's Glm4Moe class fuses the shared expert whatever the exclude list says,
+so the bf16 shared expert meets MXFP4 slots), Qwen3-Next (a shared expert under ``shared_expert``,
+sized by ``shared_expert_intermediate_size``: fused in FP8, where no exclude list vetoes it), Mixtral
+(experts counted by ``num_local_experts``, no shared expert) and Kimi-K2.5 (the language model's config
+under ``text_config``; 4 routed experts is not a configuration the DeepSeek class fuses).
 """
 
 from __future__ import annotations
@@ -27,18 +27,22 @@ from tests.quant.family_checkpoints import write_family_checkpoint
 AITER = Path(__file__).parents[1] / "quant" / "data" / "aiter_configs"
 RELEASE = "sglang==0.5.23"
 SETUP = ["--engine", RELEASE, "--gpu", "mi355x", "--tp", "8"]
-# family -> (shared experts fused into the FusedMoE by sglang 0.5.23 on MI355X, TP 8; the checkpoint loads)
-EXPECT = {"glm4_moe": (1, False), "qwen3_next": (0, True), "mixtral": (0, True), "kimi_k25": (0, True)}
+# (family, format) -> (shared experts fused into the FusedMoE by sglang 0.5.23 on MI355X, TP 8; it loads)
+EXPECT = {("glm4_moe", "mxfp4"): (1, False), ("qwen3_next", "mxfp4"): (0, True), ("mixtral", "mxfp4"): (0, True),
+          ("kimi_k25", "mxfp4"): (0, True), ("glm4_moe", "fp8"): (1, True), ("qwen3_next", "fp8"): (1, True),
+          ("mixtral", "fp8"): (0, True), ("kimi_k25", "fp8"): (0, True)}
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("families")
     out = {}
-    for family in EXPECT:
-        src = write_family_checkpoint(root / family / "bf16", family)
-        assert quantize(["--to", "mxfp4", str(src), str(root / family / "mxfp4")]) == 0
-        out[family] = root / family / "mxfp4"
+    for family, to in EXPECT:
+        src = root / family / "bf16"
+        if not src.exists():
+            write_family_checkpoint(src, family)
+        assert quantize(["--to", to, str(src), str(root / family / to)]) == 0
+        out[family, to] = root / family / to
     return out
 
 
@@ -58,13 +62,13 @@ def release(capsys, tmp_path: Path, checkpoint: Path, *setup) -> tuple[int, dict
                gsm8k_policy(tmp_path / "policy.yaml"), "--aiter-configs", AITER, *setup)
 
 
-@pytest.mark.parametrize("family", sorted(EXPECT))
-def test_the_three_commands_agree(family, checkpoints, tmp_path, capsys):
-    ckpt = checkpoints[family]
-    fused, loads = EXPECT[family]
+@pytest.mark.parametrize("case", sorted(EXPECT), ids="-".join)
+def test_the_three_commands_agree(case, checkpoints, tmp_path, capsys):
+    ckpt = checkpoints[case]
+    fused, loads = EXPECT[case]
     code, structure = run(capsys, "checkpoint", ckpt, *SETUP)
     assert (code == 0) == loads == structure["ok"]
-    decision = structure["engines"][f"sglang 0.5.23 (rules of 0.5.21..0.5.23)"]["shared_expert_fusion"]
+    decision = structure["engines"]["sglang 0.5.23 (rules of 0.5.21..0.5.23)"]["shared_expert_fusion"]
     assert decision["fused"] == bool(fused)
 
     _, kern = run(capsys, "kernels", ckpt, *SETUP, "--aiter-configs", AITER)
@@ -79,7 +83,7 @@ def test_the_three_commands_agree(family, checkpoints, tmp_path, capsys):
 def test_disable_shared_experts_fusion_is_one_setup_for_all_three(checkpoints, tmp_path, capsys):
     """GLM-4.5 with a bf16 shared expert loads only when sglang is started without fusion: the
     release judges that setup when it is told it, as gate checkpoint and gate kernels do."""
-    ckpt, off = checkpoints["glm4_moe"], [*SETUP, "--disable-shared-experts-fusion"]
+    ckpt, off = checkpoints["glm4_moe", "mxfp4"], [*SETUP, "--disable-shared-experts-fusion"]
     code, structure = run(capsys, "checkpoint", ckpt, *off)
     assert code == 0 and structure["serving"]["disable_shared_experts_fusion"]
     _, kern = run(capsys, "kernels", ckpt, *off, "--aiter-configs", AITER)
@@ -93,7 +97,7 @@ def test_disable_shared_experts_fusion_is_one_setup_for_all_three(checkpoints, t
 
 
 def test_the_setup_is_written_in_each_text_report(checkpoints, capsys):
-    ckpt = checkpoints["mixtral"]
+    ckpt = checkpoints["mixtral", "mxfp4"]
     for command in (["checkpoint"], ["kernels", "--aiter-configs", str(AITER)]):
         gate([command[0], str(ckpt), *SETUP, "--ep", "2", *command[1:]])
         assert "serving     rocm gfx950 (mi355x), tp 8, ep 2" in capsys.readouterr().out, command

@@ -21,8 +21,8 @@ from quant.engines.serving import serving
 from quant.example import glm5_config
 from quant.layout import family_for
 from quant.plan import make_plan
-from quant.recipe import load_recipe
 from quant.quark_config import fp8_config
+from quant.recipe import load_recipe
 from tests.conftest import write_sparse_checkpoint
 from tests.evals.test_gate import binary_pair, bundle, evaluated, gsm8k_policy
 
