@@ -101,3 +101,14 @@ def test_the_setup_is_written_in_each_text_report(checkpoints, capsys):
     for command in (["checkpoint"], ["kernels", "--aiter-configs", str(AITER)]):
         gate([command[0], str(ckpt), *SETUP, "--ep", "2", *command[1:]])
         assert "serving     rocm gfx950 (mi355x), tp 8, ep 2" in capsys.readouterr().out, command
+
+
+def test_a_setup_that_contradicts_itself_is_refused_alike(checkpoints, capsys):
+    """The setup is read by one function: each command refuses the same contradiction in one line."""
+    ckpt = checkpoints["mixtral", "mxfp4"]
+    for command in (["checkpoint"], ["kernels", "--aiter-configs", str(AITER)]):
+        assert gate([command[0], str(ckpt), "--gpu", "mi300x", "--gpu-arch", "gfx950", *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--gpu mi300x is ROCm gfx942; --platform rocm --gpu-arch gfx950" in err
+    assert gate(["kernels", str(ckpt), "--platform", "cuda", "--aiter-configs", str(AITER)]) == 2
+    assert "cuda sm90 names no GPU model: aiter keys its tables on the CU count" in capsys.readouterr().err
