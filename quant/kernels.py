@@ -29,7 +29,8 @@ when ``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`` (models/deep
 reason not to - a Quark checkpoint whose exclude list names a target-layer shared expert (a bf16
 shared expert next to MXFP4 routed experts) cannot fuse (quark.py ``shared_expert_excluded_from_quant``
 / ``can_fuse_shared_expert``), nor can ``--disable-shared-experts-fusion``; decided by the rule
-``gate checkpoint`` replays for the newest sglang release read (``quant.engines.fusion``). Its
+``gate checkpoint`` replays, for the checkpoint's family and the newest sglang release ``--engine``
+selects (``quant.engines.fusion.main_model_fusion``; other classes decide by their own rules). Its
 Triton configs are ``E=..,N=..,device_name=..[,dtype=..][,block_shape=[128, 128]].json`` with E and N from w2's shape
 (``get_config_file_name``, ``try_get_optimal_moe_config``), searched under
 ``configs/triton_<version>/``; vLLM 0.33.0 spells block_shape without the space and searches
