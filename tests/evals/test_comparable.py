@@ -139,6 +139,6 @@ def test_bad_policy_is_bad_input(tmp_path, capsys):
     r, c = bundle(tmp_path / "r", "gsm8k", ref), bundle(tmp_path / "c", "gsm8k", cand)
     (tmp_path / "p.yaml").write_text("benchmarks:\n  gsm8k: {margin: two}\n")
     code, _, err = gate_json(capsys, "accuracy", "--candidate", c, "--reference", r, "--policy", tmp_path / "p.yaml")
-    assert code == 2 and "benchmarks.gsm8k.margin: 'two'" in err
+    assert code == 2 and "benchmarks.gsm8k.margin: " in err and "not 'two'" in err
     code, _, err = gate_json(capsys, "accuracy", "--candidate", c, "--reference", r, "--margin", "gsm8k=x")
     assert code == 2 and "expected BENCH=VALUE" in err
