@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -76,6 +77,22 @@ def draft_fc_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
     load_weights)."""
     return {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
             "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+
+
+def layer_entries(state: dict, layers: str) -> tuple[dict[int, list], list]:
+    """A (meta-device) state dict as header entries ``(name, dtype, shape)``, for a full-size layout
+    built from a few layers: each decoder layer's (by its index under ``layers``, a name prefix such as
+    ``language_model.model.layers``; names after the index) and the rest. Router bias F32, else BF16."""
+    per_layer: dict[int, list] = {}
+    rest = []
+    for name, tensor in state.items():
+        dtype = "F32" if "correction_bias" in name else "BF16"
+        m = re.match(rf"{re.escape(layers)}\.(\d+)\.(.+)$", name)
+        if m:
+            per_layer.setdefault(int(m.group(1)), []).append((m.group(2), dtype, tuple(tensor.shape)))
+        else:
+            rest.append((name, dtype, tuple(tensor.shape)))
+    return per_layer, rest
 
 
 def write_family_checkpoint(dst: Path, family: str, *, num_hidden_layers: int = 3, seed: int = 0,

@@ -1,6 +1,7 @@
 """Engine rule files are read against one strict schema (quant/engines/rule_kinds.py): a misspelt rule,
-a misspelt key inside a rule or a role no family defines is refused in one line naming the file, the key and the nearest valid
-name (exit 2), where it used to load and silently stop applying. The typed reading changes no value."""
+a misspelt key inside a rule or a role no family defines is refused in one line naming the file, the
+key and the nearest valid name (exit 2), where it used to load and silently stop applying. The typed
+reading changes no value."""
 
 from __future__ import annotations
 

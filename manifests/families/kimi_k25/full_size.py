@@ -4,7 +4,6 @@ written as sparse files (headers, no tensor data)."""
 
 from __future__ import annotations
 
-import re
 
 # moonshotai/Kimi-K2.5's text model (Kimi-K2's sizes, DeepSeek-V3's MLA): 61 layers (layer 0 dense),
 # 384 routed + 1 shared experts, top-8, no next-n layer; the MoonViT vision tower at transformers'
@@ -26,21 +25,13 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
     from transformers.core_model_loading import revert_weight_conversion
 
-    from tests.quant.family_checkpoints import tiny_builder
+    from tests.quant.family_checkpoints import layer_entries, tiny_builder
 
     with torch.device("meta"):
         model = Kimi_K25ForConditionalGeneration(Kimi_K25Config(text_config={**TEXT, "num_hidden_layers": 2},
                                                                 tie_word_embeddings=False))
     state = tiny_builder("kimi_k25").release(revert_weight_conversion(model, dict(model.state_dict())), None, 2, 0)
-    per_layer: dict[int, list] = {}
-    out = []
-    for name, t in state.items():
-        dtype = "F32" if "correction_bias" in name else "BF16"
-        m = re.match(r"language_model\.model\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            per_layer.setdefault(int(m.group(1)), []).append((m.group(2), dtype, tuple(t.shape)))
-        else:
-            out.append((name, dtype, tuple(t.shape)))
+    per_layer, out = layer_entries(state, "language_model.model.layers")
     for i in range(LAYERS):
         out += [(f"language_model.model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[min(i, 1)]]
     saved = Kimi_K25Config(text_config={**TEXT, "num_hidden_layers": LAYERS}, tie_word_embeddings=False).to_dict()

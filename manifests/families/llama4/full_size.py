@@ -4,7 +4,6 @@ one per VARIANTS (Maverick, Scout), written as sparse files (headers, no tensor 
 
 from __future__ import annotations
 
-import re
 
 # meta-llama/Llama-4-Maverick-17B-128E-Instruct and Llama-4-Scout-17B-16E-Instruct: 48 layers, MoE every
 # interleave_moe_layer_step-th (Maverick 2: 128 routed experts, top-1, one shared expert, dense layers
@@ -25,6 +24,8 @@ def layout(variant: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     layer of each kind (its state_dict names are the release's, experts fused), the decoder layers
     repeated on the interleave_moe_layer_step grid."""
     import torch
+
+    from tests.quant.family_checkpoints import layer_entries
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
     text = VARIANTS[variant]
@@ -32,12 +33,7 @@ def layout(variant: str) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     with torch.device("meta"):
         model = Llama4ForConditionalGeneration(Llama4Config(text_config={**text, "num_hidden_layers": step},
                                                             vision_config=_LLAMA4_VISION))
-    per_layer: dict[int, list] = {}
-    out = []
-    for name, t in model.state_dict().items():
-        m = re.match(r"language_model\.model\.layers\.(\d+)\.(.+)$", name)
-        (per_layer.setdefault(int(m.group(1)), []).append((m.group(2), "BF16", tuple(t.shape))) if m
-         else out.append((name, "BF16", tuple(t.shape))))
+    per_layer, out = layer_entries(model.state_dict(), "language_model.model.layers")
     for i in range(text["num_hidden_layers"]):
         out += [(f"language_model.model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[i % step]]
     config = Llama4Config(text_config=text, vision_config=_LLAMA4_VISION, tie_word_embeddings=False).to_dict()

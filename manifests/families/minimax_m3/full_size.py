@@ -4,7 +4,6 @@ written as sparse files (headers, no tensor data)."""
 
 from __future__ import annotations
 
-import re
 
 # MiniMaxAI/MiniMax-M3: 60 layers (3 dense, full attention; 57 MoE with sparse attention), 128
 # routed + 1 shared experts, top-4, one MTP module; a 32-layer CLIP vision tower (transformers' defaults)
@@ -22,7 +21,7 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
     from transformers.core_model_loading import revert_weight_conversion
 
-    from tests.quant.family_checkpoints import tiny_builder
+    from tests.quant.family_checkpoints import layer_entries, tiny_builder
 
     kinds = ["dense", "sparse", "sparse"]  # layer 0: dense; 1: MoE; 2: the MTP module's template
     text = {**M3_TEXT, "num_hidden_layers": 3, "mlp_layer_types": kinds,
@@ -31,15 +30,7 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     with torch.device("meta"):
         model = MiniMaxM3SparseForConditionalGeneration(config)
     state = revert_weight_conversion(model, dict(model.state_dict()))
-    per_layer: dict[int, list] = {}
-    out = []
-    for name, t in state.items():
-        dtype = "F32" if "correction_bias" in name else "BF16"
-        m = re.match(r"language_model\.model\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            per_layer.setdefault(int(m.group(1)), []).append((m.group(2), dtype, tuple(t.shape)))
-        else:
-            out.append((name, dtype, tuple(t.shape)))
+    per_layer, out = layer_entries(state, "language_model.model.layers")
     for i in range(M3_LAYERS):
         out += [(f"language_model.model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[0 if i < M3_DENSE else 1]]
     h, mtp = M3_TEXT["hidden_size"], "language_model.model.mtp.layers.0."

@@ -4,7 +4,6 @@ written as sparse files (headers, no tensor data)."""
 
 from __future__ import annotations
 
-import re
 
 # Qwen/Qwen3.5-397B-A17B: 60 layers (3 Gated DeltaNet + 1 full attention, repeated), 512 routed experts
 # (moe_intermediate_size 1024: gate_up_proj [512, 2048, 4096] is 8.6 GB) + 1 shared expert, top-10, a
@@ -24,6 +23,8 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     [E, 2I, H] and down_proj [E, H, I]), repeated over the layers; the full-attention layer again as the
     draft, mtp.layers.0.*, with its experts per expert, plus mtp.fc and its norms."""
     import torch
+
+    from tests.quant.family_checkpoints import layer_entries
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     text, period = QWEN3_5_TEXT, QWEN3_5_TEXT["full_attention_interval"]
@@ -33,12 +34,7 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
         model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
             text_config={**text, "num_hidden_layers": period, "layer_types": kinds[:period]},
             vision_config=QWEN3_5_VISION))
-    per_layer: dict[int, list] = {}
-    out = []
-    for name, t in model.state_dict().items():
-        m = re.match(r"model\.language_model\.layers\.(\d+)\.(.+)$", name)
-        (per_layer.setdefault(int(m.group(1)), []).append((m.group(2), "BF16", tuple(t.shape))) if m
-         else out.append((name, "BF16", tuple(t.shape))))
+    per_layer, out = layer_entries(model.state_dict(), "model.language_model.layers")
     for i in range(text["num_hidden_layers"]):
         out += [(f"model.language_model.layers.{i}.{rest}", d, s) for rest, d, s in per_layer[i % period]]
     h, inter = text["hidden_size"], text["moe_intermediate_size"]
