@@ -406,7 +406,7 @@ def family_names() -> list[str]:
     return list(family_dirs())
 
 
-def _known() -> list[Family]:
+def known_families() -> list[Family]:
     """Every discovered family, read once per state of their files: each command asks many times (a
     recipe's roles, each engine rule file's role check, the family lookup), and parsing thirteen
     manifests costs about 0.1 s a time."""
@@ -432,7 +432,7 @@ def _read_families(stamps: tuple[tuple[str, Path, int, int], ...]) -> tuple[Fami
 def families_listing() -> str:
     """One line per discovered family (its name, title and model types), read from the folders so
     that help texts list exactly the families quantgate reads, a family added by a folder included."""
-    known = _known()
+    known = known_families()
     width = max((len(f.name) for f in known), default=0)
     return "\n".join(f"  {f.name:<{width}}  {f.title or f.name} (model_type {', '.join(f.model_types)})"
                      for f in known)
@@ -445,7 +445,7 @@ def family_named(name: str) -> Family:
         raise UnknownFamilyError(f"no family named {name!r} (known: {', '.join(family_dirs())}; a family is a folder "
                                  f"<root>/{name}/{FAMILY_FILE} under {manifests_root() / 'families'} or a root in "
                                  f"{FAMILIES_ENV})")
-    return next(f for f in _known() if f.name == name)
+    return next(f for f in known_families() if f.name == name)
 
 
 def family_for(config: dict, manifest: Path | None = None) -> Family:
@@ -453,7 +453,7 @@ def family_for(config: dict, manifest: Path | None = None) -> Family:
     if manifest is not None:
         return load_family(manifest)
     model_type = config.get("model_type")
-    known = _known()
+    known = known_families()
     for family in known:
         if model_type in family.model_types:
             return family

@@ -15,7 +15,7 @@ from pydantic import ValidationInfo, field_validator
 from quant.errors import QuantgateError
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
-from quant.layout import Family, TensorRole, _known, manifests_root
+from quant.layout import Family, TensorRole, known_families, manifests_root
 from quant.schema import Schema, load, nearest
 
 ACTIONS = ("quantize", "keep")
@@ -63,7 +63,7 @@ class RecipeFile(Schema):
 def recipe_roles(family: Family | None = None) -> set[str]:
     """The roles a recipe rule may name: every discovered family's, ``family``'s (a manifest given
     by hand), and ``other`` (a tensor no role pattern matched)."""
-    return {role.name for f in [*_known(), *([family] if family else [])] for role in f.roles} | {"other"}
+    return {role.name for f in [*known_families(), *([family] if family else [])] for role in f.roles} | {"other"}
 
 
 @dataclass(frozen=True)

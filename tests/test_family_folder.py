@@ -29,14 +29,16 @@ AITER = Path(__file__).parent / "quant" / "data" / "aiter_configs"  # aiter's tu
 
 def copy_family(root: Path) -> Path:
     """``SOURCE``'s folder as ``root/NEW``: the manifest names the new family, model type and engine
-    classes; its rule files list the new class (so they, not the original's, are what is replayed)."""
+    classes; its rule files list the new class (so they, not the original's, are what is replayed)
+    and key their per-family values by the new family."""
     folder = root / NEW
     shutil.copytree(family_dirs()[SOURCE], folder)
     manifest = yaml.safe_load((folder / FAMILY_FILE).read_text())
     manifest.update(family=NEW, model_types=[NEW], engine_classes={e: NEW_CLASS for e in manifest["engine_classes"]})
     (folder / FAMILY_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False))
     for engine in manifest["engine_classes"]:
-        rules = yaml.safe_load((folder / f"{engine}.yaml").read_text())
+        # values keyed by family (draft_exclude: {mixtral: none}) are keyed by the new one
+        rules = yaml.safe_load((folder / f"{engine}.yaml").read_text().replace(f"{{{SOURCE}: ", f"{{{NEW}: "))
         rules["model_classes"] = [NEW_CLASS]
         (folder / f"{engine}.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
     notes = (folder / "NOTES.md").read_text()  # the new family's notes start as the original's

@@ -25,9 +25,9 @@ from packaging.version import InvalidVersion, Version
 
 from quant.engines.rule_kinds import RuleFile
 from quant.errors import QuantgateError
-from quant.layout import Family, family_dirs, family_named, manifests_root
+from quant.layout import Family, family_dirs, family_named, known_families, manifests_root
 from quant.recipe import recipe_roles
-from quant.schema import load
+from quant.schema import load, nearest
 
 ENGINES = ("sglang", "vllm")
 DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers that name no family mean
@@ -74,12 +74,36 @@ def rules_path(name: str) -> Path:
     return manifests_root() / "engines" / f"{engine}.yaml" if not family else family_dirs()[family] / f"{engine}.yaml"
 
 
+# Rule values keyed by family name (the engine's own file serves two families, GLM-5 and DeepSeek-V3)
+FAMILY_KEYED = (("draft_exclude",), ("shared_experts_fusion", "arch"), ("shared_experts_fusion", "draft_arch"))
+
+
 @cache
 def rule_file(name: str) -> RuleFile:
-    """The rule file ``name``, checked against its schema."""
-    return load(rules_path(name), RuleFile, "engine rule file", RuleFileError,
+    """The rule file ``name``, checked against its schema and its per-family values' keys."""
+    path = rules_path(name)
+    file = load(path, RuleFile, "engine rule file", RuleFileError,
                 "each rule kind and its keys are defined in quant/engines/rule_kinds.py",
                 context={"roles": recipe_roles()})
+    _check_family_keys(path, file)
+    return file
+
+
+def _check_family_keys(path: Path, file: RuleFile) -> None:
+    """Each family a value is keyed by must be one this file's classes build: a folder copied for a
+    new family that kept the original's key would otherwise fall silently to the default (no
+    shared-expert fusion, the draft's exclude entries as they are)."""
+    built = sorted(f.name for f in known_families() if f.engine_class.get(file.engine) in file.model_classes)
+    for i, entry in enumerate(file.rule_sets):
+        rules = entry.rules.model_dump(by_alias=True, exclude_unset=True)
+        for rule, *keys in FAMILY_KEYED:
+            value = (rules.get(rule) or {}).get("value")
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            for family in set(value or {}) - set(built):
+                where = ".".join([f"rule_sets.{i}.rules.{rule}.value", *keys])
+                raise RuleFileError(f"{path}: not a valid engine rule file: {where}: {nearest(family, built, 'family')}"
+                                    f"; key it by a family that {', '.join(file.model_classes)} build")
 
 
 def _class_files(engine: str) -> list[str]:

@@ -42,7 +42,7 @@ def _copied_family(root: Path, edit) -> tuple[str, str]:
     manifest = manifest.replace("model_types: [mixtral]", "model_types: [mixtral_typo]")
     (folder / "family.yaml").write_text(manifest.replace("MixtralForCausalLM", "MixtralTypoForCausalLM"))
     for engine in ENGINES:
-        data = yaml.safe_load((folder / f"{engine}.yaml").read_text())
+        data = yaml.safe_load((folder / f"{engine}.yaml").read_text().replace("{mixtral: ", "{mixtral_typo: "))
         data["model_classes"] = ["MixtralTypoForCausalLM"]
         edit(engine, data)
         (folder / f"{engine}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -66,6 +66,12 @@ def _misspelt_role(engine, data):
         data["rule_sets"][0]["rules"]["unquantized_roles"]["value"][0] = "routr"
 
 
+def _original_family_key(engine, data):
+    if engine == "vllm":  # the copy's per-family value still keyed by the family it was copied from
+        draft = data["rule_sets"][0]["rules"]["draft_exclude"]["value"]
+        draft["mixtral"] = draft.pop("mixtral_typo")
+
+
 @pytest.fixture(scope="module")
 def mixtral_checkpoint(tmp_path_factory):
     from tests.quant.family_checkpoints import write_family_checkpoint
@@ -80,7 +86,8 @@ def mixtral_checkpoint(tmp_path_factory):
     (_misspelt_rule, "sglang", "rule_sets.2.rules: unknown key 'qk_rotary_permut'", "qk_rotary_permute"),
     (_misspelt_key, "vllm", "rule_sets.0.rules.fp8_skip.value: unknown key 'keys_mod'", "keys_mode"),
     (_misspelt_role, "vllm", "rule_sets.0.rules.unquantized_roles.value.0: unknown role 'routr'", "router"),
-], ids=["rule", "key-in-rule", "role"])
+    (_original_family_key, "vllm", "rule_sets.0.rules.draft_exclude.value: unknown family 'mixtral'", "mixtral_typo"),
+], ids=["rule", "key-in-rule", "role", "family-key"])
 def test_a_misspelt_rule_is_refused_by_the_cli(tmp_path, mixtral_checkpoint, edit, engine, key, near):
     """``gate checkpoint`` and ``quantize --dry-run`` on a checkpoint of a family whose rule file holds
     the typo: exit 2, one line naming the file, the key path and the nearest valid name, nothing written."""
