@@ -119,9 +119,13 @@ def rules_file(engine: str, family: Family | str) -> str:
     if model_class is None:
         raise UnknownEngine(f"family {family.name}: its manifest names no {engine} model class (engine_classes."
                             f"{engine}); read the class in the {engine} wheel and add it with its rule file")
-    for name in _class_files(engine):
-        if model_class in rule_file(name).model_classes:
-            return name
+    names = [name for name in _class_files(engine) if model_class in rule_file(name).model_classes]
+    if len(names) > 1:  # which one the replay read would depend on the folders' order
+        raise RuleFileError(f"family {family.name}: {' and '.join(str(rules_path(n)) for n in names)} both list its "
+                            f"{engine} class {model_class}; a class's rules live in one file (a copied folder lists its "
+                            "new family's class in model_classes)")
+    if names:
+        return names[0]
     raise UnknownEngine(f"family {family.name}: no {engine} rules were read for its model class {model_class} "
                         f"(no family folder's {engine}.yaml lists it); read that class's loading in the wheels "
                         f"and write {engine}.yaml in the family's folder before converting or checking this family")

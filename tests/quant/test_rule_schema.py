@@ -112,3 +112,16 @@ def test_a_rule_value_the_code_does_not_know_is_refused():
     with pytest.raises(RuleFileError, match=r"^sglang\.yaml: .*shared_experts_fusion\.value\..*exclude_veto: "
                                             r"Input should be 'none', 'mtp_prefix' or 'draft_layers'"):
         validate(data, RuleFile, Path("sglang.yaml"), "engine rule file", RuleFileError, "")
+
+
+def test_two_rule_files_for_one_class_are_refused(tmp_path, mixtral_checkpoint):
+    """A folder copied without giving its rule files the new class would share Mixtral's class with
+    Mixtral's own folder: which rules are replayed would depend on the folders' order, so it is refused."""
+    _copied_family(tmp_path / "families", lambda engine, data: data.update(model_classes=["MixtralForCausalLM"]))
+    manifest = tmp_path / "families" / "mixtral_typo" / "family.yaml"  # the copy keeps Mixtral's class too
+    manifest.write_text(manifest.read_text().replace("MixtralTypoForCausalLM", "MixtralForCausalLM"))
+    env = {**os.environ, FAMILIES_ENV: str(tmp_path / "families")}
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(mixtral_checkpoint)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    one_line_error(done.stderr, "both list its", "MixtralForCausalLM")
