@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from quant.cli import main as quantize_main
-from quant.layout import _known, manifests_root
+from quant.layout import known_families, manifests_root
 from quant.outputs import INDEX_NAME
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_fused_experts import write_fused
@@ -122,7 +122,7 @@ def test_crafted_family_manifest_is_one_line_naming_the_key(case, fused_src, tmp
 
 def test_shipped_manifests_pass_the_schema():
     """Every built-in manifest is read through the same schema (and names the file it came from)."""
-    families = _known()
+    families = known_families()
     assert len(families) == len(list((manifests_root() / "families").glob("*/family.yaml")))
     assert all(f.path and f.path.name.endswith(".yaml") for f in families)
 
