@@ -21,13 +21,17 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
+from typing import Annotated
+
 from packaging.version import InvalidVersion, Version
+from pydantic import Field, model_validator
 
 from quant.engines.rule_kinds import RuleFile
+from quant.engines.rule_kinds import Version as Release
 from quant.errors import QuantgateError
 from quant.layout import Family, family_dirs, family_named, known_families, manifests_root
 from quant.recipe import recipe_roles
-from quant.schema import load, nearest
+from quant.schema import Schema, load, nearest
 
 ENGINES = ("sglang", "vllm")
 DEFAULT_FAMILY = "glm_moe_dsa"  # the product's target (GLM-5): what callers that name no family mean
@@ -104,6 +108,28 @@ def _check_family_keys(path: Path, file: RuleFile) -> None:
                 where = ".".join([f"rule_sets.{i}.rules.{rule}.value", *keys])
                 raise RuleFileError(f"{path}: not a valid engine rule file: {where}: {nearest(family, built, 'family')}"
                                     f"; key it by a family that {', '.join(file.model_classes)} build")
+
+
+class ReleaseWindow(Schema):
+    """``manifests/engines/releases.yaml``: every registry release of each engine in the window read."""
+    sglang: Annotated[list[Release], Field(min_length=1)]
+    vllm: Annotated[list[Release], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _sorted(self):
+        for engine in ENGINES:
+            listed = getattr(self, engine)
+            if [Version(v) for v in listed] != sorted(Version(v) for v in listed) or len(set(listed)) != len(listed):
+                raise ValueError(f"{engine}: list each release once, oldest first")
+        return self
+
+
+@cache
+def window(engine: str) -> tuple[str, ...]:
+    """Every registry release of ``engine`` in the window quantgate reads, oldest first."""
+    file = load(manifests_root() / "engines" / "releases.yaml", ReleaseWindow, "release window", RuleFileError,
+                "list each engine's registry releases, oldest first")
+    return tuple(getattr(file, engine))
 
 
 def _class_files(engine: str) -> list[str]:
