@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
-from quant.engines.replay import draft_module_name, is_draft, shard_parent
+from quant.engines.replay import class_name, draft_module_name, is_draft, shard_parent
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 from quant.errors import QuantgateError
 
@@ -118,4 +118,17 @@ def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, f
     aliases = {alias for rules in _all_rule_sets(family) for name in names
                for alias in (draft_name(name, rules, num_hidden_layers),
                              draft_module_name(name, rules, num_hidden_layers))}
-    return sorted(names | {alias for alias in aliases if alias})
+    return sorted(names | {alias for alias in aliases if alias} | _stored_fused_shards(kept, family))
+
+
+def _stored_fused_shards(kept: set[str], family=DEFAULT_FAMILY) -> set[str]:
+    """For a module stored as one tensor that a class builds under a fused name (GLM-5.3-Flash's vision
+    attn.qkv, built as attn.qkv_proj), that fused module's shards under the class's name: a release whose
+    Quark matching looks a fused module up by its shards only (sglang 0.5.20) finds them there."""
+    out = set()
+    for rules in _all_rule_sets(family):
+        for name in kept:
+            parent, _, leaf = class_name(name, rules).rpartition(".")
+            if leaf != name.rpartition(".")[2] and leaf in rules["quark_fused"]:
+                out.update(f"{parent}.{shard}" for shard in rules["quark_fused"][leaf])
+    return out

@@ -81,6 +81,8 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
         needs = rule["routed_experts"].get(routed)
         if needs is None or (needs != "any" and needs != kind) or shared != rule["shared_experts"]:
             return f"{routed} routed + {shared} shared experts is not a fused configuration"
+    if serving.platform not in rule["min_capability"]:  # the class never fuses on this platform
+        return f"the class fuses only on {', '.join(sorted(rule['min_capability']))}"
     least = tuple(rule["min_capability"][serving.platform])
     if serving.capability < least:
         return f"{serving.gpu_arch} is below capability {least}"

@@ -21,7 +21,9 @@ from quant.engines.match import (
 from quant.engines.rules import RuleSet, rule_sets
 from quant.engines.serving import DEFAULT, Serving, loads_under_archs
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# a decoder layer: model.layers.N, or model.language_model.layers.N where a vision-language release stores
+# its text layers (GLM-5.3-Flash's draft layer N is such a layer; both engines' loaders drop language_model.)
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
 _GLM_DRAFT_EXPERTS = "model.decoder.mlp.experts"  # added by GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config
 
 
@@ -139,10 +141,35 @@ def draft_module_name(module: str, rules: RuleSet, num_hidden_layers: int) -> st
     return rule["layer_as"].format(num_hidden_layers=num_hidden_layers) + main[len(layer):]
 
 
-def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_layers: int, kind: str) \
-        -> tuple[list[str], bool]:
-    """The exclude list the draft (MTP) model is built with, and whether the whole draft is bf16."""
+def nextn_mapper(how: str, num_hidden_layers: int, target: dict | None) -> dict:
+    """The draft class's own weight-name mapper (GLM-5.3-Flash's Glm5NextForConditionalGenerationNextN.
+    get_hf_to_sglang_mapper): ``nextn_mapper`` renames model.layers.{n} to model.decoder only;
+    ``nextn_mapper_target`` joins the target class's mapper (``target``: its ``exclude_mapper``) with the draft
+    layer's rules in both its stored and its normalized form, eh_proj / enorm / hnorm to model.*."""
+    n = num_hidden_layers
+    if how == "nextn_mapper":
+        return {"style": "sglang", "substr": {f"model.layers.{n}": "model.decoder"}}
+    draft = {}
+    for layer in (f"model.language_model.layers.{n}", f"model.layers.{n}"):
+        draft.update({f"{layer}.{leaf}": f"model.{leaf}" for leaf in ("eh_proj", "enorm", "hnorm")})
+        draft[layer] = "model.decoder"
+    target = target or {}
+    return {**target, "style": "sglang", "substr": {**(target.get("substr") or {}), **draft}}
+
+
+def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_layers: int, kind: str,
+                  raw: list[str] | None = None) -> tuple[list[str], bool]:
+    """The exclude list the draft (MTP) model is built with, and whether the whole draft is bf16 (``raw``: the
+    entries as the checkpoint writes them, before the main class's mapper; default ``entries``)."""
     how = rules["draft_exclude"].get(family, "none")
+    if how in ("nextn_mapper", "nextn_mapper_target"):
+        # the draft's mapper replaces the main class's (loader.py asks the draft class for it), on the entries as
+        # written; the whole draft is bf16 when its mapped layer is excluded (DeepseekV3ForCausalLMNextN.
+        # _resolve_nextn_quant_config, Quark only)
+        mapper = nextn_mapper(how, num_hidden_layers, rules.values.get("exclude_mapper"))
+        entries = [m for e in (entries if raw is None else raw) if (m := mapped_entry(e, mapper)) is not None]
+        layer = mapped_entry(f"model.layers.{num_hidden_layers}", mapper)
+        return entries, kind == "quark" and Exclude(entries).matches(layer)
     if how in ("mapper_61", "mapper_61_draft_bf16"):
         entries = [map_61(e) for e in entries]
         whole = how == "mapper_61_draft_bf16" and kind == "quark" and Exclude(entries).matches(
@@ -272,7 +299,9 @@ def for_platform(value, serving: Serving):
     return {**{k: v for k, v in value.items() if k != "platforms"}, **value["platforms"].get(serving.platform, {})}
 
 
-def exclude_entries(qconfig: dict, rules: RuleSet, kind: str, serving: Serving = DEFAULT) -> list[str]:
+def exclude_entries(qconfig: dict, rules: RuleSet, kind: str, serving: Serving = DEFAULT, mapped: bool = True) \
+        -> list[str]:
+    """The exclude list as the main class matches it (``mapped`` False: as the checkpoint writes it)."""
     if kind == "mxfp4":  # a release's native MXFP4 config: the engines read no exclude list (mxfp4_native)
         return []
     if kind == "fp8":
@@ -283,7 +312,7 @@ def exclude_entries(qconfig: dict, rules: RuleSet, kind: str, serving: Serving =
         entries = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
     # the class's weight-name mapper, for the kinds it is applied to
     mapper = for_platform(rules.values.get("exclude_mapper"), serving)
-    if not mapper or kind not in mapper["kinds"]:
+    if not mapped or not mapper or kind not in mapper["kinds"]:
         return entries
     return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
 
@@ -352,7 +381,8 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
     """The module findings, each FusedMoE's slot scheme (quantized or not), and the exclude entries."""
     rules, modules, kind, fmt_name, serving = ctx.rules, ctx.modules, ctx.kind, ctx.fmt_name, ctx.serving
     entries = exclude_entries(ctx.qconfig, rules, kind, serving)
-    draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, ctx.family, ctx.num_hidden_layers, kind)
+    draft_entries, whole_draft_bf16 = draft_exclude(entries, rules, ctx.family, ctx.num_hidden_layers, kind,
+                                                    exclude_entries(ctx.qconfig, rules, kind, serving, mapped=False))
     lists = {False: Exclude(entries), True: Exclude(draft_entries)}
     where = "modules_to_not_convert" if kind == "fp8" else "exclude"
     findings = []

@@ -70,9 +70,10 @@ class QuarkMatch(Schema):
 class MtpNaming(Schema):
     """How the class names the MTP draft's modules. ``style``: ``decoder`` (model.layers.N.x -> model.decoder.x,
     ``top_level`` parts -> model.x, ``skipped`` parts not loaded), ``renames`` (the draft under its own
-    ``prefix``, renamed by ``renames``), ``dropped`` (the draft's layers are not loaded; ``dropped_prefix``:
-    draft modules stored outside the decoder stack), ``original`` (names kept). ``max_layers``: the most
-    draft layers the class builds (None: no limit)."""
+    ``prefix``, or the layers from num_hidden_layers on when it has none, renamed by ``renames``),
+    ``dropped`` (the draft's layers are not loaded; ``dropped_prefix``: draft modules stored outside the
+    decoder stack), ``original`` (names kept). ``max_layers``: the most draft layers the class builds
+    (None: no limit)."""
     style: Literal["decoder", "renames", "dropped", "original"]
     top_level: list[str]
     skipped: list[str]
@@ -82,9 +83,10 @@ class MtpNaming(Schema):
     dropped_prefix: str | None = None
 
     @model_validator(mode="after")
-    def _renames_need_prefix(self):
-        if self.style == "renames" and (self.prefix is None or self.renames is None):
-            raise ValueError("style renames needs the draft's prefix and its renames")
+    def _renames_need_renames(self):
+        # without a prefix the draft is the decoder layers at or after num_hidden_layers
+        if self.style == "renames" and self.renames is None:
+            raise ValueError("style renames needs the draft's renames")
         return self
 
 
@@ -99,8 +101,12 @@ class DraftModuleNames(Schema):
 
 # How the draft (MTP) model's exclude list is derived from the checkpoint's, per family: ``none`` (as is),
 # ``mapper_61`` (DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper), ``mapper_61_draft_bf16`` (that, and the whole
-# draft bf16 when its layer is excluded), ``glm_remap`` (GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config).
-DraftExclude = dict[str, Literal["none", "mapper_61", "mapper_61_draft_bf16", "glm_remap"]]
+# draft bf16 when its layer is excluded), ``glm_remap`` (GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config),
+# ``nextn_mapper`` / ``nextn_mapper_target`` (a draft class's own mapper of layer num_hidden_layers to model.decoder,
+# alone or joined with the target's ``exclude_mapper``, and the whole draft bf16 when that layer is excluded:
+# quant.engines.replay.nextn_mapper).
+DraftExclude = dict[str, Literal["none", "mapper_61", "mapper_61_draft_bf16", "glm_remap", "nextn_mapper",
+                                 "nextn_mapper_target"]]
 
 # How the draft's eh_proj is built: ``plain`` (nn.Linear, always bf16), ``quant_config`` (with a Quark config
 # only), ``any_quant_config`` (with any quant config).
