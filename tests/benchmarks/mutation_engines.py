@@ -31,7 +31,8 @@ from quant.engines.rule_kinds import RuleFile
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
          "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
-         "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py", "tests/quant/test_engine_deepseek_v4.py"]
+         "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py", "tests/quant/test_engine_deepseek_v4.py",
+         "tests/quant/test_engine_glm5_next.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -439,6 +440,31 @@ MUTATIONS = [
          'config.get("indexer_rope_interleave", True)', "indexer rope assumed interleaved when unset"),
     code("quant.engines.rules", "if r.covers(read[release])]", "if r.covers(release)]",
          ".postN by version order, not the map"),
+    # GLM-5.3-Flash (Glm5NextForConditionalGeneration) rules: manifests/families/glm5_next/{sglang,vllm}.yaml
+    data("sglang.glm5_next", "0.5.20", "exclude_mapper", ["suffix"], {".attn.qkv": ".attn.qkv_proj"},
+         "glm5 0.5.20 maps the vision qkv"),
+    data("sglang.glm5_next", "0.5.21", "exclude_mapper", ["suffix"], {}, "glm5 0.5.21 misses the vision qkv"),
+    data("sglang.glm5_next", "0.5.21", "exclude_mapper", ["prefix"], {}, "glm5 0.5.21 keeps language_model."),
+    data("sglang.glm5_next", "0.5.20", "draft_exclude", ["glm5_next"], "nextn_mapper_target",
+         "glm5 0.5.20 draft maps stored names"),
+    data("sglang.glm5_next", "0.5.21", "draft_exclude", ["glm5_next"], "nextn_mapper", "glm5 0.5.21 draft mapper alone"),
+    data("sglang.glm5_next", "0.5.21", "draft_exclude", ["glm5_next"], "none", "glm5 draft list unmapped"),
+    data("sglang.glm5_next", "0.5.20", "quark_fused", ["qkv_proj"], ["qkv"], "glm5 vision qkv by its stored name"),
+    data("sglang.glm5_next", "0.5.21", "quark_fused", ["fused_bfg_a_proj"], ["b_proj"], "glm5 fused_bfg_a_proj one shard"),
+    data("sglang.glm5_next", "0.5.20", "module_names", [".attn.qkv"], ".attn.qkv", "glm5 vision built as qkv"),
+    data("sglang.glm5_next", "0.5.22", "module_names", ["^model.language_model."], "model.language_model.",
+         "glm5 text model keeps language_model."),
+    data("sglang.glm5_next", "0.5.20", "fp8_skip", ["fused", "qkv_conv1d"], ["q_conv1d"], "glm5 FP8 conv mapping cut"),
+    data("vllm.glm5_next", "0.33.0", "exclude_mapper", ["prefix", "model.language_model."], "model.",
+         "glm5 vLLM main as model.*"),
+    data("vllm.glm5_next", "0.33.0", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"],
+                                                         "qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+         "glm5 vLLM keeps Glm4v's qkv_proj"),
+    data("vllm.glm5_next", "0.33.0", "mtp_naming", ["renames"], {"^model.language_model.": "language_model.model."},
+         "glm5 vLLM draft under the main names"),
+    data("vllm.glm5_next", "0.33.0", "exclude_mapper", ["prefix", "model.visual."], "model.visual.",
+         "glm5 vLLM vision not renamed"),
+    top("sglang.glm5_next", ("checked",), ["0.5.21", "0.5.22", "0.5.23"], "glm5 0.5.20 not read"),
 ]
 
 

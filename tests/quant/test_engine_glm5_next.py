@@ -26,7 +26,15 @@ from packaging.version import Version
 
 from quant.engines import ENGINES, rule_sets
 from quant.engines.match import Exclude
-from quant.engines.replay import draft_exclude, exclude_entries, excluded, mapped_entry, nextn_mapper
+from quant.engines.replay import (
+    class_name,
+    draft_exclude,
+    draft_name,
+    exclude_entries,
+    excluded,
+    mapped_entry,
+    nextn_mapper,
+)
 from quant.engines.rules import releases_read, window
 from tests.quant.engine_sources import class_constant, class_def, load, methods, sglang_quark_loader_additions
 from tests.quant.family_checkpoints import write_family_checkpoint
@@ -119,6 +127,48 @@ def test_exclude_mapper_is_the_class_mapper(rules, release):
                                 "hf_to_vllm_mapper")
     assert {k: rule.get(k) or {} for k in ("substr", "prefix", "suffix")} == \
         {k: theirs.get(f"orig_to_new_{k}", {}) for k in ("substr", "prefix", "suffix")}
+
+
+def loader_renames(whl, path: str, cls: str, method: str) -> list[tuple[str, str]]:
+    """The constant ``name.replace(old, new)`` calls of a loader method, in source order."""
+    fn = next(n for n in class_def(whl, path, cls).body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return [(ast.literal_eval(c.args[0]), ast.literal_eval(c.args[1])) for c in ast.walk(fn)
+            if isinstance(c, ast.Call) and ast.unparse(c.func) == "name.replace" and len(c.args) >= 2
+            and all(isinstance(a, ast.Constant) for a in c.args[:2])]
+
+
+# stored weights of the main model and of the MTP layer (layer 3)
+WEIGHTS = ["model.visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.mlp.gate_proj.weight",
+           "model.visual.merger.proj.weight", "model.language_model.layers.0.self_attn.q_proj.weight",
+           "model.language_model.layers.1.mlp.experts.0.gate_proj.weight", "lm_head.weight"]
+DRAFT_WEIGHTS = ["model.language_model.layers.3.mlp.experts.0.gate_proj.weight",
+                 "model.language_model.layers.3.self_attn.q_a_proj.weight"]
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_module_names_are_the_loaders(rules, release):
+    """sglang: the main model's names are what Glm5NextForConditionalGeneration.load_weights renames a stored
+    weight to before its stacking (language_model. dropped, model.visual. -> visual., the vision attn.qkv. ->
+    attn.qkv_proj.); vLLM: what the class's mapper renames it to, and the draft's what Glm5NextMTP.load_weights
+    does (model.language_model. -> model.)."""
+    whl = engine_wheel(rules, release)
+    if rules.engine == "sglang":
+        steps = [(old, new) for old, new in loader_renames(whl, MAIN["sglang"], CLASS, "load_weights")
+                 if old in ("language_model.", "model.visual.", "attn.qkv.")]
+        assert len(steps) == 3, steps
+        for weight in WEIGHTS:
+            theirs = weight
+            for old, new in steps:
+                theirs = theirs.replace(old, new) if old != "attn.qkv." or "visual" in theirs else theirs
+            assert class_name(weight.removesuffix(".weight"), rules) + ".weight" == theirs
+        return
+    for weight in WEIGHTS:
+        assert class_name(weight.removesuffix(".weight"), rules) + ".weight" == mapped_entry(weight, rules["exclude_mapper"])
+    renames = loader_renames(whl, "vllm/models/glm5next/common/mtp.py", "Glm5NextMTP", "load_weights")
+    assert renames[0] == ("model.language_model.", "model."), renames
+    for weight in DRAFT_WEIGHTS:
+        assert draft_name(weight.removesuffix(".weight"), rules, LAYERS) == \
+            weight.replace(*renames[0], 1).removesuffix(".weight")
 
 
 @pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
