@@ -13,12 +13,14 @@ entries away from the draft's module names), while quantgate's own exclude list 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import random
 import shutil
 import subprocess
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -163,7 +165,8 @@ def test_module_names_are_the_loaders(rules, release):
             assert class_name(weight.removesuffix(".weight"), rules) + ".weight" == theirs
         return
     for weight in WEIGHTS:
-        assert class_name(weight.removesuffix(".weight"), rules) + ".weight" == mapped_entry(weight, rules["exclude_mapper"])
+        ours = class_name(weight.removesuffix(".weight"), rules) + ".weight"
+        assert ours == mapped_entry(weight, rules["exclude_mapper"])
     renames = loader_renames(whl, "vllm/models/glm5next/common/mtp.py", "Glm5NextMTP", "load_weights")
     assert renames[0] == ("model.language_model.", "model."), renames
     for weight in DRAFT_WEIGHTS:
@@ -204,6 +207,49 @@ def test_quark_decisions_equal_the_engines(rules, release):
                 assert _outcome(excluded, name, ours, rules, "quark", moe) == theirs, (release, name, listed)
                 seen += theirs is True
     assert seen > 100
+
+
+VLLM = [c for c in CASES if c[0].engine == "vllm"]
+# the modules vLLM builds with the quant config (attention, indexer and vision are built without): main, draft
+VLLM_MODULES = ["language_model.model.layers.1.mlp.experts",
+                "language_model.model.layers.1.mlp.shared_experts.gate_up_proj",
+                "language_model.model.layers.0.mlp.gate_up_proj", "model.layers.3.mlp.experts",
+                "model.layers.3.mlp.shared_experts.gate_up_proj"]
+VLLM_STORED = ["model.language_model.layers.1.mlp.experts.0.gate_proj", "model.language_model.layers.1.mlp.experts",
+               "model.language_model.layers.1.mlp.shared_experts.gate_proj",
+               "model.language_model.layers.1.mlp.shared_experts.up_proj",
+               "model.language_model.layers.0.mlp.gate_proj",
+               "model.language_model.layers.0.mlp.up_proj", "model.language_model.layers.3.mlp.experts.0.gate_proj",
+               "model.layers.3.mlp.experts.0.gate_proj", "model.layers.3.mlp.shared_experts.gate_proj",
+               "model.layers.3.mlp.shared_experts.up_proj", "language_model.model.layers.1.mlp.experts"]
+
+
+@pytest.mark.parametrize(("rules", "release"), VLLM, ids=[f"vllm {v}" for _, v in VLLM])
+def test_vllm_quark_decisions_equal_the_engines(rules, release):
+    """Random exclude lists as written: the replay decides the main model's and the draft's modules as the
+    wheel's should_ignore_layer on the list Glm4v's mapper (vLLM's own WeightsMapper) leaves; the draft
+    (Glm5NextMTP) shares that list and builds model.layers.3.*, so a stored draft entry never reaches it."""
+    whl = engine_wheel(rules, release)
+    engine = _quark_engine(rules, whl)
+    utils = load(whl, "vllm/model_executor/models/utils.py", ["WeightsMapper", "ShardIds", "ShardId"],
+                 {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
+    mapper = utils["WeightsMapper"](**mapper_literal(whl, "vllm/model_executor/models/glm4_1v.py",
+                                                     "Glm4vForConditionalGeneration", "hf_to_vllm_mapper"))
+    packed = class_constant(class_def(whl, MAIN["vllm"], CLASS), "packed_modules_mapping")
+    fused = {k: list(v) for k, v in packed.items()}
+    rng = random.Random(f"glm5_next vllm{release}")
+    seen = 0
+    for _ in range(150):
+        listed = rng.sample(VLLM_STORED, rng.randint(0, len(VLLM_STORED)))
+        ours = Exclude(exclude_entries({"exclude": listed}, rules, "quark"))
+        assert draft_exclude(ours.entries, rules, FAMILY, LAYERS, "quark", raw=listed) == (ours.entries, False)
+        theirs_list = mapper.get_rename_mapper().apply_list(listed)
+        for name in VLLM_MODULES:
+            moe = name.endswith(".experts")
+            theirs = _outcome(engine, name, theirs_list, fused, moe)
+            assert _outcome(excluded, name, ours, rules, "quark", moe) == theirs, (release, name, listed)
+            seen += theirs is True
+    assert seen > 50
 
 
 @pytest.mark.parametrize("engine", ENGINES)
