@@ -20,6 +20,7 @@ from quant.layout import FAMILIES_ENV, UnknownFamilyError, families_listing, loa
 from quant.outputs import check_destination
 from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import load_recipe, with_overrides
+from quant.release_check import parse_serve
 from quant.safe_files import refuse_link
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -44,6 +45,7 @@ examples:
   quantize --to mxfp4 --example /tmp/qg            # the trained tiny GLM-5-layout example, converted
   quantize --to mxfp4 /ckpt/GLM-5-bf16 /ckpt/GLM-5-mxfp4 --dry-run
   quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json
+  quantize --to mxfp4 SRC DST --serve sglang==0.5.23 --serve vllm==0.33.0   # refuse what those would not load
   quantize --to mxfp4 SRC DST --resume             # finish an interrupted run
   quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation"""
 
@@ -95,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W4A16 config (no input_tensors spec); sglang's quark loader needs W4A4, vLLM loads it")
     p.add_argument("--scale-rule", choices=[r.value for r in ScaleRule],
                    help="MXFP4 block-scale rule: even (Quark default), floor (OCP), ceil")
+    p.add_argument("--serve", action="append", default=[], metavar="ENGINE==X",
+                   help="the engine release the output is served by (repeatable: sglang==0.5.23, vllm==0.33.0): the "
+                        "plan refuses (exit 2, nothing written) what it would not load on the default serving setup "
+                        "(MI355X, TP 8), and a release not in the window or not read for the family. Without it, "
+                        "every release read is replayed: what the newest release of an engine would not load is "
+                        "refused, older releases that fail are named in a warning with the ways out")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (what is quantized, kept, aliased; bytes in/out) from headers only")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -163,6 +171,12 @@ def _human_plan(plan: Plan) -> str:
     lines += [f"  alias {a}" for a in s["draft_aliases"][:8]]
     if len(s["draft_aliases"]) > 8:
         lines.append(f"  ... {len(s['draft_aliases']) - 8} more (--json lists all)")
+    for engine, states in s["releases"].items():
+        said = [f"{what} {', '.join(states[key])}" for key, what in (("loads", "loads"), ("fails", "fails"),
+                                                                     ("not_read", "not read")) if states[key]]
+        served = f" (served: {', '.join(states['serve'])})" if states["serve"] else ""
+        lines.append(f"{'releases' if engine == next(iter(s['releases'])) else '':<12}{engine}{served}: "
+                     + "; ".join(said))
     lines += [f"warning     {w}" for w in s["warnings"]]
     return "\n".join(lines)
 
@@ -178,6 +192,9 @@ def _human_done(manifest: dict, dst: Path) -> str:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    serve = tuple(dict.fromkeys(parse_serve(spec) for spec in args.serve))
+    if serve and args.to == "bf16":
+        raise PlanError("--serve checks a quantized output; --to bf16 decodes to plain bf16, which every release loads")
     if args.example:
         if args.to == "bf16":
             raise PlanError("--example converts bf16 to a quantized format; run --to bf16 on its output afterwards")
@@ -209,7 +226,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         recipe = with_overrides(load_recipe(args.recipe, args.to, family), shared_experts=args.shared_experts,
                                 mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                                 scale_rule=args.scale_rule)
-        plan = make_plan(args.src, recipe, family)
+        plan = make_plan(args.src, recipe, family, serve)
     if args.dry_run:
         print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
         return EXIT_OK

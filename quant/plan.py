@@ -19,7 +19,6 @@ from quant.checkpoint import TOKENIZER_FIX, Checkpoint, config_int, tokenizer_pr
 from quant.engines import Module, ReplayContext, draft_name, replay, select
 from quant.engines.config import layer_findings
 from quant.engines.fusion import fusing_gpus
-from quant.engines.replay import release_spans
 from quant.errors import QuantgateError
 from quant.formats.codecs import Codec, get_codec
 from quant.fused import Piece, pieces
@@ -27,6 +26,8 @@ from quant.layout import Family, FusedTensor, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
+from quant.release_check import check_serve, failing_newest, named, outcomes, release_warnings
+from quant.release_check import summary as release_summary
 from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import NamingError, build_exclude
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -105,6 +106,7 @@ class Plan:
     recipe: Recipe | None = None
     num_hidden_layers: int = 0
     exclude: tuple[str, ...] = ()
+    releases: dict | None = None  # per engine: the release ranges that load the output, fail, are not read
 
     @property
     def decodes(self) -> bool:
@@ -172,6 +174,7 @@ class Plan:
             "exclude_count": len(self.exclude),
             "exclude": list(self.exclude),
             "draft_aliases": aliases,
+            "releases": self.releases,
             "aux_files": list(self.aux_files),
             "warnings": list(self.warnings),
         }
@@ -285,7 +288,10 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
     return TensorPlan(info, ENCODE, fmt.outputs(info.name, info.shape), role.role, role.linear, role.mtp)
 
 
-def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None) -> Plan:
+def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None,
+              serve: tuple[tuple[str, str], ...] = ()) -> Plan:
+    """The plan for converting ``source`` by ``recipe``; ``serve``: the (engine, release) pairs the output
+    is for (``quantize --serve``), refused where one of them would not load it."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     source_dir, config = checkpoint.folder, checkpoint.config
     family = family or family_for(config)
@@ -322,8 +328,8 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     exclude = () if writes_blocks else build_exclude(kept, quantized, num_hidden_layers, family)
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
-    fusion = _check_engines_load(plan)
-    return replace(plan, warnings=plan.warnings + tuple(fusion)) if fusion else plan
+    more, releases = _check_engines_load(plan, serve)
+    return replace(plan, warnings=plan.warnings + tuple(more), releases=releases)
 
 
 def check_structure(checkpoint: Checkpoint, family: Family, declared) -> None:
@@ -374,38 +380,48 @@ def _check_native_rules(plan: Plan) -> None:
                             "write per_expert, or read the class's MXFP4 loader and add the rule")
 
 
-def _check_engines_load(plan: Plan) -> list[str]:
-    """Replay every known engine release on the planned checkpoint (served on the default setup,
-    MI355X with TP); refuse what one would not load. Shared-expert fusion is a serving choice, not
-    a checkpoint defect: the releases that fuse are named in a warning, with the ways out."""
+def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple[list[str], dict]:
+    """Replay every engine release answered for on the planned checkpoint (served on the default setup,
+    MI355X with TP; ``quant.release_check``): refuse what the newest release of an engine, or a
+    ``serve`` release, would not load; warn naming the older releases that fail. Shared-expert fusion
+    is a serving choice, not a checkpoint defect: the releases that fuse are named in a warning, with
+    the ways out. Returns the warnings and the per-engine release ranges."""
     modules = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors
                for module, shape in t.linear_modules()}
+    without_draft = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors if not t.mtp
+                     for module, shape in t.linear_modules()}
     kind = "mxfp4" if plan.writes_blocks else "fp8" if plan.recipe.format == "fp8" else "quark"
     if kind == "mxfp4":
         _check_native_rules(plan)
     qconfig = plan.quantization_config()
-    findings = [f for rules in select("all", plan.family) for f in replay(ReplayContext(
-        rules, modules, qconfig, plan.family.name, plan.num_hidden_layers, kind, plan.recipe.format.upper(),
-        plan.family.text_config(plan.config)))]
-    fusion = [f for f in findings if f.check == "fusion"]
-    findings = [f for f in findings if f.check != "fusion"]
+    text = plan.family.text_config(plan.config)
+
+    def replayed(rules, with_draft: bool):
+        return replay(ReplayContext(rules, modules if with_draft else without_draft, qconfig, plan.family.name,
+                                    plan.num_hidden_layers, kind, plan.recipe.format.upper(), text))
+
+    results = outcomes(plan.family, replayed)
+    check_serve(results, plan.family, serve)
+    refused = [] if serve else failing_newest(results)
+    if refused:
+        listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in refused[:5])
+        raise NamingError(f"this recipe gives a checkpoint that {len(refused)} engine check(s) of the newest "
+                          f"releases read refuse: {listed}. Change the recipe (quantize whole fused modules and whole "
+                          "expert layers), or name the older release you serve with --serve ENGINE==X")
     moe_present = {plan.family.layer_index(t.source.name) for t in plan.tensors if t.role == "routed_expert" and not t.mtp}
-    layers = [f for rules in select("all", plan.family)
-              for f in layer_findings(rules, plan.family.text_config(plan.config), moe_present - {None})]
-    if findings:
-        listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in findings[:5])
-        raise NamingError(f"this recipe gives a checkpoint that {len(findings)} engine check(s) refuse: {listed}. "
-                          "Change the recipe (quantize whole fused modules and whole expert layers).")
-    warnings = [f"{f.engine}: {f.why}; {f.fix}" for f in layers]
-    if not fusion:
-        return warnings
-    fusing = [r for r in select("sglang", plan.family) if any(f.engine == r.id for f in fusion)]
-    releases = release_spans(fusing, plan.family)
-    gpus = "; ".join(dict.fromkeys(fusing_gpus(r) for r in fusing))  # each class's own rule, not DeepSeek-V2's
+    layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, text, moe_present - {None})]
+    warnings = [f"{f.engine}: {f.why}; {f.fix}" for f in layers] + release_warnings(results, plan.family)
+    releases = release_summary(results, plan.family, serve)
+    fusing = [o for o in results if o.fusion]
+    if not fusing:
+        return warnings, releases
+    first = fusing[0].fusion[0]
+    gpus = "; ".join(dict.fromkeys(fusing_gpus(o.rules) for o in fusing))  # each class's own rule, not DeepSeek-V2's
+    spans = named("sglang", [v for o in fusing for v in o.releases])
     return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) "
-                        f"{releases} fold the shared expert into the routed experts' FusedMoE, and this recipe "
-                        f"stores them in different dtypes, so these releases fail to load it ({fusion[0].module}). "
-                        f"Ways out: {fusion[0].fix}. gate checkpoint lists each release and GPU")]
+                        f"{spans} fold the shared expert into the routed experts' FusedMoE, and this recipe "
+                        f"stores them in different dtypes, so these releases fail to load it ({first.module}). "
+                        f"Ways out: {first.fix}. gate checkpoint lists each release and GPU")], releases
 
 
 __all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan"]

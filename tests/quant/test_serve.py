@@ -1,0 +1,155 @@
+"""quantize's output loads where the user serves it: the plan replays every engine release read for
+the family on the planned checkpoint, names the releases that fail as ranges of the release window
+with the ways out, and ``--serve ENGINE==X`` refuses (exit 2, nothing written) what X would not load.
+
+The fusion cases need 256 routed experts and one shared expert (sglang's shared-expert fusion), so
+their sources are headers over holes at tiny widths (as tests/quant/test_fusion.py builds them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from quant.example import tiny_config
+from quant.layout import family_named
+from quant.plan import make_plan
+from quant.recipe import load_recipe, with_overrides
+from quant.release_check import ServeError, not_answered, parse_serve, release_ranges
+from tests.conftest import quantize_cmd, write_sparse_checkpoint
+
+GLM = family_named("glm_moe_dsa")
+
+
+@pytest.fixture(scope="module")
+def glm256(tmp_path_factory):
+    """GLM-5 layout with 256 routed experts: layer 0 dense, layer 1 MoE, MTP layer 2."""
+    src = tmp_path_factory.mktemp("serve") / "bf16"
+    write_sparse_checkpoint(src, tiny_config("glm_moe_dsa", num_hidden_layers=2, n_routed_experts=256), shards=2)
+    (src / "tokenizer.json").write_text("{}")
+    return src
+
+
+def quantize(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(quantize_cmd(*args), capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_release_ranges_follow_the_window():
+    """Consecutive releases of the window, .postN included, are one range; a gap splits it."""
+    assert release_ranges("sglang", ["0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16",
+                                     "0.5.17"]) == ["0.5.13-0.5.17"]
+    assert release_ranges("sglang", ["0.5.9", "0.5.10", "0.5.12", "0.5.23"]) == ["0.5.9-0.5.10", "0.5.12", "0.5.23"]
+    assert release_ranges("vllm", ["0.34.0", "0.33.0"]) == ["0.33.0-0.34.0"]
+
+
+def test_the_default_plan_names_the_releases_that_fail(glm256):
+    """The bf16 shared expert of the default recipe is fused into the MXFP4 experts by sglang
+    0.5.9-0.5.17 (every .post between them too): named as that range, with the releases that load,
+    and the releases not read for the family named as unknown rather than counted as loading."""
+    plan = make_plan(glm256, load_recipe())
+    sglang = plan.summary()["releases"]["sglang"]
+    assert (sglang["loads"], sglang["fails"]) == (["0.5.18-0.5.23"], ["0.5.9-0.5.17"])
+    warning = next(w for w in plan.warnings if w.startswith("shared-expert fusion"))
+    assert "sglang 0.5.9-0.5.17 fold the shared expert" in warning
+    vllm_unread = not_answered("vllm", GLM)
+    assert plan.summary()["releases"]["vllm"]["not_read"] == release_ranges("vllm", vllm_unread)
+    unread = [w for w in plan.warnings if w.startswith("not read for family glm_moe_dsa")]
+    assert bool(unread) == bool(vllm_unread or not_answered("sglang", GLM))
+    if vllm_unread:
+        assert f"vllm {', '.join(release_ranges('vllm', vllm_unread))}" in unread[0]
+
+
+def test_the_shared_expert_quantized_loads_in_every_release(glm256):
+    plan = make_plan(glm256, with_overrides(load_recipe(), shared_experts="mxfp4"))
+    assert plan.summary()["releases"]["sglang"]["fails"] == []
+    assert not any("would not load" in w or w.startswith("shared-expert fusion") for w in plan.warnings)
+
+
+def test_serve_refuses_a_release_that_would_not_load_and_writes_nothing(glm256, tmp_path):
+    """A real process: --serve sglang==0.5.17 (and the .post of a failing release) is one line, exit 2,
+    naming the release, the module and the ways out, and DST is not created."""
+    for release in ("0.5.17", "0.5.13.post1"):
+        done = quantize(glm256, tmp_path / "out", "--serve", f"sglang=={release}")
+        assert done.returncode == 2, done.stderr
+        line, = done.stderr.strip().splitlines()
+        assert line.startswith(f"quantize: error: --serve sglang=={release}: sglang {release} would not load this "
+                               "output: model.layers.1.mlp.experts: sglang fuses the main model's shared expert")
+        assert "Ways out: serve sglang 0.5.18-0.5.23; start sglang with --disable-shared-experts-fusion, or store " \
+               "each MoE layer's shared and routed experts in one dtype (--shared-experts, --mtp-experts)" in line
+        assert not (tmp_path / "out").exists()
+
+
+def test_serve_passes_a_release_that_loads(glm256, tmp_path):
+    done = quantize(glm256, tmp_path / "out", "--serve", "sglang==0.5.18", "--serve", "sglang==0.5.23",
+                    "--dry-run", "--json")
+    assert done.returncode == 0, done.stderr
+    releases = json.loads(done.stdout)["releases"]
+    assert releases["sglang"]["serve"] == ["0.5.18", "0.5.23"] and releases["sglang"]["fails"] == ["0.5.9-0.5.17"]
+    done = quantize(glm256, tmp_path / "out", "--serve", "sglang==0.5.18", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "releases    sglang (served: 0.5.18): loads 0.5.18-0.5.23; fails 0.5.9-0.5.17" in done.stdout
+
+
+def test_serve_names_serving_without_the_draft_where_only_the_draft_fails(glm256):
+    """The draft's routed experts bf16 beside an MXFP4 shared expert: sglang 0.5.22-0.5.23 fuse the
+    draft's shared expert (its class's fused_shared_experts_architecture), the main model loads; serving
+    without the MTP draft is a way out, and 0.5.16-0.5.21 load it."""
+    recipe = with_overrides(load_recipe(), shared_experts="mxfp4", mtp_experts="bf16")
+    with pytest.raises(ServeError) as refused:
+        make_plan(glm256, recipe, serve=(("sglang", "0.5.23"),))
+    message = str(refused.value)
+    assert message.startswith("--serve sglang==0.5.23: sglang 0.5.23 would not load this output: "
+                              "model.decoder.mlp.experts: sglang fuses the MTP draft's shared expert")
+    assert "Ways out: serve sglang 0.5.16-0.5.21; serve without the MTP draft (no speculative decoding: only the " \
+           "draft's modules fail); start sglang with --disable-shared-experts-fusion, or store the MTP draft's " \
+           "shared and routed experts" in message
+    assert make_plan(glm256, recipe, serve=(("sglang", "0.5.21"),)).summary()["releases"]["sglang"]["serve"] == \
+        ["0.5.21"]
+
+
+def test_the_newest_release_failing_is_still_refused(glm256):
+    """What the newest release read would not load is the recipe's fault (no newer release serves it)."""
+    from quant.recipe import Recipe, Rule
+    from quant.serving import NamingError
+
+    recipe = Recipe("indexer", "mxfp4", load_recipe().scale_rule, False, (Rule("indexer", "quantize"),))
+    with pytest.raises(NamingError, match="of the newest releases read refuse: sglang 0.5.22..0.5.23: .*builds "
+                                          "weights_proj unquantized"):
+        make_plan(glm256, recipe)
+    with pytest.raises(ServeError, match=r"^--serve sglang==0\.5\.20: sglang 0\.5\.20 would not load this output"):
+        make_plan(glm256, recipe, serve=(("sglang", "0.5.20"),))
+
+
+@pytest.mark.parametrize("spec,said", [
+    ("sglang==0.5.99", "--serve sglang==0.5.99: sglang 0.5.99 is not a registry release in the window quantgate "
+                       "reads (sglang 0.5.9 to "),
+    ("tgi==1.0", "--serve tgi==1.0: unknown engine 'tgi'; name one of sglang, vllm"),
+    ("vllm", "--serve vllm: name the release you serve, e.g. --serve vllm=="),
+    ("sglang==abc", "--serve sglang==abc: 'abc' is not a version"),
+    ("sglang==0.5.8", "--serve sglang==0.5.8: sglang 0.5.8 is not a registry release in the window"),
+])
+def test_bad_serve_is_one_line(spec, said, glm256, tmp_path):
+    with pytest.raises(ServeError) as refused:
+        parse_serve(spec)
+    assert str(refused.value).startswith(said)
+    done = quantize(glm256, tmp_path / "out", "--serve", spec)
+    assert done.returncode == 2 and done.stderr.startswith(f"quantize: error: {said}"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_serve_refuses_a_release_not_read_for_the_family(glm256, tmp_path):
+    unread = [(engine, release) for engine in ("vllm", "sglang") for release in not_answered(engine, GLM)]
+    if not unread:
+        pytest.skip("every release of the window is read for glm_moe_dsa's classes")
+    engine, release = unread[0]
+    done = quantize(glm256, tmp_path / "out", "--serve", f"{engine}=={release}")
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert done.stderr.startswith(f"quantize: error: --serve {engine}=={release}: {engine} {release} has not been "
+                                  "read for family glm_moe_dsa"), done.stderr
+
+
+def test_serve_with_a_decode_is_refused(glm256, tmp_path):
+    done = quantize(glm256, tmp_path / "out", "--serve", "sglang==0.5.23", "--to", "bf16")
+    assert done.returncode == 2 and "--serve checks a quantized output" in done.stderr
