@@ -467,6 +467,12 @@ MUTATIONS = [
     data("vllm.glm5_next", "0.33.0", "exclude_mapper", ["prefix", "model.visual."], "model.visual.",
          "glm5 vLLM vision not renamed"),
     top("sglang.glm5_next", ("checked",), ["0.5.21", "0.5.22", "0.5.23"], "glm5 0.5.20 not read"),
+    data("sglang.glm5_next", "0.5.21", "shared_experts_fusion", ["min_capability"], {"cuda": [8, 0], "rocm": [9, 5]},
+         "glm5 fuses on ROCm gfx950"),
+    data("sglang.glm5_next", "0.5.20", "shared_experts_fusion", ["ep_min_capability"], {"cuda": [8, 0]},
+         "glm5 fuses under expert parallelism"),
+    data("sglang.glm5_next", "0.5.22", "shared_experts_fusion", ["min_capability", "cuda"], [9, 0],
+         "glm5 fuses from sm90 only"),
 ]
 
 

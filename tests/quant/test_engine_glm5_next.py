@@ -27,6 +27,7 @@ import pytest
 from packaging.version import Version
 
 from quant.engines import ENGINES, rule_sets
+from quant.engines.fusion import no_fusion_reason
 from quant.engines.match import Exclude
 from quant.engines.replay import (
     class_name,
@@ -38,6 +39,7 @@ from quant.engines.replay import (
     nextn_mapper,
 )
 from quant.engines.rules import releases_read, window
+from quant.engines.serving import serving
 from tests.quant.engine_sources import class_constant, class_def, load, methods, sglang_quark_loader_additions
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel, wheel
@@ -207,6 +209,31 @@ def test_quark_decisions_equal_the_engines(rules, release):
                 assert _outcome(excluded, name, ours, rules, "quark", moe) == theirs, (release, name, listed)
                 seen += theirs is True
     assert seen > 100
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_shared_expert_fusion_decisions_are_the_wheels(rules, release):
+    """The class's own shared_experts_fusion_disable_reason (hardware and parallel state stubbed) on the tiny
+    config: fused on CUDA sm80+ without expert parallelism whatever the exclude list says, never on ROCm at
+    this geometry (0.5.20: ROCm never; later: only at the release's E=288 / top-8 geometry, not replayed)."""
+    whl = engine_wheel(rules, release)
+    text = {"n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
+            "moe_intermediate_size": 32, "num_hidden_layers": LAYERS, "first_k_dense_replace": 1,
+            "model_type": "glm5_next_text", "hidden_act": "silu", "swiglu_limit": 10.0}
+    hf_config = types.SimpleNamespace(text_config=types.SimpleNamespace(**text))
+    quark = types.SimpleNamespace(get_name=lambda: "quark", can_fuse_shared_expert=lambda: False)
+    off = types.SimpleNamespace(is_deepep=lambda: False, is_none=lambda: True)
+    for platform, sm, ep in (("cuda", 90, 1), ("cuda", 80, 1), ("cuda", 75, 1), ("cuda", 90, 8), ("rocm", 0, 1)):
+        parallel = types.SimpleNamespace(moe_ep_size=ep, tp_size=8, moe_tp_size=8)
+        stubs = {"_is_cuda": platform == "cuda", "_device_sm": sm, "_use_aiter_gfx95": platform == "rocm",
+                 "get_parallel": lambda p=parallel: p, "get_moe_a2a_backend": lambda: off,
+                 "is_layer_skipped": lambda *a, **k: False}
+        decide = methods(whl, MAIN["sglang"], CLASS, ["shared_experts_fusion_disable_reason",
+                                                      "_quark_mxfp4_shared_fusion_disable_reason"], stubs)["cls"]
+        theirs = decide.shared_experts_fusion_disable_reason(hf_config, quark)
+        setup = serving(platform, tp=8, ep=ep, gpu_arch={90: "sm90", 80: "sm80", 75: "sm75", 0: "gfx950"}[sm])
+        ours = no_fusion_reason(rules, FAMILY, text, "quark", [], setup, draft=False)
+        assert (ours is None) == (theirs is None), (release, platform, sm, ep, ours, theirs)
 
 
 VLLM = [c for c in CASES if c[0].engine == "vllm"]
