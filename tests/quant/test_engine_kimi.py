@@ -18,7 +18,7 @@ from packaging.version import Version
 from quant.engines import ENGINES, rule_sets
 from quant.engines.replay import class_name
 from quant.engines.rules import releases_read
-from tests.quant.engine_sources import class_constant, class_def, method_def
+from tests.quant.engine_sources import class_constant, class_def, method_def, sglang_quark_loader_additions
 from tests.quant.test_engine_sources import engine_wheel, quark_disagreements, _quark_engine
 
 KIMI = {"sglang": "sglang/srt/models/kimi_k25.py", "vllm": "vllm/model_executor/models/kimi_k25.py"}
@@ -26,21 +26,25 @@ DEEPSEEK = {"sglang": "sglang/srt/models/deepseek_v2.py", "vllm": "vllm/model_ex
 CASES = [(r, v) for e in ENGINES for r in rule_sets(e, "kimi_k25")
          for v in sorted(releases_read(e, "kimi_k25"), key=Version) if r.covers(releases_read(e, "kimi_k25")[v])]
 IDS = [f"{r.engine} {v}" for r, v in CASES]
+SGLANG = [c for c in CASES if c[0].engine == "sglang"]
 
 
 def effective_mapping(whl, engine: str) -> dict[str, list[str]]:
     """The packed_modules_mapping the quant config holds once the text model is built: the Kimi class
     has none; DeepseekV2ForCausalLM's class literal plus its __init__ additions (q_lora_rank), which
-    sglang's update_packed_modules_mapping assigns over the loader's dict (never merged)."""
+    sglang's update_packed_modules_mapping assigns over the loader's dict (never merged). Before
+    sglang has that hook (0.5.13) the quant config keeps the loader's dict: the Kimi class's fresh one
+    plus the loader's Quark additions (the text model writes its additions into its own class dict)."""
     kimi = class_def(whl, KIMI[engine], "KimiK25ForConditionalGeneration")
     assert class_constant(kimi, "packed_modules_mapping") is None
     cls = class_def(whl, DEEPSEEK[engine], "DeepseekV2ForCausalLM")
     init = method_def(cls, "__init__")
     if engine == "sglang":
+        if "quant_config.update_packed_modules_mapping(self.packed_modules_mapping)" not in ast.unparse(init):
+            return {k: list(v) for k, v in sglang_quark_loader_additions(whl).items()}
         base = class_def(whl, "sglang/srt/layers/quantization/base_config.py", "QuantizationConfig")
         assert ast.unparse(method_def(base, "update_packed_modules_mapping").body[-1]) == \
             "self.packed_modules_mapping = mapping"
-        assert "quant_config.update_packed_modules_mapping(self.packed_modules_mapping)" in ast.unparse(init)
     mapping = dict(class_constant(cls, "packed_modules_mapping") or {})
     for stmt in ast.walk(init):
         if isinstance(stmt, ast.If) and "use_mha" not in ast.unparse(stmt.test):
@@ -49,6 +53,18 @@ def effective_mapping(whl, engine: str) -> dict[str, list[str]]:
                 if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "self.packed_modules_mapping":
                     mapping[ast.literal_eval(target.slice)] = ast.literal_eval(inner.value)
     return {k: list(v) for k, v in mapping.items()}
+
+
+def quark_text_prefix(whl) -> str:
+    """The prefix sglang's Kimi class builds its DeepSeek text model with under a Quark config, read
+    from __init__: none before 0.5.11 (or one chosen for ModelSlim only), 'language_model' once the
+    condition names QuarkConfig."""
+    init = method_def(class_def(whl, KIMI["sglang"], "KimiK25ForConditionalGeneration"), "__init__")
+    call = next(n for n in ast.walk(init) if isinstance(n, ast.Call) and ast.unparse(n.func) == "DeepseekV3ForCausalLM")
+    prefix = next((k.value for k in call.keywords if k.arg == "prefix"), None)
+    if prefix is None:
+        return ""
+    return "language_model" if "QuarkConfig" in ast.unparse(prefix) else ""
 
 
 def vllm_prefix_mapper(whl) -> dict[str, str]:
@@ -64,6 +80,14 @@ def _mapped(entries: list[str], prefixes: dict[str, str]) -> list[str]:
         old = next((p for p in prefixes if e.startswith(p)), None)
         out.append(prefixes[old] + e[len(old):] if old else e)
     return out
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_text_model_prefix_is_the_wheels(rules, release):
+    """sglang 0.5.9 and 0.5.10 build the text model without the language_model prefix under Quark, so
+    the exclude list's language_model.model.layers.* entries match nothing there (module_names)."""
+    prefix = quark_text_prefix(engine_wheel(rules, release))
+    assert (rules.values.get("module_names") or {}) == ({} if prefix else {"^language_model.": ""})
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
@@ -94,15 +118,17 @@ def test_quark_exclude_decisions_equal_the_engines(rules, release):
     engine = _quark_engine(rules, whl)
     fused = effective_mapping(whl, rules.engine)
     prefixes = vllm_prefix_mapper(whl) if rules.engine == "vllm" else {}
-    modules = [p + m for p in POOL_LAYERS for m in LEAVES] + VISION + \
+    # the names the class asks its quant config for (module_names: no language_model. before 0.5.11)
+    modules = [class_name(p + m, rules) for p in POOL_LAYERS for m in LEAVES] + VISION + \
         [class_name(m, rules) for m in ("mm_projector.proj.0", "mm_projector.proj.2")]
     entries = [p + m for p in POOL_LAYERS for m in LEAVES + SHARDS] + VISION + \
         ["mm_projector.proj.0", "mm_projector.proj.2", "re:.*shared_experts.*", "re:.*vision_tower.*", "lm_head"]
     rng = random.Random(f"kimi{rules.id}{release}")
-    # the engine sees its mapper's names; the writer lists both (quant/serving.py)
+    # the writer lists both names (quant/serving.py); vLLM sees its mapper's names, sglang the list as written
+    written = lambda exclude: exclude + [class_name(e, rules) for e in exclude]  # noqa: E731
     disagree, seen = quark_disagreements(engine, rules, fused, modules, entries, rng, draws=200, most=20, names=5,
-                                         ours=lambda exclude: exclude + [class_name(e, rules) for e in exclude],
-                                         theirs=lambda exclude: _mapped(exclude, prefixes))
+                                         ours=written, theirs=lambda exclude: _mapped(exclude, prefixes)
+                                         if rules.engine == "vllm" else written(exclude))
     assert not disagree, disagree[:3]
     assert seen > 30
 
@@ -113,7 +139,8 @@ def _built_with(whl, engine: str, attr: str) -> str:
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == f"self.{attr}" and \
                 isinstance(node.value, ast.Call):
-            return ast.unparse(next(k.value for k in node.value.keywords if k.arg == "quant_config"))
+            given = next((k.value for k in node.value.keywords if k.arg == "quant_config"), None)
+            return "None" if given is None else ast.unparse(given)  # sglang <= 0.5.9 passes none
     raise AssertionError(f"{attr} not built in __init__")
 
 
@@ -124,7 +151,7 @@ def test_vision_tower_gets_the_quant_config_as_the_wheel_builds_it(rules, releas
     whl = engine_wheel(rules, release)
     vision = _built_with(whl, rules.engine, "vision_tower")
     if rules.engine == "sglang":
-        never = vision == "quant_config if isinstance(quant_config, ModelSlimConfig) else None"
+        never = vision in ("quant_config if isinstance(quant_config, ModelSlimConfig) else None", "None")
         projector = class_def(whl, KIMI["sglang"], "K2VLMultiModalProjector")
         assert "quant_config" not in ast.unparse(method_def(projector, "__init__")).split("ReplicatedLinear", 1)[1]
     else:
@@ -134,9 +161,6 @@ def test_vision_tower_gets_the_quant_config_as_the_wheel_builds_it(rules, releas
             _built_with(whl, "vllm", "mm_projector") != vision
     assert never == ({"vision", "projector"} <= set(rules["unquantized_roles"]))
     assert ("vision" in rules["unquantized_roles"]) == ("projector" in rules["unquantized_roles"])
-
-
-SGLANG = [c for c in CASES if c[0].engine == "sglang"]
 
 
 @pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
@@ -150,8 +174,12 @@ def test_shared_expert_fusion_is_deepseek_v3s_on_the_text_config(rules, release)
 
     whl = engine_wheel(rules, release)
     kimi = class_def(whl, KIMI["sglang"], "KimiK25ForConditionalGeneration")
-    delegated = ast.unparse(method_def(kimi, "shared_experts_fusion_disable_reason"))
-    assert "DeepseekV3ForCausalLM.shared_experts_fusion_disable_reason(" in delegated and "text_config" in delegated
+    gate = method_def(kimi, "shared_experts_fusion_disable_reason")
+    if gate is None:  # <= 0.5.17: the text model (DeepseekV3ForCausalLM) decides in its own __init__
+        assert Version(release) < Version("0.5.18") and "DeepseekV3ForCausalLM(" in ast.unparse(kimi)
+    else:
+        delegated = ast.unparse(gate)
+        assert "DeepseekV3ForCausalLM.shared_experts_fusion_disable_reason(" in delegated and "text_config" in delegated
     engine = deepseek_fusion(whl, "deepseek_v3", False)
     pool = [f"language_model.model.layers.{n}.mlp.shared_experts.{p}" for n in (1, 3) for p in ("gate_proj", "gate_up_proj")] \
         + ["re:.*shared_experts.*", "vision_tower.encoder.blocks.0.wqkv", "language_model.model.layers.3.mlp.experts",
@@ -196,7 +224,9 @@ def test_the_text_model_is_deepseeks_with_its_rules(rules, release):
 
 
 def test_every_required_release_is_read_and_has_one_rule_set():
-    for engine, required in {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}.items():
+    from quant.engines.rules import window
+
+    for engine, required in {"sglang": list(window("sglang")), "vllm": ["0.33.0"]}.items():
         read = releases_read(engine, "kimi_k25")
         assert set(required) <= set(read), (engine, sorted(read))
         for release in required:
