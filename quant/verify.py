@@ -18,13 +18,14 @@ from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, 
 from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay, select
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.fusion import main_model_fusion
-from quant.engines.replay import exclude_entries, loads_under
+from quant.engines.replay import exclude_entries, is_draft, loads_under
 from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
 from quant.quark_config import config_kind
+from quant.release_results import REPLAYED, ReleaseResult, moe_shape, ranges, targets
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -49,6 +50,13 @@ class Report:
     # sglang rule set id -> whether it folds the main model's shared expert into the routed FusedMoE, and why
     fusion: dict[str, dict] = field(default_factory=dict)
 
+    releases: list[ReleaseResult] = field(default_factory=list)  # every release asked for, oldest first per engine
+    # the MTP draft's findings (what the same release does not find without the draft): among ``findings``
+    # when served with the draft (serving.speculative), apart otherwise
+    draft_findings: list[Finding] = field(default_factory=list)
+    moe: dict[str, dict] = field(default_factory=dict)  # rule set id -> the MoE shape it runs (release_results)
+    has_draft: bool = False  # the checkpoint holds MTP layers (a speculative draft)
+
     @property
     def ok(self) -> bool:
         return not self.findings
@@ -56,14 +64,54 @@ class Report:
     def for_engine(self, engine: str) -> list[Finding]:
         return [f for f in self.findings if f.engine in (None, engine)]
 
+    def replayed(self, engine: str) -> list[ReleaseResult]:
+        return [r for r in self.releases if r.engine == engine and r.state in REPLAYED]
+
+    def not_read(self, engine: str) -> list[ReleaseResult]:
+        return [r for r in self.releases if r.engine == engine and r.state not in REPLAYED]
+
+    def groups(self, engine: str) -> list[tuple[list[ReleaseResult], list[Finding]]]:
+        """The replayed releases of ``engine`` grouped by what their rule sets find (the findings of
+        every release, engine None, apart), in the order first met."""
+        grouped: dict[tuple, tuple[list[ReleaseResult], list[Finding]]] = {}
+        for result in self.replayed(engine):
+            own = [f for f in self.findings if f.engine == result.rules]
+            key = tuple((f.check, f.module, f.why, f.fix) for f in own)
+            grouped.setdefault(key, ([], own))[0].append(result)
+        return list(grouped.values())
+
+    def failing(self) -> list[str]:
+        """Per engine, the release ranges that fail ('sglang 0.5.13-0.5.17')."""
+        out = []
+        for engine in dict.fromkeys(r.engine for r in self.releases):
+            bad = [r.release for results, found in self.groups(engine) if found for r in results]
+            out += [f"{engine} {ranges(bad, engine)}"] if bad else []
+        return out
+
+    @property
+    def verdict(self) -> str:
+        if not self.ok:
+            every = any(f.engine is None for f in self.findings)
+            return "would NOT load correctly" + ("" if every else f" ({'; '.join(self.failing())})")
+        unread = [f"{e} {ranges([r.release for r in rs], e)} ({', '.join(dict.fromkeys(r.state for r in rs))})"
+                  for e in dict.fromkeys(r.engine for r in self.releases) if (rs := self.not_read(e))]
+        if unread:  # a release not replayed is not vouched for
+            return f"loads correctly in every release read; not read: {'; '.join(unread)}"
+        return "loads correctly"
+
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "ok": self.ok, "modules_checked": self.modules_checked,
-                "modules_quantized": self.modules_quantized,
+        return {"checkpoint": self.checkpoint, "ok": self.ok, "verdict": self.verdict,
+                "modules_checked": self.modules_checked, "modules_quantized": self.modules_quantized,
                 "serving": asdict(self.serving),
                 "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
+                                "draft_findings": [asdict(f) for f in self.draft_findings if f.engine == e],
                                 "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])],
-                                **({"shared_expert_fusion": self.fusion[e]} if e in self.fusion else {})}
-                            for e in self.engines}}
+                                **({"shared_expert_fusion": self.fusion[e]} if e in self.fusion else {}),
+                                **({"moe": self.moe[e]} if e in self.moe else {})}
+                            for e in self.engines},
+                "releases": {engine: [{**asdict(r), "ok": r.rules is not None and not self.for_engine(r.rules)}
+                                      for r in self.releases if r.engine == engine]
+                             for engine in dict.fromkeys(r.engine for r in self.releases)}}
 
 
 def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
@@ -318,9 +366,10 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         num_hidden_layers = config_int(family.text_config(checkpoint.config), family.num_layers_key,
                                        checkpoint.config_path)
         declared = declared_counts(checkpoint, family)  # before anything is sized from config.json's counts
-        rule_sets = select(engine, family)  # the rules read for this family's model classes only
+        asked = targets(engine, family)  # each release asked for, with the rules read for this family's class
     except (CheckpointError, UnknownFamilyError, UnknownEngine) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
+    rule_sets = list({t.rules.id: t.rules for t in asked if t.rules}.values())  # each replayed once
     config = checkpoint.config
     text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
     report = Report(str(folder), [r.id for r in rule_sets], serving=serving)
@@ -373,30 +422,53 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     # the quantization_config as the engines match it; None where they cannot read its exclude list
     usable = None if malformed or (kind == "quark" and exclude is None) else \
         dict(qconfig, exclude=exclude) if kind == "quark" else qconfig or {}
-    for rules in rule_sets:
-        report.findings += model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
-                                          moe_layers, family.mtp_layers_default)
-        report.findings += layer_kind_findings(rules, text, family, roles_by_layer, num_hidden_layers)
+    replayable = kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None)
+
+    def rules_findings(rules, modules: dict[str, Module], mtp_layers: set[int], text: dict):
+        """What one rule set finds for these modules and MTP layers, and the replay's context (None: the
+        modules were not replayed)."""
+        findings = model_findings(rules, text, routers, num_hidden_layers, mtp_layers, family.mtp_layers_key,
+                                  moe_layers, family.mtp_layers_default)
+        findings += layer_kind_findings(rules, text, family, roles_by_layer, num_hidden_layers)
         if kind == "quark":
-            report.findings += quark_findings(rules, qconfig)
+            findings += quark_findings(rules, qconfig)
+        ctx = None
         if kind == "mxfp4" and not rules.values.get("mxfp4_native"):
-            report.findings.append(Finding("config", rules.id, "quantization_config.quant_method",
-                                           f"quant_method mxfp4 (gpt-oss's own MXFP4 layout): {rules.engine}'s "
-                                           f"{rules.model_class} was not read to load it", "convert the bf16 release "
-                                           "with quantize (it writes the Quark layout this class loads)"))
-        elif kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None):
+            findings.append(Finding("config", rules.id, "quantization_config.quant_method",
+                                    f"quant_method mxfp4 (gpt-oss's own MXFP4 layout): {rules.engine}'s "
+                                    f"{rules.model_class} was not read to load it", "convert the bf16 release "
+                                    "with quantize (it writes the Quark layout this class loads)"))
+        elif replayable:
             ctx = ReplayContext(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
                                 text, serving)
-            report.findings += replay(ctx)
-            if rules.engine == "sglang":
-                report.conditions[rules.id] = loads_under(ctx)
+            findings += replay(ctx)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
-            report.findings.append(Finding("config", rules.id, "quantization_config",
-                                           "quantized weights without a Quark or FP8 quantization_config", "re-export"))
+            findings.append(Finding("config", rules.id, "quantization_config",
+                                    "quantized weights without a Quark or FP8 quantization_config", "re-export"))
+        return findings, ctx
+
+    for rules in rule_sets:
+        findings, ctx = rules_findings(rules, modules, mtp_layers, text)
+        draft = {m for m in modules if is_draft(m, rules, num_hidden_layers)}
+        if draft or mtp_layers:  # the draft's findings: what the same release finds without the draft
+            report.has_draft = True
+            main = rules_findings(rules, {m: i for m, i in modules.items() if m not in draft}, set(),
+                                  {**text, family.mtp_layers_key: 0})
+            report.draft_findings += [f for f in findings if f not in set(main[0])]
+            if not serving.speculative:  # served without the draft: the engine never builds it
+                findings, ctx = main
+        report.findings += findings
+        if ctx is not None and rules.engine == "sglang":
+            report.conditions[rules.id] = loads_under(ctx)
+        fused = 0
         if rules.engine == "sglang" and usable is not None:
             entries = exclude_entries(usable, rules, kind, serving) if kind else []
             fused, why = main_model_fusion(rules, family, config, kind, entries, serving)
             report.fusion[rules.id] = {"fused": bool(fused), "why": why}
+        if shape := moe_shape(text, family, fused):
+            report.moe[rules.id] = shape
+    report.releases = [ReleaseResult(t.engine, t.state.release, t.state.state, t.rules.id if t.rules else None,
+                                     t.state.detail) for t in asked]
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
         report.findings += expert_id_findings(checkpoint, family, declared)

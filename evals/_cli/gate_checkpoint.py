@@ -8,6 +8,7 @@ from pathlib import Path
 
 from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
 from quant.engines import serving as setup
+from quant.release_results import ranges, shape_label
 
 HELP = """\
 Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
@@ -26,15 +27,29 @@ checks assume the serving setup below (default: MI355X, ROCm gfx950, TP 8, fusio
 gate release take the same flags) and list, per sglang release, the GPUs and switches under which the
 checkpoint loads.
 
-  gate checkpoint DIR                         every release read, of both engines
-  gate checkpoint DIR --engine sglang         every sglang release read, reported per rule set
+By default every release of the window (manifests/engines/releases.yaml: sglang from 0.5.9, vLLM from
+0.16.0, .postN included) is answered for: per engine the release ranges that fail with their findings,
+the ranges that load, each range's shared-expert fusion and the MoE shape it runs (experts, top-k;
+a perf note where a release does not fuse and the newest does), and the releases not replayed:
+"needs reading" (a source its rules cite changed since the release read) or "not built" (the release
+has no such model class). A release not replayed is never vouched for: the verdict then reads "loads
+correctly in every release read; not read: ...". A pipeline pins the release it serves with --engine
+sglang==X (exit 2 where X is not a registry release of the window, or not read for the family).
+
+A checkpoint with MTP layers is checked with its draft by default (--speculative: as the families'
+published serving commands start the engine); --no-speculative checks the server started without
+it: the draft's findings are then listed apart and do not fail.
+
+  gate checkpoint DIR                         every release of the window, both engines
+  gate checkpoint DIR --engine sglang         every sglang release of the window
   gate checkpoint DIR --engine sglang==0.5.23 that release (a .postN release names the rules it follows)
+  gate checkpoint DIR --no-speculative        served without the MTP draft
   gate checkpoint DIR --platform cuda --gpu-arch sm90 --ep 8
   gate checkpoint DIR --gpu mi300x            ROCm gfx942 (the GPU models: manifests/kernels/gpus.yaml)
   gate checkpoint DIR --disable-shared-experts-fusion
 
-exit codes: 0 loads correctly in every engine asked for; 1 it would not (or would load wrong);
-2 the input is unreadable or not a checkpoint"""
+exit codes: 0 loads correctly in every release replayed; 1 some release would not (or would load wrong);
+2 the input is unreadable or not a checkpoint, or the release asked for is unknown or not read"""
 
 
 def register(sub) -> None:
@@ -54,17 +69,89 @@ def register(sub) -> None:
 def human(report) -> str:
     lines = [f"checkpoint  {report.checkpoint}  ({report.modules_checked} Linear modules checked)",
              f"serving     {report.serving.label()}"]
-    for engine in report.engines:
-        findings = report.for_engine(engine)
-        lines.append(f"\n{engine}: {'OK' if not findings else f'{len(findings)} problem(s)'}")
-        for f in findings:
-            lines += [f"  PROBLEM  [{f.check}] {f.module}", f"           why: {f.why}", f"           fix: {f.fix}"]
-        lines += _conditions(report.conditions.get(engine, []))
+    if report.has_draft:
+        lines.append("draft       " + ("checked with the MTP draft (--speculative, the default: as the families' "
+                                       "published serving commands run it)" if report.serving.speculative else
+                                       "served without the MTP draft (--no-speculative): its findings do not fail"))
+    if every := [f for f in report.findings if f.engine is None]:
+        lines.append(f"\nevery release: {len(every)} problem(s)")
+        lines += _problems(every)
+    for engine in dict.fromkeys(r.engine for r in report.releases):
+        lines.append("")
+        for results, found in report.groups(engine):
+            pinned = len(report.releases) == 1  # one release asked for: named with the rules it follows
+            label = results[0].rules if pinned else f"{engine} {ranges([r.release for r in results], engine)}"
+            lines.append(f"{label}: {'OK' if not found else f'{len(found)} problem(s)'}")
+            lines += _problems(found)
+            lines += _conditions(report.conditions.get(results[0].rules, []))
+        lines += _draft(report, engine) + _not_read(report, engine) + _moe(report, engine)
     if report.modules_quantized == 0 and report.modules_checked:
         lines.append("\nnote: nothing here is quantized (no quantized Linear weight, "
                      "no quantization_config): it loads as a plain checkpoint")
-    lines.append("\nverdict: " + ("loads correctly" if report.ok else "would NOT load correctly"))
+    lines.append("\nverdict: " + report.verdict)
     return "\n".join(lines)
+
+
+def _problems(findings) -> list[str]:
+    lines = []
+    for f in findings:
+        lines += [f"  PROBLEM  [{f.check}] {f.module}", f"           why: {f.why}", f"           fix: {f.fix}"]
+    return lines
+
+
+def _draft(report, engine: str) -> list[str]:
+    """Without the draft, what it would find (with it, its findings are among the problems above)."""
+    if report.serving.speculative:
+        return []
+    apart = {r.rules: [f for f in report.draft_findings if f.engine == r.rules] for r in report.replayed(engine)}
+    bad = [r.release for r in report.replayed(engine) if apart[r.rules]]
+    if not bad:
+        return []
+    shown = next(found for found in apart.values() if found)
+    return [f"  with the MTP draft (--speculative), {engine} {ranges(bad, engine)} would also find: "
+            f"[{shown[0].check}] {shown[0].module}: {shown[0].why}"]
+
+
+def _not_read(report, engine: str) -> list[str]:
+    lines = []
+    for state in dict.fromkeys(r.state for r in report.not_read(engine)):
+        results = [r for r in report.not_read(engine) if r.state == state]
+        details = sorted({r.detail for r in results if r.detail})
+        lines.append(f"{engine} {ranges([r.release for r in results], engine)}: {state}, not replayed"
+                     + (f" ({'; '.join(details)})" if details else ""))
+    carried = [r for r in report.replayed(engine) if r.state == "carried"]
+    if carried:
+        lines.append(f"{engine} {ranges([r.release for r in carried], engine)}: carried over (cited sources "
+                     f"identical to a release read: {'; '.join(sorted({r.detail for r in carried if r.detail}))})")
+    return lines
+
+
+def _moe(report, engine: str) -> list[str]:
+    """Per release, the shared-expert fusion and the MoE shape the engine runs, even where it loads;
+    a note where a release does not fuse and the newest release replayed does (a perf difference)."""
+    replayed = [r for r in report.replayed(engine) if r.rules in report.moe]
+    if not replayed:
+        return []
+    shapes: dict[tuple, list[str]] = {}
+    for r in replayed:
+        fusion = report.fusion.get(r.rules)
+        why = _fusion_words(fusion["why"], r.rules) if fusion else "the shared expert runs apart from the FusedMoE"
+        shapes.setdefault((shape_label(report.moe[r.rules]), why), []).append(r.release)
+    lines = [f"{engine} {ranges(releases, engine)}: MoE {shape} ({why})" for (shape, why), releases in shapes.items()]
+    newest = replayed[-1]
+    top = report.moe[newest.rules]
+    slower = [r for r in replayed if report.moe[r.rules]["fused_shared"] < top["fused_shared"]]
+    if slower:
+        lines.append(f"  perf: {engine} {ranges([r.release for r in slower], engine)}: the shared expert is not fused, "
+                     f"so the MoE runs {shape_label(report.moe[slower[0].rules])} where {engine} {newest.release} runs "
+                     f"{shape_label(top)} (it loads either way; the kernels are tuned per shape: gate kernels "
+                     f"--engine {engine}=={slower[0].release})")
+    return lines
+
+
+def _fusion_words(why: str, rules_id: str) -> str:
+    """The fusion decision without the rule set it came from (the line names the releases)."""
+    return why.replace(f" ({rules_id})", "").replace(f"; {rules_id})", ")")
 
 
 def _conditions(conditions) -> list[str]:

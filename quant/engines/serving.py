@@ -101,6 +101,9 @@ class Serving:
     ep: int = 1
     disable_shared_experts_fusion: bool = False
     gpu: str | None = DEFAULT_GPU  # the GPU model (--gpu), where one is named: aiter keys on its CU count
+    # started with the checkpoint's MTP layers as the speculative draft, as the families' published serving
+    # commands start it; without the draft the engine never builds it, so the draft's findings do not apply
+    speculative: bool = True
 
     @property
     def capability(self) -> tuple[int, int]:
@@ -111,11 +114,12 @@ class Serving:
         parts += [f"pp {self.pp}"] if self.pp > 1 else []
         parts += [f"ep {self.ep}"] if self.ep > 1 else []
         parts += ["--disable-shared-experts-fusion"] if self.disable_shared_experts_fusion else []
+        parts += [] if self.speculative else ["no MTP draft"]
         return ", ".join(parts)
 
 
 def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 8, pp: int = 1, ep: int = 1,
-            disable_shared_experts_fusion: bool = False, gpu: str | None = None) -> Serving:
+            disable_shared_experts_fusion: bool = False, gpu: str | None = None, speculative: bool = True) -> Serving:
     """Checked conditions. A GPU model sets its platform and arch (naming nothing means the default
     GPU); a GPU arch of another platform or of another GPU, or a parallel size below 1, is refused."""
     table, known = gpu_table(), capabilities()
@@ -139,7 +143,7 @@ def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 
     for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if size < 1:
             raise BadServing(f"{flag} {size}: a parallel size is at least 1")
-    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion, gpu)
+    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion, gpu, speculative)
 
 
 DEFAULT = Serving()
@@ -164,8 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")
     group.add_argument("--disable-shared-experts-fusion", action="store_true",
                        help="sglang is started with --disable-shared-experts-fusion")
+    group.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
+                       help="the engine is started with the checkpoint's MTP layers as the speculative draft "
+                            "(default, as the families' published serving commands run it); --no-speculative: "
+                            "served without the draft, whose findings are then reported apart and do not fail")
 
 
 def from_args(args: argparse.Namespace) -> Serving:
     return serving(args.platform, args.gpu_arch, args.tp, args.pp, args.ep, args.disable_shared_experts_fusion,
-                   args.gpu)
+                   args.gpu, args.speculative)
