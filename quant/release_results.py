@@ -1,5 +1,6 @@
 """``gate checkpoint`` over the release window: which rule set answers for each registry release of an
-engine, and the per-release results grouped into release ranges.
+engine, what each release is reported as, and the MoE shape it runs (named as release ranges by
+``quant.release_check.named``).
 
 Each release of the window (``manifests/engines/releases.yaml``) is in one state for a family's model
 class: **read** (its sources were read: a rule set covers it), **carried** (not read, but every source
@@ -15,7 +16,15 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from quant.engines.rules import ENGINES, RuleSet, UnknownEngine, releases_read, rule_sets, select, window
+from quant.engines.rules import (
+    ENGINES,
+    RuleSet,
+    UnknownEngine,
+    releases_read,
+    rule_sets,
+    select,
+    window,
+)
 from quant.layout import Family
 
 READ, CARRIED, NEEDS_READING, NOT_BUILT = "read", "carried", "needs reading", "not built"
@@ -101,19 +110,6 @@ def _version(spec: str, version: str) -> Version:
         return Version(version)
     except ValueError:
         raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
-
-
-def ranges(releases: list[str], engine: str) -> str:
-    """Releases as runs of the window's consecutive releases: '0.5.9-0.5.12, 0.5.18' (a release not in
-    the list breaks a run, so a range never spans one that was not answered the same way)."""
-    order = {v: i for i, v in enumerate(window(engine))}
-    runs: list[list[str]] = []
-    for release in sorted(releases, key=lambda v: order.get(v, len(order))):
-        if runs and order.get(release) == order.get(runs[-1][-1], -2) + 1:
-            runs[-1].append(release)
-        else:
-            runs.append([release])
-    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def moe_shape(text: dict, family: Family, fused_shared: int) -> dict | None:

@@ -25,7 +25,8 @@ from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
 from quant.quark_config import config_kind
-from quant.release_results import REPLAYED, ReleaseResult, moe_shape, ranges, targets
+from quant.release_check import named
+from quant.release_results import REPLAYED, ReleaseResult, moe_shape, targets
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -85,7 +86,7 @@ class Report:
         out = []
         for engine in dict.fromkeys(r.engine for r in self.releases):
             bad = [r.release for results, found in self.groups(engine) if found for r in results]
-            out += [f"{engine} {ranges(bad, engine)}"] if bad else []
+            out += [named(engine, bad)] if bad else []
         return out
 
     @property
@@ -93,7 +94,7 @@ class Report:
         if not self.ok:
             every = any(f.engine is None for f in self.findings)
             return "would NOT load correctly" + ("" if every else f" ({'; '.join(self.failing())})")
-        unread = [f"{e} {ranges([r.release for r in rs], e)} ({', '.join(dict.fromkeys(r.state for r in rs))})"
+        unread = [f"{named(e, [r.release for r in rs])} ({', '.join(dict.fromkeys(r.state for r in rs))})"
                   for e in dict.fromkeys(r.engine for r in self.releases) if (rs := self.not_read(e))]
         if unread:  # a release not replayed is not vouched for
             return f"loads correctly in every release read; not read: {'; '.join(unread)}"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from evals.errors import EXIT_BLOCK, EXIT_PASS, BadInput
 from quant.engines import serving as setup
-from quant.release_results import ranges, shape_label
+from quant.release_check import named
+from quant.release_results import shape_label
 
 HELP = """\
 Replay sglang's and vLLM's loading rules on a quantized checkpoint (Quark MXFP4/MXFP6 or block
@@ -80,7 +81,7 @@ def human(report) -> str:
         lines.append("")
         for results, found in report.groups(engine):
             pinned = len(report.releases) == 1  # one release asked for: named with the rules it follows
-            label = results[0].rules if pinned else f"{engine} {ranges([r.release for r in results], engine)}"
+            label = results[0].rules if pinned else named(engine, [r.release for r in results])
             lines.append(f"{label}: {'OK' if not found else f'{len(found)} problem(s)'}")
             lines += _problems(found)
             lines += _conditions(report.conditions.get(results[0].rules, []))
@@ -108,8 +109,8 @@ def _draft(report, engine: str) -> list[str]:
     if not bad:
         return []
     shown = next(found for found in apart.values() if found)
-    return [f"  with the MTP draft (--speculative), {engine} {ranges(bad, engine)} would also find: "
-            f"[{shown[0].check}] {shown[0].module}: {shown[0].why}"]
+    return [(f"  with the MTP draft (--speculative), {named(engine, bad)} would also find: "
+             f"[{shown[0].check}] {shown[0].module}: {shown[0].why}")]
 
 
 def _not_read(report, engine: str) -> list[str]:
@@ -117,11 +118,11 @@ def _not_read(report, engine: str) -> list[str]:
     for state in dict.fromkeys(r.state for r in report.not_read(engine)):
         results = [r for r in report.not_read(engine) if r.state == state]
         details = sorted({r.detail for r in results if r.detail})
-        lines.append(f"{engine} {ranges([r.release for r in results], engine)}: {state}, not replayed"
+        lines.append(f"{named(engine, [r.release for r in results])}: {state}, not replayed"
                      + (f" ({'; '.join(details)})" if details else ""))
     carried = [r for r in report.replayed(engine) if r.state == "carried"]
     if carried:
-        lines.append(f"{engine} {ranges([r.release for r in carried], engine)}: carried over (cited sources "
+        lines.append(f"{named(engine, [r.release for r in carried])}: carried over (cited sources "
                      f"identical to a release read: {'; '.join(sorted({r.detail for r in carried if r.detail}))})")
     return lines
 
@@ -137,12 +138,12 @@ def _moe(report, engine: str) -> list[str]:
         fusion = report.fusion.get(r.rules)
         why = _fusion_words(fusion["why"], r.rules) if fusion else "the shared expert runs apart from the FusedMoE"
         shapes.setdefault((shape_label(report.moe[r.rules]), why), []).append(r.release)
-    lines = [f"{engine} {ranges(releases, engine)}: MoE {shape} ({why})" for (shape, why), releases in shapes.items()]
+    lines = [f"{named(engine, releases)}: MoE {shape} ({why})" for (shape, why), releases in shapes.items()]
     newest = replayed[-1]
     top = report.moe[newest.rules]
     slower = [r for r in replayed if report.moe[r.rules]["fused_shared"] < top["fused_shared"]]
     if slower:
-        lines.append(f"  perf: {engine} {ranges([r.release for r in slower], engine)}: the shared expert is not fused, "
+        lines.append(f"  perf: {named(engine, [r.release for r in slower])}: the shared expert is not fused, "
                      f"so the MoE runs {shape_label(report.moe[slower[0].rules])} where {engine} {newest.release} runs "
                      f"{shape_label(top)} (it loads either way; the kernels are tuned per shape: gate kernels "
                      f"--engine {engine}=={slower[0].release})")

@@ -86,19 +86,19 @@ def test_a_release_not_replayed_is_named_and_the_verdict_qualified(glm, tmp_path
     has read: it is named, never replayed, and the verdict no longer says an unqualified "loads correctly"."""
     args = [sys.executable, "-m", "evals.cli", "checkpoint", str(glm / "default"), "--engine", "sglang",
             "--disable-shared-experts-fusion"]
-    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(args, check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0 and verdict(out.stdout) == "verdict: loads correctly", out.stdout + out.stderr
     shutil.copytree(manifests_root(), tmp_path / "manifests")
     window = tmp_path / "manifests" / "engines" / "releases.yaml"
     window.write_text(window.read_text().replace("0.5.22, 0.5.23]", "0.5.22, 0.5.23, 0.5.24]", 1))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    out = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    out = subprocess.run(args, check=False, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "\nsglang 0.5.9-0.5.23: OK\n" in out.stdout and "\nsglang 0.5.24: needs reading, not replayed" in out.stdout
     assert verdict(out.stdout) == "verdict: loads correctly in every release read; not read: sglang 0.5.24 " \
                                   "(needs reading)"
-    pinned = subprocess.run(args + ["--engine", "sglang==0.5.24"], capture_output=True, text=True, cwd=tmp_path,
-                            env=env, timeout=120)
+    pinned = subprocess.run(args + ["--engine", "sglang==0.5.24"], check=False, capture_output=True, text=True,
+                            cwd=tmp_path, env=env, timeout=120)
     assert pinned.returncode == 2 and "sglang 0.5.24 has not been read" in pinned.stderr, pinned.stderr
     assert "Traceback" not in pinned.stderr and len(pinned.stderr.strip().splitlines()) == 1
 
