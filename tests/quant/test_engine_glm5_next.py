@@ -356,6 +356,9 @@ def test_vllm_draft_matches_no_entry_the_multimodal_mapper_renamed(converted):
     failed = gate(stored, "--engine", "vllm==0.33.0")
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "model.layers.3.mlp.experts" in failed.stdout
+    # served without the draft (the main model's entries are renamed to its own names), it loads
+    without_draft = gate(stored, "--engine", "vllm==0.33.0", "--no-speculative")
+    assert without_draft.returncode == 0, without_draft.stdout + without_draft.stderr
 
 
 def test_quantgates_own_exclude_list_loads_in_every_release_read(converted):
