@@ -209,12 +209,35 @@ def fused_into(module: str, of: dict[str, str], dotted_only: bool = False) -> st
     return None
 
 
+_MEMO: dict[tuple, tuple] = {}  # (what a result depends on) -> (the objects keyed by id, kept alive; the result)
+
+
+def _memo(key: tuple, pinned: tuple, compute):
+    """One verify run replays many releases and serving setups over one checkpoint's modules; the
+    parts that depend only on the modules and a rule set's values are computed once per pair (the
+    objects in ``key`` by id are pinned in the entry, so an id cannot be reused while it is cached)."""
+    hit = _MEMO.get(key)
+    if hit is None:
+        if len(_MEMO) > 256:
+            _MEMO.clear()
+        hit = _MEMO[key] = (pinned, compute())
+    return hit[1]
+
+
 def engine_modules(ctx: ReplayContext, whole_draft_bf16: bool = False) -> dict[str, EngineModule]:
     """The modules the engine builds from the checkpoint's Linear modules (``whole_draft_bf16``: the
-    draft is built without quant config, from ``draft_exclude``)."""
+    draft is built without quant config, from ``draft_exclude``). The result is shared: do not change it."""
+    indexer_bf16 = indexer_bf16_leaves(ctx.rules, ctx.serving, ctx.config)
+    quantized = quantized_leaves(ctx.rules, ctx.kind, ctx.qconfig)
+    key = ("engine_modules", id(ctx.modules), id(ctx.rules.values), ctx.num_hidden_layers, ctx.kind,
+           whole_draft_bf16, indexer_bf16, quantized)
+    return _memo(key, (ctx.modules, ctx.rules.values),
+                 lambda: _engine_modules(ctx, whole_draft_bf16, indexer_bf16, quantized))
+
+
+def _engine_modules(ctx: ReplayContext, whole_draft_bf16: bool, indexer_bf16: frozenset[str],
+                    quantized: frozenset[tuple[str, str]]) -> dict[str, EngineModule]:
     rules, num_hidden_layers, kind = ctx.rules, ctx.num_hidden_layers, ctx.kind
-    indexer_bf16 = indexer_bf16_leaves(rules, ctx.serving, ctx.config)
-    quantized = quantized_leaves(rules, kind, ctx.qconfig)
     built: dict[str, EngineModule] = {}
     experts: dict[str, EngineModule] = {}  # checkpoint "<layer>.mlp.experts" -> its FusedMoE (the common case, fast)
     fused_of = shards_of(rules["built_fused"])
@@ -465,7 +488,12 @@ def _rotary_permuted(em: EngineModule, rules: RuleSet, kind: str) -> str | None:
 
 
 def _shared_by_moe(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int) -> dict[str, list[str]]:
-    """Each FusedMoE's engine name -> the checkpoint's shared-expert modules of that layer."""
+    """Each FusedMoE's engine name -> the checkpoint's shared-expert modules of that layer (shared: do not change)."""
+    return _memo(("shared_by_moe", id(modules), id(rules.values), num_hidden_layers), (modules, rules.values),
+                 lambda: _shared_modules(modules, rules, num_hidden_layers))
+
+
+def _shared_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layers: int) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     shared = f".{rules['shared_experts_fusion'].get('shared', 'shared_experts')}."  # Qwen3-Next: shared_expert
     for module, info in modules.items():
