@@ -192,7 +192,7 @@ def _human_done(manifest: dict, dst: Path) -> str:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    serve = tuple(dict.fromkeys(parse_serve(spec) for spec in args.serve))
+    serve = tuple(dict.fromkeys(parse_serve(spec) for spec in args.serve))  # refused before anything is written
     if serve and args.to == "bf16":
         raise PlanError("--serve checks a quantized output; --to bf16 decodes to plain bf16, which every release loads")
     if args.example:

@@ -79,17 +79,25 @@ class Verdict:
         return 0 if self.passed else 1
 
 
-def plan(source: str | Path, to: str = "mxfp4", *, recipe: str | Path | None = None, **overrides: Any) -> Plan:
+def plan(source: str | Path, to: str = "mxfp4", *, recipe: str | Path | None = None, serve: tuple[str, ...] = (),
+         **overrides: Any) -> Plan:
     """What ``quantize --dry-run`` prints, from headers alone. ``to="bf16"`` plans an exact decode;
-    ``overrides`` are the recipe's policy flags: ``shared_experts``, ``mtp_experts``, ``weight_only``,
-    ``scale_rule``."""
+    ``serve``: the releases the output is for (``("sglang==0.5.23",)``, as ``--serve``), refused where one
+    would not load it; ``overrides`` are the recipe's policy flags: ``shared_experts``, ``mtp_experts``,
+    ``weight_only``, ``scale_rule``."""
     from quant.decode_plan import make_decode_plan
-    from quant.plan import make_plan
+    from quant.plan import PlanError, make_plan
     from quant.recipe import load_recipe, with_overrides
+    from quant.release_check import parse_serve
 
+    served = tuple(dict.fromkeys(parse_serve(spec) for spec in serve))
     if to == "bf16":
+        if served:
+            raise PlanError("serve checks a quantized output; to='bf16' decodes to plain bf16, which every release "
+                            "loads")
         return make_decode_plan(Path(source))
-    return make_plan(Path(source), with_overrides(load_recipe(Path(recipe) if recipe else None, to), **overrides))
+    return make_plan(Path(source), with_overrides(load_recipe(Path(recipe) if recipe else None, to), **overrides),
+                     serve=served)
 
 
 def convert(planned: Plan, output: str | Path, *, overwrite: bool = False, resume: bool = False,

@@ -153,3 +153,11 @@ def test_serve_refuses_a_release_not_read_for_the_family(glm256, tmp_path):
 def test_serve_with_a_decode_is_refused(glm256, tmp_path):
     done = quantize(glm256, tmp_path / "out", "--serve", "sglang==0.5.23", "--to", "bf16")
     assert done.returncode == 2 and "--serve checks a quantized output" in done.stderr
+
+
+def test_the_api_takes_the_releases_served(glm256):
+    import quantgate
+
+    assert quantgate.plan(glm256, serve=("sglang==0.5.18",)).summary()["releases"]["sglang"]["serve"] == ["0.5.18"]
+    with pytest.raises(ServeError, match=r"^--serve sglang==0\.5\.16: sglang 0\.5\.16 would not load"):
+        quantgate.plan(glm256, serve=("sglang==0.5.16",))
