@@ -26,7 +26,7 @@ from quant.layout import Family, FusedTensor, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
-from quant.release_check import check_serve, failing_newest, named, outcomes, release_warnings
+from quant.release_check import check_serve, failing_newest, named, outcomes, release_warnings, ways_out
 from quant.release_check import summary as release_summary
 from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import NamingError, build_exclude
@@ -421,7 +421,8 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
     return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) "
                         f"{spans} fold the shared expert into the routed experts' FusedMoE, and this recipe "
                         f"stores them in different dtypes, so these releases fail to load it ({first.module}). "
-                        f"Ways out: {first.fix}. gate checkpoint lists each release and GPU")], releases
+                        f"Ways out: {ways_out(fusing[0], results, first)}. gate checkpoint lists each release and "
+                        "GPU")], releases
 
 
 __all__ = ["Plan", "PlanError", "ShardPlan", "TensorPlan", "make_plan"]

@@ -128,7 +128,7 @@ def summary(results: list[Outcome], family: Family, serve: tuple[tuple[str, str]
     return out
 
 
-def _ways_out(outcome: Outcome, results: list[Outcome], first: Finding) -> str:
+def ways_out(outcome: Outcome, results: list[Outcome], first: Finding) -> str:
     """The releases of the engine that load the output, serving without the draft where only the draft
     fails, and the finding's own fix (for a fused shared expert: the switch, or the recipe that stores it
     in its FusedMoE's dtype)."""
@@ -162,7 +162,7 @@ def check_serve(results: list[Outcome], family: Family, serve: tuple[tuple[str, 
         more = len(outcome.findings) + len(outcome.fusion) - 1
         raise ServeError(f"--serve {engine}=={release}: {engine} {release} would not load this output: "
                          f"{first.module}: {first.why}" + (f" (and {more} more)" if more else "")
-                         + f". Ways out: {_ways_out(outcome, results, first)}")
+                         + f". Ways out: {ways_out(outcome, results, first)}")
 
 
 def failing_newest(results: list[Outcome]) -> list[Finding]:
@@ -190,7 +190,7 @@ def release_warnings(results: list[Outcome], family: Family) -> list[str]:
         releases = [v for o in group for v in o.releases]
         warnings.append(f"{named(engine, releases)} would not load this output: {first.module}: {first.why}"
                         + (f" (and {more} more)" if more else "")
-                        + f". Ways out: {_ways_out(group[0], results, first)}; --serve {engine}==X refuses it "
+                        + f". Ways out: {ways_out(group[0], results, first)}; --serve {engine}==X refuses it "
                           "for the release you serve")
     unread = {engine: rest for engine in ENGINES if (rest := not_answered(engine, family))}
     if unread:
@@ -201,4 +201,4 @@ def release_warnings(results: list[Outcome], family: Family) -> list[str]:
 
 
 __all__ = ["Outcome", "ServeError", "check_serve", "failing_newest", "named", "not_answered", "outcomes",
-           "parse_serve", "release_ranges", "release_warnings", "summary"]
+           "parse_serve", "release_ranges", "release_warnings", "summary", "ways_out"]

@@ -125,7 +125,8 @@ def test_the_planner_warns_instead_of_refusing(default_recipe):
     _, plan = default_recipe
     warning = next(w for w in plan.warnings if w.startswith("shared-expert fusion"))
     assert "sglang 0.5.9-0.5.17 fold the shared expert" in warning
-    assert "Ways out: serve with sglang >= 0.5.18, or start sglang with --disable-shared-experts-fusion" in warning
+    assert "Ways out: serve sglang 0.5.18-0.5.23; start sglang with --disable-shared-experts-fusion, or store each " \
+           "MoE layer's shared and routed experts in one dtype (--shared-experts, --mtp-experts)" in warning
     assert not any("disables sglang's shared-expert fusion" in w for w in plan.warnings)
     assert "on ROCm gfx942+, CUDA sm80+ (TP, fusion on" in warning  # DeepseekV2's determine_num_fused_shared_experts
 

@@ -9,16 +9,20 @@ their sources are headers over holes at tiny widths (as tests/quant/test_fusion.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 
 import pytest
 
+from quant.checkpoint import Checkpoint
 from quant.example import tiny_config
 from quant.layout import family_named
 from quant.plan import make_plan
 from quant.recipe import load_recipe, with_overrides
 from quant.release_check import ServeError, not_answered, parse_serve, release_ranges
-from tests.conftest import quantize_cmd, write_sparse_checkpoint
+from tests.conftest import quantize_cmd, write_sparse_checkpoint, write_sparse_shards
+from tests.quant.family_checkpoints import write_family_checkpoint
 
 GLM = family_named("glm_moe_dsa")
 
@@ -161,3 +165,50 @@ def test_the_api_takes_the_releases_served(glm256):
     assert quantgate.plan(glm256, serve=("sglang==0.5.18",)).summary()["releases"]["sglang"]["serve"] == ["0.5.18"]
     with pytest.raises(ServeError, match=r"^--serve sglang==0\.5\.16: sglang 0\.5\.16 would not load"):
         quantgate.plan(glm256, serve=("sglang==0.5.16",))
+
+
+def with_experts(family: str, dst, experts: int, **overrides):
+    """``family``'s tiny checkpoint with ``experts`` routed experts per MoE layer, as headers over holes
+    (the tiny builders write 4; sglang's shared-expert fusion needs the release's count)."""
+    tiny = write_family_checkpoint(dst.with_name(dst.name + "-tiny"), family, **overrides)
+    checkpoint = Checkpoint.open(tiny)
+    entries = []
+    for header in checkpoint.headers.values():
+        for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+            expert = re.search(r"\.experts\.(\d+)\.", info.name)
+            if expert is None:
+                entries.append((info.name, info.dtype, tuple(info.shape)))
+            elif expert.group(1) == "0":
+                entries += [(info.name.replace(".experts.0.", f".experts.{e}.", 1), info.dtype, tuple(info.shape))
+                            for e in range(experts)]
+    config = checkpoint.config
+    config.get("text_config", config)["n_routed_experts"] = experts
+    write_sparse_shards(dst, config, [entries[:len(entries) // 2], entries[len(entries) // 2:]])
+    for tokenizer in tiny.glob("tokenizer*"):
+        shutil.copy(tokenizer, dst / tokenizer.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def kimi384(tmp_path_factory):
+    """Kimi-K2.5 as released: 384 routed experts and one shared expert (the Quark allow-list of sglang's fusion)."""
+    return with_experts("kimi_k25", tmp_path_factory.mktemp("kimi") / "bf16", 384, num_hidden_layers=2)
+
+
+def test_kimi_default_names_the_releases_that_fuse_its_bf16_shared_expert(kimi384, tmp_path):
+    """quantgate's Kimi-K2.5 MXFP4 default keeps the shared expert bf16: sglang 0.5.13-0.5.17 fuse it as
+    expert 384 under Quark without reading the exclude list and cannot load it. The plan warns naming
+    that range and the ways out; --serve sglang==0.5.15 refuses, --serve sglang==0.5.18 passes."""
+    plan = make_plan(kimi384, load_recipe())
+    assert "0.5.13-0.5.17" in plan.summary()["releases"]["sglang"]["fails"]
+    warning = next(w for w in plan.warnings if w.startswith("shared-expert fusion"))
+    assert "sglang 0.5.13-0.5.17 fold the shared expert" in warning
+    assert "Ways out: serve sglang 0.5.9-0.5.12.post1, 0.5.18-0.5.23; start sglang with --disable-shared-experts-fusion, " \
+           "or store each MoE layer's shared and routed experts in one dtype (--shared-experts, --mtp-experts)" in warning
+    done = quantize(kimi384, tmp_path / "out", "--serve", "sglang==0.5.15")
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert "--serve sglang==0.5.15: sglang 0.5.15 would not load this output: " in done.stderr
+    assert "as expert 384" in done.stderr and "--disable-shared-experts-fusion" in done.stderr
+    assert quantize(kimi384, tmp_path / "out", "--serve", "sglang==0.5.18", "--dry-run").returncode == 0
+    assert make_plan(kimi384, with_overrides(load_recipe(), shared_experts="mxfp4")).summary()["releases"][
+        "sglang"]["fails"] == []
