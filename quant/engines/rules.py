@@ -17,10 +17,11 @@ is refused for that family, never replayed with another class's rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
-
 from typing import Annotated
 
 from packaging.version import InvalidVersion, Version
@@ -31,6 +32,7 @@ from quant.engines.rule_kinds import Version as Release
 from quant.errors import QuantgateError
 from quant.layout import Family, family_dirs, family_named, known_families, manifests_root
 from quant.recipe import recipe_roles
+from quant.safe_files import read_yaml
 from quant.schema import Schema, load, nearest
 
 ENGINES = ("sglang", "vllm")
@@ -216,9 +218,129 @@ def rule_sets(engine: str, family: Family | str = DEFAULT_FAMILY) -> tuple[RuleS
     return _rule_sets(rules_file(engine, family))
 
 
+def cites_digest(name: str) -> str:
+    """A digest of a rule file's rule sets (spans and every rule's cite, engine-wide ones included): the lock
+    (``quant.engines.window``) holds the one it was computed for, so a changed cite or span shows it stale."""
+    data = [[r.first, r.last, sorted(r.cites.items())] for r in _rule_sets(name)]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ReleaseState:
+    """One window release for one family's class: ``read``, ``carried`` (not read; every symbol cited by the
+    rule set of read release ``follows`` hashes identical in it), ``needs reading`` (``changed``: the rules and
+    symbols whose source differs from read release ``follows``) or ``not built`` (the release registers no
+    such class). ``rules_of``: the read release whose rule set a read or carried release replays."""
+    release: str
+    state: str
+    follows: str | None = None
+    changed: tuple[str, ...] = ()
+    rules_of: str | None = None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "changed": list(self.changed)}
+
+
+def lock_command(name: str) -> str:
+    return f"python -m quant.engines.window lock {rules_path(name).relative_to(manifests_root().parent)}"
+
+
+@cache
+def _lock(name: str) -> dict | None:
+    """The rule file's lock, None when missing or computed for other cites or another window (stale)."""
+    path = rules_path(name).with_name(rules_path(name).stem + ".lock.yaml")
+    if not path.is_file():
+        return None
+    lock = read_yaml(path, RuleFileError, f"regenerate it: {lock_command(name)}")
+    engine = name.split(".", 1)[0]
+    if not isinstance(lock, dict) or lock.get("cites") != cites_digest(name):
+        return None
+    try:
+        hashes = {key: _expand(engine, ranges) for key, ranges in lock["hashes"].items()}
+        classes = {c: _expand(engine, ranges) for c, ranges in lock["model_classes"].items()}
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return None
+    if any(set(h) != set(window(engine)) for h in [*hashes.values(), *classes.values()]):
+        return None
+    return {"sets": {tuple(s["versions"]): s["rules"] for s in lock["rule_sets"]}, "hashes": hashes,
+            "classes": classes}
+
+
+def _expand(engine: str, ranges: dict[str, str]) -> dict[str, str]:
+    """``{"first..last": value}`` over the window -> ``{release: value}``."""
+    order = list(window(engine))
+    out = {}
+    for span, value in ranges.items():
+        first, _, last = span.partition("..")
+        out.update({r: value for r in order[order.index(first):order.index(last or first) + 1]})
+    return out
+
+
+def lock_stale(name: str) -> bool:
+    return _lock(name) is None
+
+
+def release_states(engine: str, family: Family | str = DEFAULT_FAMILY) -> dict[str, ReleaseState]:
+    """Every window release of ``engine`` (oldest first) for the family's model class, with its state."""
+    family = family_named(family) if isinstance(family, str) else family
+    return _release_states(engine, family.name, rules_file(engine, family), family.engine_class[engine])
+
+
+@cache
+def _release_states(engine: str, family: str, name: str, model_class: str) -> dict[str, ReleaseState]:
+    read = releases_read(engine, family)
+    lock = _lock(name)
+    order = list(window(engine))
+    out = {}
+    for release in order:
+        if release in read:
+            out[release] = ReleaseState(release, "read", read[release], rules_of=read[release])
+        elif lock is None:
+            out[release] = ReleaseState(release, "needs reading", changed=(f"no current lock: {lock_command(name)}",))
+        elif lock["classes"].get(model_class, {}).get(release) != "built":
+            out[release] = ReleaseState(release, "not built")
+        else:
+            out[release] = _compared(release, read, lock, order)
+    return out
+
+
+def _compared(release: str, read: dict[str, str], lock: dict, order: list[str]) -> ReleaseState:
+    """Carried from the nearest read release (older first, then newer) whose rule set's cited symbols all hash
+    identical in ``release``; else needs reading, naming what changed since the nearest older read release."""
+    index = order.index(release)
+    older = [r for r in order[:index] if r in read][-1:]
+    newer = [r for r in order[index + 1:] if r in read][:1]
+    verdict = None
+    for other in older + newer:
+        rule_set = next(s for s in _rule_sets_of(lock) if Version(s[0]) <= Version(read[other]) <= Version(s[1]))
+        changed = tuple(f"{rule}: {key}" for rule, keys in lock["sets"][rule_set].items() for key in keys
+                        if lock["hashes"][key][release] != lock["hashes"][key][other])
+        if not changed:
+            return ReleaseState(release, "carried", other, rules_of=read[other])
+        verdict = verdict or ReleaseState(release, "needs reading", other, changed)
+    return verdict or ReleaseState(release, "needs reading", changed=("no release read",))
+
+
+def _rule_sets_of(lock: dict) -> list[tuple[str, str]]:
+    return list(lock["sets"])
+
+
+def releases_replayed(engine: str, family: Family | str = DEFAULT_FAMILY) -> dict[str, str]:
+    """Each read or carried window release -> the read release whose rule set it replays (``.postN`` releases
+    read outside the window included)."""
+    states = release_states(engine, family)
+    return {**releases_read(engine, family), **{r: s.rules_of for r, s in states.items() if s.rules_of}}
+
+
+def clear_caches() -> None:
+    """Forget the files read (after a lock or the window was rewritten in this process)."""
+    for fn in (rule_file, window, _rules_file_named, _rule_sets, _lock, _release_states):
+        fn.cache_clear()
+
+
 def select(spec: str = "all", family: Family | str = DEFAULT_FAMILY) -> list[RuleSet]:
-    """Rule sets for ``all``, ``sglang``, ``vllm`` or ``ENGINE==VERSION`` (the set covering it), for
-    the family's model classes."""
+    """Rule sets for ``all``, ``sglang``, ``vllm`` or ``ENGINE==VERSION`` (the set covering the read
+    release it replays: itself, or the read release it is carried from), for the family's model classes."""
     engine, _, version = spec.partition("==")
     engines = ENGINES if engine == "all" and not version else (engine,)
     if any(e not in ENGINES for e in engines):
@@ -229,17 +351,38 @@ def select(spec: str = "all", family: Family | str = DEFAULT_FAMILY) -> list[Rul
         Version(version)
     except InvalidVersion:
         raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
-    read = releases_read(engine, family)
-    release = next((v for v in read if Version(v) == Version(version)), None)
+    replayed = releases_replayed(engine, family)
+    release = next((v for v in replayed if Version(v) == Version(version)), None)
     if release is None:
-        name = family.name if isinstance(family, Family) else family
-        model_class = rule_sets(engine, family)[0].model_class
-        raise UnknownEngine(f"{engine} {version} has not been read for family {name} ({engine} class {model_class}); "
-                            f"the releases read for it are: {', '.join(read)} (read that release's sources for this "
-                            "class before trusting a replay of it; a .postN release needs its own entry)")
-    chosen = [r for r in rule_sets(engine, family) if r.covers(read[release])]
+        raise UnknownEngine(_not_replayed(engine, version, family))
+    chosen = [r for r in rule_sets(engine, family) if r.covers(replayed[release])]
     if len(chosen) != 1:
         raise UnknownEngine(f"{engine} {version} was read but {len(chosen)} rule sets cover it; fix "
                             f"{rules_path(rules_file(engine, family))} (each release read belongs to "
                             "exactly one set)")
     return [replace(r, release=release) for r in chosen]
+
+
+def _not_replayed(engine: str, version: str, family: Family | str) -> str:
+    """Why ``engine==version`` cannot be replayed for the family: not a registry release of the window, a
+    release that does not build its class, or one whose cited sources changed since the nearest read one."""
+    name = family.name if isinstance(family, Family) else family
+    model_class = rule_sets(engine, family)[0].model_class
+    known = window(engine)
+    states = release_states(engine, family)
+    replayed = ", ".join(v for v, s in states.items() if s.state in ("read", "carried")) or "none"
+    release = next((v for v in known if Version(v) == Version(version)), None)
+    if release is None:
+        why = (f": it is not a registry release of the window ({known[0]}..{known[-1]}, manifests/engines/"
+               "releases.yaml; python -m quant.engines.window refresh adds new ones)")
+    elif states[release].state == "not built":
+        return (f"{engine} {version} does not build family {name}: it registers no {engine} class "
+                f"{model_class}; the releases that build it and were read or carried over: {replayed}")
+    elif states[release].follows:
+        changed = dict.fromkeys(c.split(": ", 1)[0] for c in states[release].changed)
+        why = f" (since {states[release].follows}, the sources its rules {', '.join(changed)} cite changed)"
+    else:
+        why = f" ({states[release].changed[0]})"
+    return (f"{engine} {version} has not been read for family {name} ({engine} class {model_class}){why}; the "
+            f"releases read or carried over for it are: {replayed} (read that release's sources for this class "
+            f"and add it to {rules_path(rules_file(engine, family)).name}'s checked before trusting a replay of it)")

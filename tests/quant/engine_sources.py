@@ -229,3 +229,22 @@ def free_names(fn: ast.FunctionDef) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             bound |= {a.asname or a.name.split(".")[0] for a in node.names}
     return read - bound - set(dir(builtins))
+
+
+def window_sample(engine: str, family: str = "glm_moe_dsa", carried: int = 2) -> list[str]:
+    """The releases a differential test runs the wheels of: every read release, and ``carried`` of the releases
+    carried over by identical cited source, a different pair each day (printed, so a failure names them);
+    ``QUANTGATE_WINDOW=all`` runs every read and carried release (the scheduled / manual mode)."""
+    import datetime
+    import random
+
+    from quant.engines.rules import release_states
+
+    states = release_states(engine, family)
+    read = [r for r, s in states.items() if s.state == "read"]
+    others = [r for r, s in states.items() if s.state == "carried"]
+    if os.environ.get("QUANTGATE_WINDOW") != "all":
+        others = sorted(random.Random(datetime.date.today().toordinal()).sample(others, min(carried, len(others))),
+                        key=list(states).index)
+    print(f"{engine} releases for {family}: read {', '.join(read)}; carried, sampled: {', '.join(others) or 'none'}")
+    return sorted(read + others, key=list(states).index)
