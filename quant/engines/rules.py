@@ -313,8 +313,10 @@ def _compared(release: str, read: dict[str, str], lock: dict, order: list[str]) 
     verdict = None
     for other in older + newer:
         rule_set = next(s for s in _rule_sets_of(lock) if Version(s[0]) <= Version(read[other]) <= Version(s[1]))
+        # a symbol the read release lacks proves nothing (its cite was stated for another release)
         changed = tuple(f"{rule}: {key}" for rule, keys in lock["sets"][rule_set].items() for key in keys
-                        if lock["hashes"][key][release] != lock["hashes"][key][other])
+                        if lock["hashes"][key][release] != lock["hashes"][key][other]
+                        or lock["hashes"][key][other] == "absent")
         if not changed:
             return ReleaseState(release, "carried", other, rules_of=read[other])
         verdict = verdict or ReleaseState(release, "needs reading", other, changed)

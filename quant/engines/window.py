@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -557,30 +558,39 @@ def print_report(rows: list[dict], symbols: bool = False) -> None:
                 run.append(state)
 
 
-def refresh(wheels: Wheels) -> list[str]:
-    """Append the registry's releases newer than the window's last to ``releases.yaml``; returns them."""
+def registry_releases(engine: str) -> list[str]:
+    """Every final release of ``engine`` on the package registry (``pip index versions``), oldest first."""
     from packaging.version import Version
-    added = []
-    path = rules.manifests_root() / "engines" / "releases.yaml"
-    text = path.read_text()
+    done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", engine], capture_output=True,
+                          text=True, timeout=300, check=False)
+    found = re.search(r"Available versions: (.*)", done.stdout)
+    if done.returncode or not found:
+        raise RuleFileError(f"pip index versions {engine} failed: {done.stderr.strip()[-300:]}")
+    return sorted({v.strip() for v in found.group(1).split(",") if not Version(v.strip()).is_prerelease}, key=Version)
+
+
+def refresh(wheels: Wheels | None) -> list[str]:
+    """Add the registry's releases from the window's first on that it does not list (a new ``.postN`` of an
+    older release included) to ``releases.yaml``, downloading their wheels; returns them. ``wheels`` None:
+    only name them (a dry run)."""
+    from packaging.version import Version
+    added, lines = [], {}
     for engine in ENGINES:
-        done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", engine], capture_output=True,
-                              text=True, timeout=300, check=False)
-        found = re.search(r"Available versions: (.*)", done.stdout)
-        if done.returncode or not found:
-            raise RuleFileError(f"pip index versions {engine} failed: {done.stderr.strip()[-300:]}")
-        last = Version(rules.window(engine)[-1])
-        new = sorted((v.strip() for v in found.group(1).split(",") if Version(v.strip()) > last
-                      and not Version(v.strip()).is_prerelease), key=Version)
-        for release in new:
+        listed = rules.window(engine)
+        new = [v for v in registry_releases(engine) if Version(v) >= Version(listed[0]) and v not in listed]
+        added += [f"{engine}=={v}" for v in new]
+        lines[engine] = sorted([*listed, *new], key=Version)
+        for release in new if wheels else []:
             wheels(engine, release)
-        if new:
-            listed = ", ".join(new)
-            text = re.sub(rf"(?m)^({engine}: \[[^\]]*)\]", lambda m, listed=listed: f"{m.group(1)}, {listed}]", text)
-            added += [f"{engine}=={v}" for v in new]
-    if added:
+    if added and wheels:
+        path = rules.manifests_root() / "engines" / "releases.yaml"
+        text = path.read_text()
+        for engine, releases in lines.items():
+            listing = textwrap.fill(", ".join(releases), 110, initial_indent=f"{engine}: [",
+                                    subsequent_indent=" " * (len(engine) + 3)) + "]"
+            text = re.sub(rf"(?m)^{engine}: \[[^\]]*\]", lambda m, listing=listing: listing, text)
         path.write_text(text)
-        rules.window.cache_clear()
+        rules.clear_caches()
     return added
 
 
@@ -597,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="exit 1 naming each lock that no longer matches its rule file")
     rf = sub.add_parser("refresh", help="append new registry releases to releases.yaml, relock, report")
     rf.add_argument("--json", action="store_true")
+    rf.add_argument("--dry-run", action="store_true", help="only name the registry releases the window lacks")
     args = parser.parse_args(argv)
     try:
         if args.command == "lock":
@@ -610,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(stale) or "every lock matches its rule file")
             return 1 if stale else 0
         if args.command == "refresh":
+            if args.dry_run:
+                print("\n".join(refresh(None)) or "the window lists every registry release")
+                return 0
             wheels = Wheels()
             added = refresh(wheels)
             for name in rule_file_names():

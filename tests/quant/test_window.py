@@ -7,6 +7,7 @@ every carried release and every release of the sampled rule file."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -78,10 +79,10 @@ def test_carried_releases_are_proven_from_the_wheels():
 
 
 def test_a_sampled_release_hashes_as_its_lock_says():
-    """Every symbol of one rule file's lock, recomputed in a sample of its window's releases."""
+    """Every symbol of one rule file's lock, recomputed in its read releases and a sample of its carried ones."""
     names = window.rule_file_names()
-    name = names[int(os.environ.get("QUANTGATE_WINDOW_SEED", len(os.environ.get("PYTEST_XDIST_WORKER", "")))) %
-                 len(names)]
+    name = names[datetime.date.today().toordinal() % len(names)]  # a different rule file each day
+    print("lock recomputed:", window.lock_path(name))
     engine = name.split(".")[0]
     lock = rules._lock(name)
     releases = window_sample(engine, _family_of(name))
@@ -216,3 +217,18 @@ def test_cite_parsing_reads_paths_names_and_platform_copies():
     assert groups[0].required == ("*PredictorLayer.__init__",)
     assert groups[1].written == ("layers/q/utils.py",) and groups[1].required == ("is_skipped", "_match", "_FALLBACK")
     assert "lm_head" in groups[1].optional and "model_loader/loader.py" in mentioned
+
+
+def test_refresh_names_the_registry_releases_the_window_lacks(small_window):
+    releases = small_window / "manifests" / "engines" / "releases.yaml"
+    before = releases.read_text()
+    try:
+        releases.write_text(before.replace("- 0.5.22\n", ""))
+        done = run(small_window, "refresh", "--dry-run")
+        if done.returncode == 2 and "pip index versions" in done.stderr:
+            pytest.skip(done.stderr)
+        assert done.returncode == 0, done.stderr
+        assert "sglang==0.5.22" in done.stdout.splitlines()
+        assert releases.read_text() == before.replace("- 0.5.22\n", "")  # a dry run writes nothing
+    finally:
+        releases.write_text(before)
