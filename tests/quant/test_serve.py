@@ -203,8 +203,9 @@ def test_kimi_default_names_the_releases_that_fuse_its_bf16_shared_expert(kimi38
     assert "0.5.13-0.5.17" in plan.summary()["releases"]["sglang"]["fails"]
     warning = next(w for w in plan.warnings if w.startswith("shared-expert fusion"))
     assert "sglang 0.5.13-0.5.17 fold the shared expert" in warning
-    assert "Ways out: serve sglang 0.5.9-0.5.12.post1, 0.5.18-0.5.23; start sglang with --disable-shared-experts-fusion, " \
-           "or store each MoE layer's shared and routed experts in one dtype (--shared-experts, --mtp-experts)" in warning
+    assert "Ways out: serve sglang 0.5.9-0.5.12.post1, 0.5.18-0.5.23; start sglang with --disable-shared-experts-" \
+           "fusion, or store each MoE layer's shared and routed experts in one dtype (--shared-experts, " \
+           "--mtp-experts)" in warning
     done = quantize(kimi384, tmp_path / "out", "--serve", "sglang==0.5.15")
     assert done.returncode == 2 and not (tmp_path / "out").exists()
     assert "--serve sglang==0.5.15: sglang 0.5.15 would not load this output: " in done.stderr
