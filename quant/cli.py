@@ -172,8 +172,8 @@ def _human_plan(plan: Plan) -> str:
     if len(s["draft_aliases"]) > 8:
         lines.append(f"  ... {len(s['draft_aliases']) - 8} more (--json lists all)")
     for engine, states in s["releases"].items():
-        said = [f"{what} {', '.join(states[key])}" for key, what in (("loads", "loads"), ("fails", "fails"),
-                                                                     ("not_read", "not read")) if states[key]]
+        said = [f"{key.replace('_', ' ')} {', '.join(states[key])}" for key in ("loads", "fails", "needs_reading",
+                                                                               "not_built") if states.get(key)]
         served = f" (served: {', '.join(states['serve'])})" if states["serve"] else ""
         lines.append(f"{'releases' if engine == next(iter(s['releases'])) else '':<12}{engine}{served}: "
                      + "; ".join(said))

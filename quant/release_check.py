@@ -18,7 +18,7 @@ from functools import cached_property, partial
 from packaging.version import InvalidVersion, Version
 
 from quant.engines import Finding, RuleSet, UnknownEngine, select
-from quant.engines.rules import ENGINES, releases_read, window
+from quant.engines.rules import ENGINES, release_states, releases_replayed, window
 from quant.errors import QuantgateError
 from quant.layout import Family
 
@@ -50,9 +50,9 @@ def parse_serve(spec: str) -> tuple[str, str]:
 
 
 def answered(engine: str, family: Family) -> dict[str, str]:
-    """Each window release the replay answers for for the family's class -> the release whose rule set
-    it follows."""
-    return releases_read(engine, family)
+    """Each window release the replay answers for for the family's class (read, or carried over by
+    identical cited source) -> the read release whose rule set it follows."""
+    return releases_replayed(engine, family)
 
 
 def release_ranges(engine: str, releases) -> list[str]:
@@ -110,20 +110,27 @@ def outcomes(family: Family, replayed: Callable[[RuleSet, bool], list[Finding]])
     return out
 
 
-def not_answered(engine: str, family: Family) -> list[str]:
-    """The window releases the replay cannot answer for (not read for the family's class)."""
+def not_answered(engine: str, family: Family) -> dict[str, list[str]]:
+    """The window releases the replay cannot answer for, by state: ``needs reading`` (a cited function
+    changed, or no lock proves it unchanged) and ``not built`` (the release has no such model class)."""
     known = answered(engine, family)
-    return [v for v in window(engine) if v not in known]
+    out: dict[str, list[str]] = {}
+    for release, state in release_states(engine, family).items():
+        if release not in known:
+            out.setdefault(state.state, []).append(release)
+    return out
 
 
 def summary(results: list[Outcome], family: Family, serve: tuple[tuple[str, str], ...]) -> dict:
-    """Per engine, the release ranges that load the output, fail, and are not read (plan JSON)."""
+    """Per engine, the release ranges that load the output, fail, need reading and do not build the
+    family's class (plan JSON; only the first two were replayed)."""
     out = {}
     for engine in ENGINES:
         mine = [o for o in results if o.rules.engine == engine]
         out[engine] = {"loads": release_ranges(engine, [v for o in mine if o.loads for v in o.releases]),
                        "fails": release_ranges(engine, [v for o in mine if not o.loads for v in o.releases]),
-                       "not_read": release_ranges(engine, not_answered(engine, family)),
+                       **{state.replace(" ", "_"): release_ranges(engine, rest)
+                          for state, rest in not_answered(engine, family).items()},
                        "serve": [v for e, v in serve if e == engine]}
     return out
 
@@ -192,11 +199,12 @@ def release_warnings(results: list[Outcome], family: Family) -> list[str]:
                         + (f" (and {more} more)" if more else "")
                         + f". Ways out: {ways_out(group[0], results, first)}; --serve {engine}==X refuses it "
                           "for the release you serve")
-    unread = {engine: rest for engine in ENGINES if (rest := not_answered(engine, family))}
+    unread = [f"{named(engine, rest)} ({state})" for engine in ENGINES
+              for state, rest in not_answered(engine, family).items()]
     if unread:
-        warnings.append(f"not read for family {family.name}'s classes: "
-                        + "; ".join(named(e, rest) for e, rest in unread.items())
-                        + ": whether they load this output is unknown (gate checkpoint names them too)")
+        warnings.append(f"not replayed for family {family.name}'s classes: {'; '.join(unread)}: whether a release "
+                        "that needs reading loads this output is unknown, and one that does not build the class "
+                        "cannot serve it (python -m quant.engines.window report names what changed)")
     return warnings
 
 
