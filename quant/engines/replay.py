@@ -175,6 +175,10 @@ def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_la
         whole = how == "mapper_61_draft_bf16" and kind == "quark" and Exclude(entries).matches(
             map_61(f"model.layers.{num_hidden_layers}"))
         return entries, whole
+    if how in ("mtp_any_draft_bf16", "mtp_experts_draft_bf16") and kind == "quark":
+        # a draft shipped bf16 is detected from its mtp.* entries; the draft then takes no quant config at all
+        mtp = [e for e in entries if e.startswith("mtp.")]
+        return entries, bool(mtp) and (how == "mtp_any_draft_bf16" or any("mlp.experts" in e for e in mtp))
     if how == "glm_remap" and kind == "quark":
         prefix = f"model.layers.{num_hidden_layers}."
         mtp = [e for e in entries if e.startswith(prefix)]
@@ -433,6 +437,12 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                 slots[name] = False
             if quantized_on_disk and em.role == "indexer" and kind in rules["indexer"]["wk_dequantized"]:
                 continue  # the loader dequantizes it into the bf16 slot
+            if quantized_on_disk and em.draft and whole_draft_bf16:
+                finding(name, f"{rules.engine} builds the whole MTP draft bf16 (its exclude entries for the draft "
+                              f"drop the draft's quant config: {rules.cites['draft_exclude'].split(' (', 1)[0]}); "
+                              f"an {fmt_name} weight cannot load", "keep the draft's experts bf16 too (quantize "
+                              "--mtp-experts bf16), or serve without the MTP draft")
+                continue
             if quantized_on_disk:
                 how = "as a plain bf16 Linear" if em.role == "mtp_proj" else f"unquantized ({em.role})"
                 on = f" on {serving.platform}" if em.role == "indexer" and rules.engine == "sglang" else ""
@@ -543,7 +553,42 @@ def fusion_findings(ctx: ReplayContext, entries: list[str], slots: dict[str, boo
             (f"serve with {release_spans(ok, family)}, or " if ok else "")
             + "start sglang with --disable-shared-experts-fusion"
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
-    return findings
+    return findings + _unloaded_draft_slot(ctx, entries)
+
+
+def _draft_fuses_unloaded(rules: RuleSet, ctx: ReplayContext, entries: list[str]) -> bool:
+    """Whether this release's MTP draft fuses its shared expert while the draft's loader has no remap of
+    mlp.shared_expert into the fused slot (rule ``draft_shared_remap``)."""
+    rule = rules.values.get("shared_experts_fusion") or {}
+    if rule.get("decided_by") != "can_fuse_shared_expert" or rule.get("draft_shared_remap", True):
+        return False
+    draft_entries, whole_bf16 = draft_exclude(entries, rules, ctx.family, ctx.num_hidden_layers, ctx.kind)
+    draft_kind = None if whole_bf16 else ctx.kind  # a draft built bf16 has no quant config to veto
+    if no_fusion_reason(rules, ctx.family, ctx.config, draft_kind, draft_entries, ctx.serving, True) is not None:
+        return False
+    return rule.get("draft_decision", "own") == "own" or \
+        no_fusion_reason(rules, ctx.family, ctx.config, ctx.kind, entries, ctx.serving, False) is None
+
+
+def _unloaded_draft_slot(ctx: ReplayContext, entries: list[str]) -> list[Finding]:
+    """A fused MTP draft whose loader never fills the shared expert's slot: no error, the draft runs with an
+    unloaded expert (its acceptance rate collapses), so it is a finding like a failed load."""
+    rules = ctx.rules
+    drafts = [(moe, shared) for moe, shared in _shared_by_moe(ctx.modules, rules, ctx.num_hidden_layers).items()
+              if is_draft(shared[0], rules, ctx.num_hidden_layers)]
+    if not drafts or not _draft_fuses_unloaded(rules, ctx, entries):
+        return []
+    moe, shared = drafts[0]
+    ok = [r for r in rule_sets("sglang", ctx.family)
+          if not _draft_fuses_unloaded(r, replace(ctx, rules=r), exclude_entries(ctx.qconfig, r, ctx.kind, ctx.serving))]
+    slot = ctx.config.get(rules["shared_experts_fusion"]["experts_key"])
+    return [Finding(
+        "fusion", rules.id, moe,
+        f"{rules.engine} fuses the MTP draft's shared expert into its FusedMoE as expert {slot} ({fusion_cite(rules)}; "
+        f"{ctx.serving.label()}) but the draft's loader has no mlp.shared_expert -> mlp.experts.{slot} remap: "
+        f"{shared[0]} is never loaded into the slot; the draft loads wrong, without an error",
+        (f"serve with {release_spans(ok, ctx.family)}, or " if ok else "")
+        + "start sglang with --disable-shared-experts-fusion, or serve without the MTP draft")]
 
 
 def release_spans(ok: list[RuleSet], family: str) -> str:
@@ -557,8 +602,8 @@ def release_spans(ok: list[RuleSet], family: str) -> str:
         else:
             spans.append([r])
     last = rule_sets("sglang", family)[-1].last
-    return " or ".join(f"sglang >= {s[0].first}" if s[-1].last == last else f"sglang {s[0].first}..{s[-1].last}"
-                       for s in spans)
+    return " or ".join(f"sglang >= {s[0].first}" if s[-1].last == last else f"sglang {s[0].first}"
+                       if s[0].first == s[-1].last else f"sglang {s[0].first}..{s[-1].last}" for s in spans)
 
 
 def _names_to_list(name: str, rules: RuleSet, kind: str) -> list[str]:

@@ -104,9 +104,11 @@ class DraftModuleNames(Schema):
 # draft bf16 when its layer is excluded), ``glm_remap`` (GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config),
 # ``nextn_mapper`` / ``nextn_mapper_target`` (a draft class's own mapper of layer num_hidden_layers to model.decoder,
 # alone or joined with the target's ``exclude_mapper``, and the whole draft bf16 when that layer is excluded:
-# quant.engines.replay.nextn_mapper).
+# quant.engines.replay.nextn_mapper), ``mtp_any_draft_bf16`` / ``mtp_experts_draft_bf16`` (the list as is, and the
+# whole draft bf16 under Quark when any ``mtp.*`` entry is listed / one naming ``mlp.experts``: Qwen3.5's
+# qwen3_5_mtp.py _mtp_quant_config).
 DraftExclude = dict[str, Literal["none", "mapper_61", "mapper_61_draft_bf16", "glm_remap", "nextn_mapper",
-                                 "nextn_mapper_target"]]
+                                 "nextn_mapper_target", "mtp_any_draft_bf16", "mtp_experts_draft_bf16"]]
 
 # How the draft's eh_proj is built: ``plain`` (nn.Linear, always bf16), ``quant_config`` (with a Quark config
 # only), ``any_quant_config`` (with any quant config).
@@ -187,6 +189,11 @@ class FusionByBlock(Schema):
     experts_key: str
     shared: str
     file: str
+    # the MTP draft's blocks: ``own`` (decided with the draft's quant config), ``with_main`` (also off when the main
+    # model cannot fuse: a server-wide switch); ``draft_shared_remap``: the draft's loader renames its shared expert
+    # into the fused slot (without it a fused draft leaves that slot unloaded)
+    draft_decision: Literal["own", "with_main"] = "own"
+    draft_shared_remap: bool = True
 
 
 SharedExpertsFusion = Annotated[FusionByArchitecture | FusionByBlock, Field(discriminator="decided_by")]

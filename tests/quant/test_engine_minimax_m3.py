@@ -279,7 +279,9 @@ def _fusion_engine(whl):
     class's own shared_experts_fusion_disable_reason, then its count (0.5.23) or its
     _determine_num_fused_shared_experts (0.5.21, 0.5.22), as layers/moe/utils.py calls them."""
     names = ["shared_experts_fusion_disable_reason", "num_fusable_shared_experts", "_determine_num_fused_shared_experts"]
-    holder = methods(whl, MAIN["sglang"], VL, names)["cls"]
+    holder = methods(whl, MAIN["sglang"], VL, [n for n in names if f"def {n}(" in source(whl, MAIN["sglang"])])["cls"]
+    if "shared_experts_fusion_disable_reason" not in holder.__dict__:  # 0.5.17: the model decides in __init__
+        return _determine_engine(whl, holder)
     gate = holder.__dict__["shared_experts_fusion_disable_reason"].__func__
     count = holder.__dict__.get("num_fusable_shared_experts")
 
@@ -296,6 +298,25 @@ def _fusion_engine(whl):
         fn.__globals__.update(is_shared_experts_fusion_disabled=lambda: disabled)
         model = types.SimpleNamespace(config=hf, num_fused_shared_experts=0)
         fn(model)
+        return bool(model.num_fused_shared_experts)
+    return decide
+
+
+def _determine_engine(whl, holder):
+    """sglang 0.5.17: the model's own _determine_num_fused_shared_experts, run on a stand-in instance."""
+    fn = holder.__dict__["_determine_num_fused_shared_experts"]
+
+    def decide(text, kind, setup) -> bool:
+        cap = setup.capability
+        flags = _stubs(whl, setup, None)
+        fn.__globals__.update(flags, _device_sm=cap[0] * 10 + cap[1] if setup.platform == "cuda" else None)
+        hf = types.SimpleNamespace(text_config=types.SimpleNamespace(**text))
+        model = types.SimpleNamespace(config=hf, num_fused_shared_experts=0,
+                                      quant_config=types.SimpleNamespace(get_name=lambda: kind))
+        from tests.quant.test_engine_sources import _served
+
+        with _served("sglang.srt.arg_groups.overrides", declare_load_time_override=lambda *a: None):
+            fn(model)
         return bool(model.num_fused_shared_experts)
     return decide
 
@@ -559,7 +580,7 @@ def test_router_vision_and_moe_block_are_built_as_the_rules_say(rules, release, 
 
 
 def test_every_required_release_is_read_and_has_one_rule_set():
-    for engine, required in {"sglang": ["0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}.items():
+    for engine, required in {"sglang": ["0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"], "vllm": ["0.33.0"]}.items():
         read = releases_read(engine, FAMILY)
         assert set(required) <= set(read), (engine, sorted(read))
         for release in required:

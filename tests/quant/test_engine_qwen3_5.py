@@ -113,12 +113,17 @@ def test_shared_expert_fusion_decisions_are_the_engines(rules, release):
     wheel's can_fuse_shared_expert with QuarkConfig's own hook decides, as the replay does."""
     whl = engine_wheel(rules, release)
     init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3_5MoeForConditionalGeneration"), "__init__"))
-    assert "if _use_aiter and (not _disable_shared_experts_fusion()):" in init
+    rule = rules["shared_experts_fusion"]
+    if rule is None:  # before 0.5.12 the class builds no fused slot at all
+        assert "num_fused_shared_experts" not in init and "support_shared_expert_fusion" not in source(whl, MAIN["sglang"])
+        return
+    assert "if _use_aiter" in init and "self.num_fused_shared_experts = self._get_num_fused_shared_experts()" in init
     for decoder in ("Qwen3_5LinearDecoderLayer", "Qwen3_5AttentionDecoderLayer"):
         layer = ast.unparse(method_def(class_def(whl, MAIN["sglang"], decoder), "__init__"))
-        assert "support_shared_expert_fusion=not _disable_shared_experts_fusion()" in layer
+        assert "support_shared_expert_fusion=" in layer
         assert "enable_cuda_shared_expert_fusion" not in layer
-    assert "if not _is_hip:\n        return None" in source(whl, MAIN["sglang"])  # the loader's reason: HIP only
+    # from 0.5.18 the loader asks the class, HIP only, before any layer is built
+    assert ("if not _is_hip:\n        return None" in source(whl, MAIN["sglang"])) == (rule["file"] == "qwen3_5.py")
     fuses = _fusion_engine(whl)
     pool = ["model.language_model.layers.1.mlp.shared_expert.gate_proj",
             "model.language_model.layers.3.mlp.shared_expert.down_proj",
@@ -182,6 +187,29 @@ def test_sglang_construction_and_draft_are_the_wheels(rules, release):
     assert "prefix=add_prefix('mtp', prefix)" in draft
     for module in ("mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.mlp.experts", "mtp.layers.0.linear_attn.out_proj"):
         assert is_draft(module, rules, L) and draft_name(module, rules, L) == module
-    tree = parsed(whl, QWEN2_MOE)
-    assert config_reads(tree, ("get_num_shared_experts", "can_fuse_shared_expert")) == \
-        set(rules["shared_experts_fusion"]["config_reads"])
+    if rules["shared_experts_fusion"] is not None:
+        tree = parsed(whl, QWEN2_MOE)
+        assert config_reads(tree, ("get_num_shared_experts", "can_fuse_shared_expert")) == \
+            set(rules["shared_experts_fusion"]["config_reads"])
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=SGLANG_IDS)
+def test_draft_quant_config_and_fused_slot_loading_are_the_wheels(rules, release):
+    """When the draft is built bf16 (qwen3_5_mtp.py drops a Quark config whose exclude list has mtp.*
+    entries: any from 0.5.12, one naming mlp.experts from 0.5.21), whether the draft's blocks decide
+    fusion alone or the main model's refusal turns it off server-wide (0.5.14-0.5.17), and whether the
+    draft's loader renames its shared expert into the fused slot (from 0.5.19)."""
+    whl = engine_wheel(rules, release)
+    draft = source(whl, DRAFT)
+    how = rules["draft_exclude"][FAMILY]
+    drops = "layer.startswith('mtp.')" in ast.unparse(parsed(whl, DRAFT))
+    experts_signal = '"mlp.experts" in layer' in draft
+    assert how == ("none" if not drops else "mtp_experts_draft_bf16" if experts_signal else "mtp_any_draft_bf16")
+    rule = rules["shared_experts_fusion"]
+    if rule is None:
+        return
+    load = ast.unparse(method_def(class_def(whl, DRAFT, "Qwen3_5ForCausalLMMTP"), "load_weights"))
+    assert rule.get("draft_shared_remap", True) == ("'mlp.shared_expert.'" in load and "num_fused_shared_experts" in load)
+    text_init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3_5ForCausalLM"), "__init__"))
+    server_wide = "_maybe_autodisable_shared_experts_fusion(" in text_init
+    assert rule.get("draft_decision", "own") == ("with_main" if server_wide else "own")

@@ -217,16 +217,21 @@ def test_a_draft_quantized_otherwise_than_main_layer_0_is_refused():
 def _fusion_engine(whl):
     """(config, exclude, kind, serving) -> whether Qwen2MoeSparseMoeBlock fuses the shared expert,
     decided by the wheel's get_num_shared_experts, can_fuse_shared_expert and QuarkConfig's hook."""
-    moe = load(whl, QWEN2_MOE, ["get_num_shared_experts", "can_fuse_shared_expert"],
-               {"PretrainedConfig": object, "QuantizationConfig": object})
+    # get_num_shared_experts is a function from 0.5.14; before, the block counts inline as it does
+    named = [n for n in ("get_num_shared_experts", "can_fuse_shared_expert") if f"def {n}(" in source(whl, QWEN2_MOE)]
+    moe = load(whl, QWEN2_MOE, named, {"PretrainedConfig": object, "QuantizationConfig": object})
     consts = load(whl, QUARK, [n for n in ("_MOE_SHARED_EXPERT_QUANT_LAYER0_BASES", "_SHARED_EXPERT_BODY_PROJ_SUFFIXES",
                                            "_MOE_SHARED_EXPERT_QUANT_DRAFT_BASES") if n in source(whl, QUARK)])
-    quark = methods(whl, QUARK, "QuarkConfig", ["can_fuse_shared_expert", "shared_expert_excluded_from_quant",
-                                                "_is_draft_layer", "shared_expert_online_mxfp4_supported",
-                                                "_warn_online_mxfp4_unavailable"])
+    hooks = [n for n in ("can_fuse_shared_expert", "shared_expert_excluded_from_quant", "_is_draft_layer",
+                         "shared_expert_online_mxfp4_supported", "_warn_online_mxfp4_unavailable")
+             if f"def {n}(" in source(whl, QUARK)]
+    quark = methods(whl, QUARK, "QuarkConfig", hooks)
     block = ast.unparse(method_def(class_def(whl, QWEN2_MOE, "Qwen2MoeSparseMoeBlock"), "__init__"))
-    assert "if support_shared_expert_fusion and (_use_aiter or (_is_cuda and enable_cuda_shared_expert_fusion)):" in block
-    assert "self.num_shared_experts > 0 and can_fuse_shared_expert(config, quant_config)" in block
+    assert "_use_aiter" in block and "support_shared_expert_fusion" in block
+    assert "can_fuse_shared_expert(config, quant_config)" in block
+    inline = lambda hf: getattr(hf, "n_shared_experts", None) if hasattr(hf, "n_shared_experts") else \
+        int(getattr(hf, "shared_expert_intermediate_size", 0) > 0)  # noqa: E731  the block's own count, <= 0.5.13
+    count = moe.get("get_num_shared_experts", inline)
 
     def decide(config, exclude, kind, setup) -> bool:
         stubs = _stubs(whl, setup, None)
@@ -242,7 +247,7 @@ def _fusion_engine(whl):
             qc = types.SimpleNamespace(get_name=lambda: kind)  # Fp8Config: no can_fuse_shared_expert
         # qwen3_next.py passes support/enable_cuda True; on ROCm, _use_aiter (SGLANG_USE_AITER=1, assumed)
         platform_ok = setup.platform == "cuda" or setup.platform == "rocm"
-        return platform_ok and moe["get_num_shared_experts"](hf) > 0 and moe["can_fuse_shared_expert"](hf, qc)
+        return platform_ok and count(hf) > 0 and moe["can_fuse_shared_expert"](hf, qc)
     return decide
 
 
