@@ -408,7 +408,8 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
         raise NamingError(f"this recipe gives a checkpoint that {len(refused)} engine check(s) of the newest "
                           f"releases read refuse: {listed}. Change the recipe (quantize whole fused modules and whole "
                           "expert layers), or name the older release you serve with --serve ENGINE==X")
-    moe_present = {plan.family.layer_index(t.source.name) for t in plan.tensors if t.role == "routed_expert" and not t.mtp}
+    moe_present = {plan.family.layer_index(t.source.name) for t in plan.tensors
+                   if t.role == "routed_expert" and not t.mtp}
     layers = [f for rules in select("all", plan.family) for f in layer_findings(rules, text, moe_present - {None})]
     warnings = [f"{f.engine}: {f.why}; {f.fix}" for f in layers] + release_warnings(results, plan.family)
     releases = release_summary(results, plan.family, serve)
@@ -419,8 +420,8 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
     gpus = "; ".join(dict.fromkeys(fusing_gpus(o.rules) for o in fusing))  # each class's own rule, not DeepSeek-V2's
     spans = named("sglang", [v for o in fusing for v in o.releases])
     return warnings + [(f"shared-expert fusion: on {gpus} (TP, fusion on; the default MI355X is ROCm gfx950) "
-                        f"{spans} fold the shared expert into the routed experts' FusedMoE, and this recipe "
-                        f"stores them in different dtypes, so these releases fail to load it ({first.module}). "
+                        f"{spans} fold the shared expert into the routed experts' FusedMoE and fail to load this "
+                        f"output ({first.module}: {first.why}). "
                         f"Ways out: {ways_out(fusing[0], results, first)}. gate checkpoint lists each release and "
                         "GPU")], releases
 

@@ -143,12 +143,12 @@ def ways_out(outcome: Outcome, results: list[Outcome], first: Finding) -> str:
     ways = [f"serve {named(outcome.rules.engine, loading)}"] if loading else []
     if outcome.draft_only:
         ways.append("serve without the MTP draft (no speculative decoding: only the draft's modules fail)")
-    if outcome.draft_only and first.check != "fusion":
-        ways.append("keep the MTP draft's quantized modules bf16 (its routed experts: --mtp-experts bf16)")
     if first.check == "fusion":
-        experts = "the MTP draft's" if outcome.draft_only else "each MoE layer's"
-        ways.append(f"start sglang with --disable-shared-experts-fusion, or store {experts} shared and routed experts "
-                    "in one dtype (--shared-experts, --mtp-experts)")
+        ways.append("start sglang with --disable-shared-experts-fusion")
+        if "meets the FusedMoE's" in first.why:  # a dtype clash (not a draft loader that never fills the slot)
+            experts = "the MTP draft's" if outcome.draft_only else "each MoE layer's"
+            ways[-1] += (f", or store {experts} shared and routed experts in one dtype (--shared-experts, "
+                         "--mtp-experts)")
     else:
         ways.append(first.fix)
     return "; ".join(ways)

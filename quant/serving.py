@@ -49,6 +49,32 @@ def _fused_names(modules: set[str], family=DEFAULT_FAMILY) -> set[str]:
     return fused
 
 
+def _absent_shards(kept: set[str], quantized: set[str], family=DEFAULT_FAMILY) -> set[str]:
+    """Where releases disagree on a fused module's shards (sglang 0.5.17-0.5.19's MiniMax-M3
+    index_qkv_proj lists an index_v_proj the release does not store; 0.5.20 lists index_q/k_proj only)
+    and the shards stored all stay unquantized: the names of the shards not stored and the fused name.
+    Listed, they make the releases that expect those shards see every shard excluded (not 'different
+    quantization schemes'); in the others they name no module and are inert."""
+    lists: dict[str, set[tuple[str, ...]]] = defaultdict(set)
+    for r in _all_rule_sets(family):
+        for fused in (r["built_fused"], r.values.get("quark_fused") or {}):
+            for name, shards in fused.items():
+                lists[name].add(tuple(shards))
+    differing = {name: found for name, found in lists.items() if len(found) > 1}
+    present, names = kept | quantized, set()
+    for module in kept:
+        if _ROUTED_EXPERT.match(module):
+            continue
+        for fused_leaf, found in differing.items():
+            for parent in _shard_parents(module, tuple({s for shards in found for s in shards})):
+                stored = {s for shards in found for s in shards if f"{parent}.{s}" in present}
+                # the releases whose fused module is made of the stored shards, and what else they list
+                absent = {s for shards in found if stored <= set(shards) for s in shards} - stored
+                if absent and not any(f"{parent}.{s}" in quantized for s in stored):
+                    names |= {f"{parent}.{s}" for s in absent} | {f"{parent}.{fused_leaf}"}
+    return names
+
+
 def _shard_parents(module: str, shards: tuple[str, ...]) -> list[str]:
     """The parent ``module`` is a shard of, for each shard it ends in."""
     return [parent for shard in shards if (parent := shard_parent(module, shard)) is not None]
@@ -114,7 +140,7 @@ def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, f
     check_fused_agreement(kept, quantized, family)
     check_expert_agreement(kept, quantized)
     check_draft_collisions(kept, quantized, num_hidden_layers, family)
-    names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family)
+    names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family) | _absent_shards(kept, quantized, family)
     aliases = {alias for rules in _all_rule_sets(family) for name in names
                for alias in (draft_name(name, rules, num_hidden_layers),
                              draft_module_name(name, rules, num_hidden_layers))}

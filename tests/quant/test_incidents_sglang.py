@@ -146,11 +146,16 @@ def test_qwen35_draft_fused_without_the_shared_expert_remap_loads_wrong(qwen35, 
 
 @pytest.fixture(scope="module")
 def minimax_m3(tmp_path_factory):
-    """quantgate's default MXFP4 of a MiniMax-M3 layout: the attention stays bf16, so the exclude list names the
-    lightning indexer's index_q_proj and index_k_proj; the release stores no index_v_proj."""
+    """A MiniMax-M3 MXFP4 export as the incident's: the attention stays bf16, so the exclude list names the
+    lightning indexer's index_q_proj and index_k_proj; the release stores no index_v_proj, and the list does
+    not name it (quantize's own list also names index_v_proj and index_qkv_proj: tests/quant/test_serve.py)."""
     root = tmp_path_factory.mktemp("minimax_m3")
     write_family_checkpoint(root / "bf16", "minimax_m3", num_hidden_layers=3)
-    write_planned(root / "bf16", root / "default", load_recipe())
+
+    def stored_shards_only(qconfig):
+        qconfig["exclude"] = [e for e in qconfig["exclude"] if not e.endswith(("index_v_proj", "index_qkv_proj"))]
+
+    write_planned(root / "bf16", root / "default", load_recipe(), stored_shards_only)
     return root
 
 

@@ -216,3 +216,52 @@ def test_kimi_default_names_the_releases_that_fuse_its_bf16_shared_expert(kimi38
     assert quantize(kimi384, tmp_path / "out", "--serve", "sglang==0.5.18", "--dry-run").returncode == 0
     assert make_plan(kimi384, with_overrides(load_recipe(), shared_experts="mxfp4")).summary()["releases"][
         "sglang"]["fails"] == []
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return write_family_checkpoint(tmp_path_factory.mktemp("qwen35") / "bf16", "qwen3_5_moe")
+
+
+def test_qwen35_default_names_the_releases_that_build_its_draft_bf16(qwen35, tmp_path):
+    """quantgate's Qwen3.5 MXFP4 default quantizes the MTP layer's routed experts and lists the draft's
+    other modules (mtp.*) in exclude: sglang 0.5.12-0.5.20 then build the whole draft bf16, which cannot
+    hold MXFP4 experts. The plan warns naming that range and the ways out; --serve sglang==0.5.16
+    refuses in one line and writes nothing; the ways out it names (--mtp-experts bf16, a release that
+    loads) pass."""
+    plan = make_plan(qwen35, load_recipe())
+    assert "0.5.12-0.5.20" in plan.summary()["releases"]["sglang"]["fails"]
+    warning = next(w for w in plan.warnings if w.startswith(
+        "sglang 0.5.12-0.5.20 would not load this output: mtp.layers.0.mlp.experts: sglang builds the whole MTP draft "
+        "bf16"))
+    assert "Ways out: serve sglang 0.5.11, 0.5.21-0.5.23; serve without the MTP draft" in warning
+    assert "--mtp-experts bf16" in warning
+    done = quantize(qwen35, tmp_path / "out", "--serve", "sglang==0.5.16")
+    assert done.returncode == 2 and not (tmp_path / "out").exists() and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("quantize: error: --serve sglang==0.5.16: sglang 0.5.16 would not load this output: "
+                                  "mtp.layers.0.mlp.experts: sglang builds the whole MTP draft bf16"), done.stderr
+    for way_out in (("--mtp-experts", "bf16", "--serve", "sglang==0.5.16"), ("--serve", "sglang==0.5.21")):
+        assert quantize(qwen35, tmp_path / "out", *way_out, "--dry-run").returncode == 0, way_out
+
+
+def test_minimax_m3_exclude_names_the_index_value_shard_some_releases_fuse(tmp_path, capsys):
+    """sglang 0.5.17-0.5.19 check MiniMax-M3's index_qkv_proj as index_q_proj, index_k_proj and
+    index_v_proj, which the release does not store: an exclude list naming the two stored ones makes them
+    raise 'different quantization schemes'. quantize also lists index_v_proj (no module has that name in
+    the other releases), so its output loads in 0.5.17-0.5.20; without that entry 0.5.18 fails."""
+    from evals.cli import main as gate
+    from tests.quant.test_fusion import write_planned
+
+    src = write_family_checkpoint(tmp_path / "bf16", "minimax_m3")
+    plan = write_planned(src, tmp_path / "ours", load_recipe())
+    assert "language_model.model.layers.1.self_attn.index_v_proj" in plan.exclude
+    assert plan.summary()["releases"]["sglang"]["loads"][0] == "0.5.17-0.5.20"
+    assert gate(["checkpoint", str(tmp_path / "ours"), "--engine", "sglang==0.5.18"]) == 0
+
+    def drop(qconfig):
+        qconfig["exclude"] = [e for e in qconfig["exclude"] if not e.endswith(("index_v_proj", "index_qkv_proj"))]
+
+    write_planned(src, tmp_path / "without", load_recipe(), drop)
+    capsys.readouterr()
+    assert gate(["checkpoint", str(tmp_path / "without"), "--engine", "sglang==0.5.18"]) == 1
+    assert "different quantization schemes" in capsys.readouterr().out
