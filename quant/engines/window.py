@@ -10,7 +10,7 @@ symbol the nearest read release's rule set cites hashes identical: that release'
 not register the family's model class: sglang's ``EntryClass`` in ``sglang/srt/models/``, vLLM's
 ``vllm/model_executor/models/registry.py``).
 
-    python -m quant.engines.window report [--engine E] [--family F] [--json]
+    python -m quant.engines.window report [--engine E] [--family F] [--json | --markdown | --symbols]
     python -m quant.engines.window lock [RULE_FILE ...]   # rewrite locks from the wheels (downloads missing ones)
     python -m quant.engines.window check                  # exit 1 naming each stale lock (CI)
     python -m quant.engines.window refresh                # new registry releases -> releases.yaml, locks, report
@@ -569,6 +569,31 @@ def registry_releases(engine: str) -> list[str]:
     return sorted({v.strip() for v in found.group(1).split(",") if not Version(v.strip()).is_prerelease}, key=Version)
 
 
+def _spans(releases: list[dict], state: str) -> str:
+    """The releases in ``state`` as ranges of consecutive window releases (``0.5.9-0.5.12.post1, 0.5.20``)."""
+    out, run = [], []
+    for entry in [*releases, None]:
+        if entry is not None and entry["state"] == state:
+            run.append(entry["release"])
+            continue
+        if run:
+            out.append(run[0] + (f"-{run[-1]}" if len(run) > 1 else ""))
+            run = []
+    return ", ".join(out) or "-"
+
+
+def print_table(rows: list[dict]) -> None:
+    """The window as one Markdown table: family x engine x release ranges per state."""
+    print("| family | engine | read | carried over (identical cited source) | needs reading | not built |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['family']} | {row['engine']} | refused: {row['error']} | | | |")
+            continue
+        cells = [_spans(row["releases"], s) for s in ("read", "carried", "needs reading", "not built")]
+        print(f"| {row['family']} | {row['engine']} | " + " | ".join(cells) + " |")
+
+
 def refresh(wheels: Wheels | None) -> list[str]:
     """Add the registry's releases from the window's first on that it does not list (a new ``.postN`` of an
     older release included) to ``releases.yaml``, downloading their wheels; returns them. ``wheels`` None:
@@ -602,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--family")
     rep.add_argument("--json", action="store_true")
     rep.add_argument("--symbols", action="store_true", help="name the changed symbols, not only their rules")
+    rep.add_argument("--markdown", action="store_true", help="one table: family x engine x release ranges")
     lk = sub.add_parser("lock", help="rewrite the locks (all rule files, or the ones named) from the wheels")
     lk.add_argument("files", nargs="*", help="rule files (path, or name: sglang, vllm.kimi_k25)")
     sub.add_parser("check", help="exit 1 naming each lock that no longer matches its rule file")
@@ -639,7 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.family:
             rules.family_named(args.family)
         rows = report_rows(args.engine, args.family)
-        print(json.dumps(rows, indent=1)) if args.json else print_report(rows, args.symbols)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        elif args.markdown:
+            print_table(rows)
+        else:
+            print_report(rows, args.symbols)
         return 0
     except (RuleFileError, rules.UnknownEngine) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -30,7 +30,7 @@ from quant.engines import (
     rule_sets,
 )
 from quant.engines.match import fp8_ignored_layers, fp8_skipped
-from quant.engines.rules import releases_read
+from quant.engines.rules import release_states, releases_read
 from tests.quant.engine_sources import (
     Built,
     WheelUnavailable,
@@ -46,6 +46,7 @@ from tests.quant.engine_sources import (
     sglang_quark_loader_additions,
     source,
     wheel,
+    window_sample,
 )
 
 N = 3  # num_hidden_layers of the generated model: the MTP layer is model.layers.3
@@ -53,12 +54,16 @@ CASES = 120  # per release and kind; 25 releases x (Quark + FP8 + draft) > 1,000
 
 
 def _releases() -> list[tuple]:
-    """(rule set, release): each set's first and last release, and the .postN releases mapped to it."""
+    """(rule set, release): each set's first and last release, the .postN releases mapped to it, and a sample
+    of the releases carried over to it by identical cited source (engine_sources.window_sample)."""
     out = []
     for engine in ENGINES:
+        states = release_states(engine)
+        carried = [v for v in window_sample(engine) if states[v].state == "carried"]
         for rules in rule_sets(engine):
             mine = {v for v, base in releases_read(engine).items() if rules.covers(base)
                     and (v in (rules.first, rules.last) or v != base)}
+            mine |= {v for v in carried if rules.covers(states[v].rules_of)}
             out += [(rules, v) for v in sorted(mine, key=Version)]
     return out
 

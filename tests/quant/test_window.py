@@ -2,8 +2,9 @@
 release is proven from the wheels, a changed function makes a release "needs reading", a stale lock and a cite
 naming nothing are refused.
 
-The wheel-backed tests recompute a sample of releases each run (printed); ``QUANTGATE_WINDOW=all`` recomputes
-every carried release and every release of the sampled rule file."""
+The wheel-backed tests recompute a sample each run (printed): one rule file's lock (a different one each day) in
+its read releases and two carried ones, and three carried releases against the releases they are carried from;
+``QUANTGATE_WINDOW=all`` recomputes every lock in every release of the window and every carried release."""
 
 from __future__ import annotations
 
@@ -81,19 +82,21 @@ def test_carried_releases_are_proven_from_the_wheels():
 def test_a_sampled_release_hashes_as_its_lock_says():
     """Every symbol of one rule file's lock, recomputed in its read releases and a sample of its carried ones."""
     names = window.rule_file_names()
-    name = names[datetime.date.today().toordinal() % len(names)]  # a different rule file each day
-    print("lock recomputed:", window.lock_path(name))
-    engine = name.split(".")[0]
-    lock = rules._lock(name)
-    releases = window_sample(engine, _family_of(name))
-    keys = sorted(lock["hashes"])
+    everything = os.environ.get("QUANTGATE_WINDOW") == "all"  # every lock, every release of the window
+    if not everything:
+        names = [names[datetime.date.today().toordinal() % len(names)]]  # a different rule file each day
+    print("locks recomputed:", ", ".join(str(window.lock_path(n)) for n in names))
     wheels = window.Wheels()
-    for release in releases:
-        try:
-            whl = wheels(engine, release)
-        except rules.RuleFileError as exc:
-            pytest.skip(str(exc))
-        assert window.release_hashes(whl, keys) == {k: lock["hashes"][k][release] for k in keys}, (name, release)
+    for name in names:
+        engine = name.split(".")[0]
+        lock = rules._lock(name)
+        keys = sorted(lock["hashes"])
+        for release in rules.window(engine) if everything else window_sample(engine, _family_of(name)):
+            try:
+                whl = wheels(engine, release)
+            except rules.RuleFileError as exc:
+                pytest.skip(str(exc))
+            assert window.release_hashes(whl, keys) == {k: lock["hashes"][k][release] for k in keys}, (name, release)
 
 
 # --- a window of three small wheel-like zips: one unchanged but for comments, one with a cited function changed ---
