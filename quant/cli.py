@@ -177,6 +177,7 @@ def _human_plan(plan: Plan) -> str:
         served = f" (served: {', '.join(states['serve'])})" if states["serve"] else ""
         lines.append(f"{'releases' if engine == next(iter(s['releases'])) else '':<12}{engine}{served}: "
                      + "; ".join(said))
+    lines += [f"{'by TP' if i == 0 else '':<12}{line}" for i, line in enumerate(s["block_fp8_tp"])]
     lines += [f"warning     {w}" for w in s["warnings"]]
     return "\n".join(lines)
 

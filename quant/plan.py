@@ -17,6 +17,7 @@ from pathlib import Path
 from quant import blocks
 from quant.checkpoint import TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Module, ReplayContext, draft_name, replay, select
+from quant.engines.block_partition import tp_summary, tp_warning
 from quant.engines.config import layer_findings
 from quant.engines.fusion import fusing_gpus
 from quant.errors import QuantgateError
@@ -122,6 +123,11 @@ class Plan:
         fused = self.family and self.family.fused_experts
         return bool(fused) and fused.writes == "blocks" and not self.decodes and any(t.blocks for t in self.tensors)
 
+    def modules(self) -> dict[str, Module]:
+        """The Linear modules of the planned output, quantized or not, as the engines name them."""
+        return {module: Module(t.action == ENCODE, shape, t.role) for t in self.tensors
+                for module, shape in t.linear_modules()}
+
     def quantization_config(self) -> dict:
         if self.writes_blocks:  # the release's own config (gpt-oss: quant_method mxfp4), not Quark's
             return blocks.native_config(self.family.fused_experts.blocks_config)
@@ -177,6 +183,9 @@ class Plan:
             "releases": self.releases,
             "aux_files": list(self.aux_files),
             "warnings": list(self.warnings),
+            # block FP8: the TP sizes each engine release span loads the output at
+            "block_fp8_tp": tp_summary(self.modules(), self.family.text_config(self.config),
+                                       self.quantization_config()),
         }
 
 
@@ -329,6 +338,8 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
                 tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
     more, releases = _check_engines_load(plan, serve)
+    # the default serving is TP 8: where the block-FP8 output does not load at it, say so
+    more += [tp] if (tp := tp_warning(plan.modules(), family.text_config(config), plan.quantization_config())) else []
     return replace(plan, warnings=plan.warnings + tuple(more), releases=releases)
 
 
@@ -386,8 +397,7 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
     ``serve`` release, would not load; warn naming the older releases that fail. Shared-expert fusion
     is a serving choice, not a checkpoint defect: the releases that fuse are named in a warning, with
     the ways out. Returns the warnings and the per-engine release ranges."""
-    modules = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors
-               for module, shape in t.linear_modules()}
+    modules = plan.modules()
     without_draft = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors if not t.mtp
                      for module, shape in t.linear_modules()}
     kind = "mxfp4" if plan.writes_blocks else "fp8" if plan.recipe.format == "fp8" else "quark"

@@ -16,6 +16,7 @@ import numpy as np
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay, select
+from quant.engines.block_partition import block_findings, check_heads, tp_summary
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.fusion import main_model_fusion
 from quant.engines.replay import exclude_entries, is_draft, loads_under
@@ -50,6 +51,8 @@ class Report:
     conditions: dict[str, list[tuple[Serving, bool]]] = field(default_factory=dict)  # rule set id -> loads per condition
     # sglang rule set id -> whether it folds the main model's shared expert into the routed FusedMoE, and why
     fusion: dict[str, dict] = field(default_factory=dict)
+    # block FP8: per engine release span, the TP sizes it loads at (quant.engines.block_partition.tp_summary)
+    block_fp8_tp: list[str] = field(default_factory=list)
 
     releases: list[ReleaseResult] = field(default_factory=list)  # every release asked for, oldest first per engine
     # the MTP draft's findings (what the same release does not find without the draft): among ``findings``
@@ -103,7 +106,7 @@ class Report:
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "ok": self.ok, "verdict": self.verdict,
                 "modules_checked": self.modules_checked, "modules_quantized": self.modules_quantized,
-                "serving": asdict(self.serving),
+                "serving": asdict(self.serving), "block_fp8_tp": self.block_fp8_tp,
                 "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
                                 "draft_findings": [asdict(f) for f in self.draft_findings if f.engine == e],
                                 "loads_under": [{**asdict(s), "loads": ok} for s, ok in self.conditions.get(e, [])],
@@ -373,6 +376,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     rule_sets = list({t.rules.id: t.rules for t in asked if t.rules}.values())  # each replayed once
     config = checkpoint.config
     text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
+    check_heads(text, serving, checkpoint.config_path)
     report = Report(str(folder), [r.id for r in rule_sets], serving=serving)
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
@@ -443,6 +447,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             ctx = ReplayContext(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
                                 text, serving)
             findings += replay(ctx)
+            findings += block_findings(rules, modules, text, usable, serving)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             findings.append(Finding("config", rules.id, "quantization_config",
                                     "quantized weights without a Quark or FP8 quantization_config", "re-export"))
@@ -470,6 +475,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             report.moe[rules.id] = shape
     report.releases = [ReleaseResult(t.engine, t.state.release, t.state.state, t.rules.id if t.rules else None,
                                      t.state.detail) for t in asked]
+    if kind == "fp8":
+        report.block_fp8_tp = tp_summary(modules, text, usable, sorted({r.engine for r in rule_sets}), serving.ep,
+                                         serving.platform)
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
         report.findings += expert_id_findings(checkpoint, family, declared)

@@ -48,6 +48,8 @@ it: the draft's findings are then listed apart and do not fail.
   gate checkpoint DIR --platform cuda --gpu-arch sm90 --ep 8
   gate checkpoint DIR --gpu mi300x            ROCm gfx942 (the GPU models: manifests/kernels/gpus.yaml)
   gate checkpoint DIR --disable-shared-experts-fusion
+  gate checkpoint DIR --tp 8 [--ep 8]         block FP8: each rank's partitions checked at that size (stated
+                                              only; otherwise the report lists the TP sizes it loads at)
 
 exit codes: 0 loads correctly in every release replayed; 1 some release would not (or would load wrong);
 2 the input is unreadable or not a checkpoint, or the release asked for is unknown or not read"""
@@ -86,6 +88,9 @@ def human(report) -> str:
             lines += _problems(found)
             lines += _conditions(report.conditions.get(results[0].rules, []))
         lines += _draft(report, engine) + _not_read(report, engine) + _moe(report, engine)
+    if report.block_fp8_tp:
+        stated = "" if report.serving.check_tp else " (--tp not stated, so not checked: pass --tp N)"
+        lines += [f"\nblock FP8 by TP size{stated}:", *(f"  {line}" for line in report.block_fp8_tp)]
     if report.modules_quantized == 0 and report.modules_checked:
         lines.append("\nnote: nothing here is quantized (no quantized Linear weight, "
                      "no quantization_config): it loads as a plain checkpoint")

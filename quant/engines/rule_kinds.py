@@ -318,3 +318,47 @@ class RuleFile(Schema):
             if name not in Rules.model_fields:
                 raise ValueError(nearest(name, Rules.model_fields, "rule"))
         return names
+
+
+class BlockLinear(Schema):
+    """How a release checks a block-quantized (FP8 ``weight_block_size``) Linear's per-rank partitions:
+    a row-parallel input partition % block_k and each column-parallel output partition % block_n raise
+    when TP splits them; a merged (stacked) layer's partitions are checked at any TP.
+    ``merged_mismatch_allowed``: a merged column layer with a partition that is not a multiple of block_n
+    skips the check (it loads) instead of raising."""
+    merged_mismatch_allowed: bool
+
+
+class BlockMoe(Schema):
+    """How a release builds a block-quantized FusedMoE whose per-rank intermediate size (TP: split, EP:
+    whole) is not a multiple of the block: ``raise``; or ``refine`` the block down to
+    gcd(block_n, block_k, partition, hidden) when that is at least ``refine_min``, else raise.
+    ``rocm_pads``: on ROCm (aiter) the partition is padded to this size instead when it equals both
+    block sides (None: never padded)."""
+    misfit: Literal["raise", "refine"]
+    refine_min: int | None = Field(default=None, ge=1)
+    rocm_pads: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _refine_needs_min(self):
+        if (self.misfit == "refine") != (self.refine_min is not None):
+            raise ValueError("refine_min is given with misfit refine, and only then")
+        return self
+
+
+class BlockFp8Rules(Schema):
+    linear: Rule[BlockLinear] | None = None
+    moe: Rule[BlockMoe] | None = None
+
+
+class BlockFp8Entry(Schema):
+    """The releases ``versions: [first, last]`` (every registry release between them was read) share these rules."""
+    versions: Annotated[list[Version], Field(min_length=2, max_length=2)]
+    rules: BlockFp8Rules
+
+
+class BlockFp8File(Schema):
+    """``manifests/engines/block_fp8.<engine>.yaml``: the quantization layer's block-FP8 partition checks,
+    the same for every model class of the release; rule sets oldest first, each listing what changed."""
+    engine: Literal["sglang", "vllm"]
+    rule_sets: Annotated[list[BlockFp8Entry], Field(min_length=1)]

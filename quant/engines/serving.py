@@ -9,9 +9,11 @@ each report records, so the three answer for the same setup. The GPU facts are o
 aiter keys its kernel tables on.
 
 In the releases read, the GPU and the expert-parallel size change what loads (shared-expert fusion,
-the CUDA indexer); TP and PP sizes are recorded in the report but change no loading decision for a
-Quark checkpoint (sglang's fusion reads moe_ep_size only; quark.py: can_fuse_shared_expert reads the
-exclude list, which every pipeline stage gets whole). TP and EP size the kernels' MoE shape.
+the CUDA indexer), and so do TP and EP for block-quantized FP8 weights: each rank's partition of a
+Linear or FusedMoE must be whole blocks (``quant.engines.block_partition``). Those checks apply where
+``--tp`` is stated (``check_tp``); without it the report says at which TP sizes the checkpoint loads.
+TP and EP also size the kernels' MoE shape; the PP size changes no loading decision for a Quark
+checkpoint (quark.py: can_fuse_shared_expert reads the exclude list, which every pipeline stage gets whole).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Serving:
     # started with the checkpoint's MTP layers as the speculative draft, as the families' published serving
     # commands start it; without the draft the engine never builds it, so the draft's findings do not apply
     speculative: bool = True
+    check_tp: bool = False  # --tp was stated: block-FP8 partitions and the attention heads are checked at it
 
     @property
     def capability(self) -> tuple[int, int]:
@@ -119,7 +122,8 @@ class Serving:
 
 
 def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 8, pp: int = 1, ep: int = 1,
-            disable_shared_experts_fusion: bool = False, gpu: str | None = None, speculative: bool = True) -> Serving:
+            disable_shared_experts_fusion: bool = False, gpu: str | None = None, speculative: bool = True,
+            check_tp: bool = False) -> Serving:
     """Checked conditions. A GPU model sets its platform and arch (naming nothing means the default
     GPU); a GPU arch of another platform or of another GPU, or a parallel size below 1, is refused."""
     table, known = gpu_table(), capabilities()
@@ -143,7 +147,7 @@ def serving(platform: str | None = None, gpu_arch: str | None = None, tp: int = 
     for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if size < 1:
             raise BadServing(f"{flag} {size}: a parallel size is at least 1")
-    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion, gpu, speculative)
+    return Serving(platform, arch, tp, pp, ep, disable_shared_experts_fusion, gpu, speculative, check_tp)
 
 
 DEFAULT = Serving()
@@ -163,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--platform", choices=sorted(known), help="rocm (default) or cuda")
     group.add_argument("--gpu-arch", metavar="ARCH", help="; ".join(
         f"{p}: {', '.join(archs)} (default {DEFAULT_ARCH[p]})" for p, archs in known.items()))
-    group.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+    group.add_argument("--tp", type=int, help="tensor-parallel size (default 8); stated, block-FP8 weights' per-rank "
+                       "partitions and the attention heads are checked at it")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1: TP only)")
     group.add_argument("--disable-shared-experts-fusion", action="store_true",
@@ -175,5 +180,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> Serving:
-    return serving(args.platform, args.gpu_arch, args.tp, args.pp, args.ep, args.disable_shared_experts_fusion,
-                   args.gpu, args.speculative)
+    return serving(args.platform, args.gpu_arch, 8 if args.tp is None else args.tp, args.pp, args.ep,
+                   args.disable_shared_experts_fusion, args.gpu, args.speculative, check_tp=args.tp is not None)

@@ -106,12 +106,13 @@ def test_the_serving_setup_decides(default_recipe, capsys):
     assert run_gate(capsys, ck, *at, "--platform", "cuda")[0] == 1
     assert run_gate(capsys, ck, *at, "--platform", "cuda", "--ep", "8")[0] == 0  # CUDA: not under EP
     assert run_gate(capsys, ck, *at, "--platform", "cuda", "--gpu-arch", "sm75")[0] == 0
-    assert run_gate(capsys, ck, *at, "--tp", "4", "--pp", "2")[0] == 1
+    assert run_gate(capsys, ck, *at, "--tp", "2", "--pp", "2")[0] == 1  # a TP dividing the tiny model's 2 heads
     code, report = run_gate(capsys, ck, *at, "--json")
     loads = {(c["gpu_arch"], c["ep"], c["disable_shared_experts_fusion"]): c["loads"]
              for c in report["engines"]["sglang 0.5.17 (rules of 0.5.16..0.5.17)"]["loads_under"]}
     assert report["serving"] == {"platform": "rocm", "gpu_arch": "gfx950", "tp": 8, "pp": 1, "ep": 1,
-                                 "disable_shared_experts_fusion": False, "gpu": "mi355x", "speculative": True}
+                                 "disable_shared_experts_fusion": False, "gpu": "mi355x", "speculative": True,
+                                 "check_tp": False}
     assert not loads[("gfx950", 1, False)] and loads[("gfx950", 1, True)] and loads[("sm90", 8, False)]
     assert not loads[("sm80", 1, False)] and loads[("sm75", 1, False)] and not loads[("gfx942", 8, False)]
     code, text = run_gate(capsys, ck, *at)
