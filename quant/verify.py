@@ -447,7 +447,6 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             ctx = ReplayContext(rules, modules, usable, family.name, num_hidden_layers, kind, _format_label(fmt),
                                 text, serving)
             findings += replay(ctx)
-            findings += block_findings(rules, modules, text, usable, serving)
         elif not kind and not malformed and any(m.quantized for m in modules.values()):
             findings.append(Finding("config", rules.id, "quantization_config",
                                     "quantized weights without a Quark or FP8 quantization_config", "re-export"))
@@ -471,13 +470,17 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             entries = exclude_entries(usable, rules, kind, serving) if kind else []
             fused, why = main_model_fusion(rules, family, config, kind, entries, serving)
             report.fusion[rules.id] = {"fused": bool(fused), "why": why}
+        built = modules if serving.speculative else {m: i for m, i in modules.items() if m not in draft}
+        report.findings += block_findings(rules, built, text, usable, serving, shared_fused=bool(fused))
         if shape := moe_shape(text, family, fused):
             report.moe[rules.id] = shape
     report.releases = [ReleaseResult(t.engine, t.state.release, t.state.state, t.rules.id if t.rules else None,
                                      t.state.detail) for t in asked]
-    if kind == "fp8":
+    if kind == "fp8":  # where the newest release replayed fuses the shared expert, it is in the FusedMoE
+        newest = {r.engine: r.id for r in rule_sets}  # rule sets oldest first: the last one per engine
+        fusing = tuple(e for e, rule_set in newest.items() if report.fusion.get(rule_set, {}).get("fused"))
         report.block_fp8_tp = tp_summary(modules, text, usable, sorted({r.engine for r in rule_sets}), serving.ep,
-                                         serving.platform)
+                                         serving.platform, fusing)
     if deep:
         report.findings += _deep_findings(checkpoint, fmt)
         report.findings += expert_id_findings(checkpoint, family, declared)

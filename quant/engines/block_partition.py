@@ -114,9 +114,10 @@ class Part:
     shards: tuple[str, ...] = ()  # column: the modules of ``sizes``, in order
 
 
-def parts(modules: dict[str, Module]) -> list[Part]:
+def parts(modules: dict[str, Module], shared_fused: bool = False) -> list[Part]:
     """The quantized modules the engines check against the block, one Part per kind; routed experts
-    as their FusedMoE (its intermediate size from the experts' shapes)."""
+    as their FusedMoE (its intermediate size from the experts' shapes), and the shared expert too where
+    sglang fuses it into that FusedMoE (``shared_fused``)."""
     found: dict[tuple, Part] = {}
     groups: dict[str, list[str]] = {}
     for name in sorted(modules):
@@ -124,7 +125,7 @@ def parts(modules: dict[str, Module]) -> list[Part]:
         parent, _, leaf = name.rpartition(".")
         if not module.quantized:
             continue
-        if module.role == "routed_expert":
+        if module.role == "routed_expert" or (shared_fused and module.role == "shared_expert"):
             out, inner = module.shape
             sizes = (out // 2, inner) if leaf.endswith("gate_up_proj") else (out, inner) if leaf in MOE_COLUMN \
                 else (inner, out) if leaf in MOE_ROW else None
@@ -205,14 +206,14 @@ def _moe_misfit(rule: dict, sizes: tuple[int, ...], block: tuple[int, int], tp: 
 
 
 def block_findings(rule_set: RuleSet, modules: dict[str, Module], text: dict, qconfig: dict | None,
-                   serving) -> list[Finding]:
+                   serving, shared_fused: bool = False) -> list[Finding]:
     """What ``rule_set``'s releases raise on when they build this block-FP8 checkpoint at the stated TP / EP
     (nothing where TP was not stated: ``tp_summary`` then says at which sizes it loads)."""
     block = block_size(qconfig)
     if block is None or not serving.check_tp:
         return []
     first, last = (rule_set.release, rule_set.release) if rule_set.release else (rule_set.first, rule_set.last)
-    found, findings = parts(modules), []
+    found, findings = parts(modules, shared_fused), []
     for rules in covering(rule_set.engine, first, last):
         bad = misfits(rules, found, text, block, serving.tp, serving.ep, serving.platform)
         if not bad:
@@ -284,14 +285,16 @@ def _tps(loads: list[int]) -> str:
 
 
 def tp_summary(modules: dict[str, Module], text: dict, qconfig: dict | None, engines=ENGINES, ep: int = 1,
-               platform: str = "rocm") -> list[str]:
+               platform: str = "rocm", shared_fused: tuple[str, ...] = ()) -> list[str]:
     """Per engine and block rule span (spans alike joined), the TP sizes at which a block-FP8 checkpoint
-    loads, and the first module refused at each other size; [] for a checkpoint that is not block FP8."""
+    loads, and the first module refused at each other size; [] for a checkpoint that is not block FP8.
+    ``shared_fused``: the engines whose newest release replayed fuses the shared expert into the FusedMoE."""
     block = block_size(qconfig)
     if block is None:
         return []
-    found, lines = parts(modules), []
+    lines = []
     for engine in engines:
+        found = parts(modules, engine in shared_fused)
         spans: list[tuple[str, str, str]] = []
         for rules in block_rules(engine):
             refused = [(tp, bad[0]) for tp in TP_SIZES
