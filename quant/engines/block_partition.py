@@ -120,18 +120,17 @@ def parts(modules: dict[str, Module], shared_fused: bool = False) -> list[Part]:
     sglang fuses it into that FusedMoE (``shared_fused``)."""
     found: dict[tuple, Part] = {}
     groups: dict[str, list[str]] = {}
-    for name in sorted(modules):
-        module = modules[name]
-        parent, _, leaf = name.rpartition(".")
+    experts = ("routed_expert", "shared_expert") if shared_fused else ("routed_expert",)
+    for name, module in modules.items():  # the checkpoint's order: the first module of a kind is named
         if not module.quantized:
             continue
-        if module.role == "routed_expert" or (shared_fused and module.role == "shared_expert"):
+        parent, _, leaf = name.rpartition(".")
+        if module.role in experts:
             out, inner = module.shape
             sizes = (out // 2, inner) if leaf.endswith("gate_up_proj") else (out, inner) if leaf in MOE_COLUMN \
                 else (inner, out) if leaf in MOE_ROW else None
-            if sizes:
-                fused = re.sub(r"\.\d+$", "", parent)  # the FusedMoE: the per-expert names' parent
-                found.setdefault(("moe", sizes), Part(fused, "moe", module.role, sizes))
+            if sizes and ("moe", sizes) not in found:  # the FusedMoE: the per-expert names' parent
+                found["moe", sizes] = Part(re.sub(r"\.\d+$", "", parent), "moe", module.role, sizes)
         elif leaf in PARALLEL and module.role != "vision":
             parallel, group = PARALLEL[leaf]
             if parallel == "row":
