@@ -100,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", action="append", default=[], metavar="ENGINE==X",
                    help="the engine release the output is served by (repeatable: sglang==0.5.23, vllm==0.33.0): the "
                         "plan refuses (exit 2, nothing written) what it would not load on the default serving setup "
-                        "(MI355X, TP 8), and a release not in the window or not read for the family. Without it, "
-                        "every release read is replayed: what the newest release of an engine would not load is "
-                        "refused, older releases that fail are named in a warning with the ways out")
+                        "(MI355X, TP 8), and a release not in the window or neither read nor carried for the family. "
+                        "Without it, every release read or carried is replayed: what the newest of an engine would not "
+                        "load is refused, older releases that fail are named in a warning with the ways out")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (what is quantized, kept, aliased; bytes in/out) from headers only")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
