@@ -152,7 +152,7 @@ def test_mxfp4_gate_is_the_engines_fusion_answer(converted, capsys):
     code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.23", "--disable-shared-experts-fusion")
     assert code == 0 and "verdict: loads correctly" in text, text
     code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "vllm")
-    assert code == 0 and "vllm 0.33.0: OK" in text, text
+    assert code == 0 and "verdict: loads correctly" in text, text
 
 
 def test_qwen3_router_must_be_excluded_for_vllm(tmp_path, capsys):
