@@ -17,9 +17,11 @@ from pathlib import Path
 from quant import blocks
 from quant.checkpoint import TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
 from quant.engines import Module, ReplayContext, draft_name, replay, select
-from quant.engines.block_partition import tp_summary, tp_warning
+from quant.engines.block_partition import block_findings, tp_summary, tp_warning
 from quant.engines.config import layer_findings
-from quant.engines.fusion import fusing_gpus
+from quant.engines.fusion import fusing_gpus, main_model_fusion
+from quant.engines.replay import exclude_entries
+from quant.engines.serving import DEFAULT
 from quant.errors import QuantgateError
 from quant.formats.codecs import Codec, get_codec
 from quant.fused import Piece, pieces
@@ -410,8 +412,14 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
         return replay(ReplayContext(rules, modules if with_draft else without_draft, qconfig, plan.family.name,
                                     plan.num_hidden_layers, kind, plan.recipe.format.upper(), text))
 
+    def at_default_tp(rules) -> list:  # a release served builds block FP8 per rank at the default TP 8
+        fused, _ = main_model_fusion(rules, plan.family, plan.config, kind,
+                                     exclude_entries(qconfig, rules, kind), DEFAULT) if rules.engine == "sglang" \
+            else (0, None)
+        return block_findings(rules, modules, text, qconfig, replace(DEFAULT, check_tp=True), bool(fused))
+
     results = outcomes(plan.family, replayed)
-    check_serve(results, plan.family, serve)
+    check_serve(results, plan.family, serve, at_default_tp)
     refused = [] if serve else failing_newest(results)
     if refused:
         listed = "; ".join(f"{f.engine}: {f.module}: {f.why}" for f in refused[:5])

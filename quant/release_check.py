@@ -154,8 +154,10 @@ def ways_out(outcome: Outcome, results: list[Outcome], first: Finding) -> str:
     return "; ".join(ways)
 
 
-def check_serve(results: list[Outcome], family: Family, serve: tuple[tuple[str, str], ...]) -> None:
-    """Refuse (exit 2) what a ``--serve`` release would not load, or a release not read for the family."""
+def check_serve(results: list[Outcome], family: Family, serve: tuple[tuple[str, str], ...],
+                also: Callable[[RuleSet], list[Finding]] | None = None) -> None:
+    """Refuse (exit 2) what a ``--serve`` release would not load, or a release neither read nor carried
+    for the family; ``also(rules)``: what else that one release (``rules.release``) refuses to build."""
     for engine, release in serve:
         try:
             rules = select(f"{engine}=={release}", family)[0]
@@ -163,13 +165,16 @@ def check_serve(results: list[Outcome], family: Family, serve: tuple[tuple[str, 
             raise ServeError(f"--serve {engine}=={release}: {exc}") from None
         outcome = next(o for o in results if (o.rules.engine, o.rules.first, o.rules.last) ==
                        (engine, rules.first, rules.last))
-        if outcome.loads:
+        found = list(outcome.findings + outcome.fusion)
+        extra = also(rules) if also else []
+        if not found and not extra:
             continue
-        first = (outcome.findings + outcome.fusion)[0]
-        more = len(outcome.findings) + len(outcome.fusion) - 1
+        first = (found + extra)[0]
+        more = len(found) + len(extra) - 1
+        ways = ways_out(outcome, results, first) if found else first.fix
         raise ServeError(f"--serve {engine}=={release}: {engine} {release} would not load this output: "
                          f"{first.module}: {first.why}" + (f" (and {more} more)" if more else "")
-                         + f". Ways out: {ways_out(outcome, results, first)}")
+                         + f". Ways out: {ways}")
 
 
 def failing_newest(results: list[Outcome]) -> list[Finding]:

@@ -265,3 +265,22 @@ def test_minimax_m3_exclude_names_the_index_value_shard_some_releases_fuse(tmp_p
     capsys.readouterr()
     assert gate(["checkpoint", str(tmp_path / "without"), "--engine", "sglang==0.5.18"]) == 1
     assert "different quantization schemes" in capsys.readouterr().out
+
+
+def test_serve_refuses_block_fp8_that_does_not_load_at_the_default_tp(tmp_path):
+    """quantgate's --to fp8 of a Qwen3.6-35B-A3B-shaped model (shared expert intermediate 512): at the
+    default TP 8 each rank's 64 columns of the shared expert's down_proj are not a whole 128 block, which
+    vLLM 0.33.0 raises on; --serve vllm==0.33.0 refuses it with the way out, and the recipe that keeps the
+    shared experts bf16 passes."""
+    src = write_family_checkpoint(tmp_path / "bf16", "qwen3_5_moe", num_hidden_layers=2, hidden_size=256,
+                                  moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                  num_attention_heads=16, num_key_value_heads=2, head_dim=128)
+    done = quantize(src, tmp_path / "fp8", "--to", "fp8", "--serve", "vllm==0.33.0")
+    assert done.returncode == 2 and not (tmp_path / "fp8").exists() and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("quantize: error: --serve vllm==0.33.0: vllm 0.33.0 would not load this output: "), \
+        done.stderr
+    assert "mlp.shared_expert.down_proj: block FP8 128x128 at TP 8" in done.stderr
+    assert "Ways out: serve at TP 1, 2, 4, or quantize with --shared-experts bf16" in done.stderr
+    done = quantize(src, tmp_path / "fp8", "--to", "fp8", "--serve", "vllm==0.33.0", "--shared-experts", "bf16",
+                    "--dry-run")
+    assert done.returncode == 0, done.stderr
