@@ -38,7 +38,7 @@ from quant.engines.replay import (
     mapped_entry,
     nextn_mapper,
 )
-from quant.engines.rules import releases_read, window
+from quant.engines.rules import release_states, releases_read, window
 from quant.engines.serving import serving
 from tests.quant.engine_sources import class_constant, class_def, load, methods, sglang_quark_loader_additions
 from tests.quant.family_checkpoints import write_family_checkpoint
@@ -293,9 +293,13 @@ def test_the_releases_that_build_the_class_are_the_ones_read_or_named(engine):
         except OSError as exc:
             pytest.skip(f"cannot obtain {engine}=={release}: {exc}")
         assert (path in names) == (Version(release) >= Version(first)), release
+    states = release_states(engine, FAMILY)
     for release in window(engine):
         if Version(release) >= Version(first):
             assert release in read or f"{engine} {release}" in notes, release
+            assert states[release].state in ("read", "carried", "needs reading"), states[release]
+        else:  # the window's lock says so from the wheels' model registries
+            assert states[release].state == "not built", states[release]
 
 
 def _names(whl) -> list[str]:
