@@ -28,7 +28,7 @@ from packaging.version import Version
 
 from quant.engines.replay import Finding, Module
 from quant.engines.rule_kinds import BlockFp8File
-from quant.engines.rules import ENGINES, RuleFileError, RuleSet
+from quant.engines.rules import ENGINES, RuleFileError, RuleSet, window
 from quant.engines.serving import BadServing
 from quant.layout import manifests_root
 from quant.schema import load
@@ -90,6 +90,14 @@ def block_rules(engine: str) -> tuple[BlockRules, ...]:
 def covering(engine: str, first: str, last: str) -> list[BlockRules]:
     """The block rule sets read for any release from ``first`` to ``last``."""
     return [r for r in block_rules(engine) if r.overlaps(first, last)]
+
+
+def not_read(engine: str, first: str = "0", last: str | None = None) -> list[str]:
+    """The window's releases from ``first`` to ``last`` that no block rule span covers (a release the
+    registry added since the rule files were read): their partitions are never guessed."""
+    spans = block_rules(engine)
+    return [v for v in window(engine) if Version(first) <= Version(v) <= Version(last or v)
+            and not any(Version(r.first) <= Version(v) <= Version(r.last) for r in spans)]
 
 
 def block_size(qconfig: dict | None) -> tuple[int, int] | None:
@@ -213,6 +221,12 @@ def block_findings(rule_set: RuleSet, modules: dict[str, Module], text: dict, qc
         return []
     first, last = (rule_set.release, rule_set.release) if rule_set.release else (rule_set.first, rule_set.last)
     found, findings = parts(modules, shared_fused), []
+    if unread := not_read(rule_set.engine, first, last):
+        findings.append(Finding("engine", rule_set.id, "quantization_config.weight_block_size",
+                                f"block FP8 at TP {serving.tp}: the partition checks of {rule_set.engine} "
+                                f"{', '.join(unread)} were not read, so whether it loads is unknown",
+                                f"read the cited functions in that wheel into manifests/engines/block_fp8."
+                                f"{rule_set.engine}.yaml (tests/quant/test_block_partition.py checks them)"))
     for rules in covering(rule_set.engine, first, last):
         bad = misfits(rules, found, text, block, serving.tp, serving.ep, serving.platform)
         if not bad:
@@ -309,6 +323,8 @@ def tp_summary(modules: dict[str, Module], text: dict, qconfig: dict | None, eng
         lines += [f"{engine} {first}" + (f"-{last}" if last != first else "") + f" ({platform}"
                   + (f", EP {ep}" if ep > 1 else "") + f"): block FP8 {block[0]}x{block[1]} {said}"
                   for first, last, said in spans]
+        lines += [f"{engine} {', '.join(unread)}: block FP8 partition checks not read"] if (
+            unread := not_read(engine)) else []
     return lines
 
 

@@ -230,6 +230,22 @@ def test_every_window_release_is_covered_once():
             assert len(spans) == 1, (engine, release, spans)
 
 
+def test_a_release_no_span_covers_is_named_not_guessed(monkeypatch):
+    """A registry release added to the window after the rule files were read: stated TP fails naming it."""
+    import quant.engines.block_partition as bp
+    from quant.engines.rules import RuleSet
+    from quant.engines.serving import serving
+
+    monkeypatch.setattr(bp, "window", lambda e: (*window(e), "0.35.0") if e == "vllm" else window(e))
+    experts = {"l.mlp.experts.0.gate_proj": Module(True, (768, 2048), "routed_expert")}
+    rule_set = RuleSet("vllm", "0.33.0", "0.35.0", {}, {})
+    found = bp.block_findings(rule_set, experts, {}, {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                              serving(tp=4, check_tp=True))
+    assert [f.module for f in found] == ["quantization_config.weight_block_size"] and "vllm 0.35.0" in found[0].why
+    assert bp.tp_summary(experts, {}, {"quant_method": "fp8", "weight_block_size": [128, 128]})[-1] == \
+        "vllm 0.35.0: block FP8 partition checks not read"
+
+
 def test_rule_values_are_checked():
     with pytest.raises(ValueError, match="refine_min"):
         BlockMoe(misfit="refine")
