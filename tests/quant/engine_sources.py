@@ -53,6 +53,13 @@ def source(whl: Path, path: str) -> str:
 
 
 @functools.cache
+def source_files(whl: Path) -> frozenset[str]:
+    """The paths a wheel holds (a model file that a release does not have yet is absent)."""
+    with zipfile.ZipFile(whl) as z:
+        return frozenset(z.namelist())
+
+
+@functools.cache
 def parsed(whl: Path, path: str) -> ast.Module:
     """The parsed source (cached: the model files run to thousands of lines and many tests read them)."""
     return ast.parse(source(whl, path))

@@ -25,7 +25,7 @@ from quant.engines.rules import releases_read
 from quant.engines.serving import serving
 from quant.layout import family_named
 from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, method_def, methods, parsed,
-                                        sglang_quark_loader_additions, source)
+                                        sglang_quark_loader_additions, source, source_files)
 from tests.quant.test_engine_sources import (
     GPUS,
     _draft_config_arch,
@@ -260,11 +260,15 @@ def _qwen3_moe_construction(whl, rules, where) -> dict:
     gates = attribute_builds(block, "gate")
     text = ast.unparse(block)
     if rules.engine == "sglang":
-        # gate_quant_config = quant_config only for modelslim, else None
-        plain = bool(gates) and all(b.keywords.get("quant_config") == "gate_quant_config" for b in gates) and \
-            "get_name() == 'modelslim' else None" in text.replace('"', "'")
-        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Qwen3MoeForCausalLMMTP"), "__init__"), "fc")
-        remaps = "hf_to_sglang_mapper" in source(whl, where["draft"])
+        # quant_config=None (<= 0.5.16), or gate_quant_config = quant_config only for modelslim, else None
+        modelslim_only = "get_name() == 'modelslim' else None" in text.replace('"', "'")
+        plain = bool(gates) and all(b.keywords.get("quant_config") == "None" or
+                                    (b.keywords.get("quant_config") == "gate_quant_config" and modelslim_only)
+                                    for b in gates)
+        has_draft = where["draft"] in source_files(whl)  # no draft class before 0.5.13: nothing built, nothing mapped
+        eh = attribute_builds(method_def(class_def(whl, where["draft"], "Qwen3MoeForCausalLMMTP"), "__init__"),
+                              "fc") if has_draft else []
+        remaps = has_draft and "hf_to_sglang_mapper" in source(whl, where["draft"])
     else:
         plain = not (gates and all(b.keywords.get("quant_config") == "quant_config" for b in gates))
         eh, remaps = [], "get_rename_mapper" in source(whl, where["main"])
@@ -332,7 +336,7 @@ def test_module_construction_is_the_engine_classes(family, rules, release):
     assert rules["draft_exclude"][family] == ("none" if not built["remaps"] else "remapped")
     assert rules.values.get("moe_layers", "config") == built.get("moe_layers", "config")
     if "moe_prefix" in built:  # block_sparse_moe built under f"{prefix}.mlp" (vLLM MiniMax-M2) or its own name
-        renamed = built["moe_prefix"] == "f'{prefix}.mlp'"
+        renamed = built["moe_prefix"] in ("f'{prefix}.mlp'", "add_prefix('mlp', prefix)")
         assert renamed or built["moe_prefix"] in ("add_prefix('block_sparse_moe', prefix)", "f'{prefix}.block_sparse_moe'")
         assert (".block_sparse_moe." in (rules.values.get("module_names") or {})) == renamed
         # the bias: none, or only under getattr(config, 'use_routing_bias', False)
@@ -358,7 +362,10 @@ def test_draft_class_and_names_are_the_engines(family, rules, release):
         return
     if family == "qwen3_moe":  # no draft layer in the releases: names stay; sglang's draft class reads mtp.*
         assert naming["style"] == "original" and naming["max_layers"] is None
-        if rules.engine == "sglang":
+        if rules.engine == "sglang" and SOURCES[family]["sglang"]["draft"] not in source_files(whl):
+            # before the draft class existed (<= 0.5.12): no draft is made of the class, names stay as written
+            assert _draft_config_arch(whl, main) == main and rules["draft_exclude"][family] == "none"
+        elif rules.engine == "sglang":
             assert _draft_config_arch(whl, main) == draft
             load = ast.unparse(method_def(class_def(whl, SOURCES[family]["sglang"]["main"], main), "load_weights"))
             assert re.search(r"elif 'mtp' in name:\s+continue", load)  # the main model drops mtp.* names

@@ -22,7 +22,7 @@ from packaging.version import Version
 from quant.blocks import BLOCKS, SCALES
 from quant.engines import ENGINES, Exclude, excluded, rule_sets
 from quant.engines.replay import class_name
-from quant.engines.rules import releases_read
+from quant.engines.rules import releases_read, window
 from quant.layout import family_named
 from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
                                         parsed, served_modules, sglang_quark_loader_additions)
@@ -49,8 +49,9 @@ IDS = [f"{rules.engine} {release}" for rules, release in CASES]
 
 
 def test_every_release_named_is_read():
-    """sglang 0.5.21-0.5.23 and vLLM 0.33.0, as the issue asks; nothing replayed unread."""
-    assert sorted(v for rules, v in CASES if rules.engine == "sglang") == ["0.5.21", "0.5.22", "0.5.23"]
+    """sglang: every release of the window (0.5.9 on, .postN included), each replayed by one rule set;
+    vLLM 0.33.0; nothing replayed unread."""
+    assert sorted(v for rules, v in CASES if rules.engine == "sglang") == sorted(window("sglang"))
     assert [v for rules, v in CASES if rules.engine == "vllm"] == ["0.33.0"]
 
 
@@ -85,7 +86,8 @@ def _quant_method(rules, whl, platform: str):
     stubs = {"LinearBase": LinearBase, "FusedMoE": FusedMoE, "RoutedExperts": FusedMoE, "Attention": Attention,
              "UnquantizedLinearMethod": Unquantized, "Mxfp4MoEMethod": MoEMethod, "GptOssMxfp4MoEMethod": MoEMethod,
              "Mxfp4DynamicQuantMoEMethod": MoEMethod, "is_layer_skipped": lambda **k: True, "_is_hip": platform == "rocm",
-             "is_gfx95_supported": lambda: True, "logger": types.SimpleNamespace(debug_once=lambda *a, **k: None),
+             "is_gfx95_supported": lambda: True, "mxfp_supported": lambda: True,  # ROCm MX support (<= 0.5.17: mxfp_supported)
+             "logger": types.SimpleNamespace(debug_once=lambda *a, **k: None),
              "QuantizationMethods": str, "QuantizeMethodBase": object, "FusedMoEMethodBase": object,
              "FusedMoEConfig": object, "Optional": typing.Optional, "List": typing.List, "torch": types.SimpleNamespace()}
     names = ["__init__", "from_config", "get_quant_method", "get_name"]
