@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 from quant.engines import rules, window
 from tests.quant.engine_sources import window_sample
@@ -117,7 +118,12 @@ def small_window(tmp_path_factory):
     family = root / "manifests" / "families" / "mixtral" / "sglang.yaml"
     rule_file = yaml.safe_load(family.read_text())
     rule_file["checked"] = ["0.5.21"]
-    rule_file["rule_sets"][0]["versions"] = ["0.5.21", "0.5.21"]
+    rule_file.pop("post_releases", None)
+    merged: dict = {}  # the rules 0.5.21 replays: every set up to it, each overriding the one before
+    for entry in rule_file["rule_sets"]:
+        if Version(str(entry["versions"][0])) <= Version("0.5.21"):
+            merged.update(entry["rules"] or {})
+    rule_file["rule_sets"] = [{"versions": ["0.5.21", "0.5.21"], "rules": merged}]
     family.write_text(yaml.safe_dump(rule_file, sort_keys=False, width=10_000))
     try:
         real = window.wheel("sglang", "0.5.21")
