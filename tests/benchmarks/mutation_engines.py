@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
          "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
          "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py", "tests/quant/test_engine_deepseek_v4.py",
-         "tests/quant/test_engine_glm5_next.py"]
+         "tests/quant/test_engine_glm5_next.py", "tests/quant/test_engine_minimax_m3.py",
+         "tests/quant/test_incidents_sglang.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -473,6 +474,48 @@ MUTATIONS = [
          "glm5 fuses under expert parallelism"),
     data("sglang.glm5_next", "0.5.22", "shared_experts_fusion", ["min_capability", "cuda"], [9, 0],
          "glm5 fuses from sm90 only"),
+    # sglang 0.5.9..0.5.20 of Kimi-K2.5, Qwen3.5 and MiniMax-M3 (their families' sglang.yaml; killed by
+    # tests/quant/test_engine_{kimi,qwen3_5,minimax_m3}.py and tests/quant/test_incidents_sglang.py)
+    data("sglang.kimi_k25", "0.5.13", "shared_experts_fusion", ["routed_experts"], {256: "any"},
+         "kimi 0.5.13 never fuses 384 experts"),
+    data("sglang.kimi_k25", "0.5.11", "shared_experts_fusion", ["routed_experts"], {256: "any", 384: "quark"},
+         "kimi 0.5.11 fuses 384 experts"),
+    data("sglang.kimi_k25", "0.5.18", "shared_experts_fusion", ["exclude_veto"], "none",
+         "kimi 0.5.18 ignores the excluded shared expert"),
+    data("sglang.kimi_k25", "0.5.9", "module_names", [], None, "kimi 0.5.9 text model under language_model"),
+    data("sglang.kimi_k25", "0.5.11", "module_names", [], {"^language_model.": ""},
+         "kimi 0.5.11 text model without its prefix"),
+    data("sglang.kimi_k25", "0.5.11", "quark_fused", ["gate_up_proj"], ["gate_proj"],
+         "kimi 0.5.11 loses the loader's gate_up_proj"),
+    data("sglang.kimi_k25", "0.5.9", "quark_fused", [], {"gate_up_proj": ["gate_proj", "up_proj"]},
+         "kimi 0.5.9 expands gate_up_proj"),
+    data("sglang.kimi_k25", "0.5.15", "router", ["reads"], ["topk_method", "n_group", "topk_group"],
+         "kimi 0.5.15 reads no scoring_func"),
+    data("sglang.qwen3_5_moe", "0.5.12", "draft_exclude", ["qwen3_5_moe"], "none", "qwen3.5 0.5.12 keeps the draft"),
+    data("sglang.qwen3_5_moe", "0.5.11", "draft_exclude", ["qwen3_5_moe"], "mtp_any_draft_bf16",
+         "qwen3.5 0.5.11 drops the draft's config"),
+    data("sglang.qwen3_5_moe", "0.5.21", "draft_exclude", ["qwen3_5_moe"], "mtp_any_draft_bf16",
+         "qwen3.5 0.5.21 drops the draft's config on any mtp entry"),
+    data("sglang.qwen3_5_moe", "0.5.18", "shared_experts_fusion", ["draft_shared_remap"], True,
+         "qwen3.5 0.5.18 draft loader remaps"),
+    data("sglang.qwen3_5_moe", "0.5.19", "shared_experts_fusion", ["draft_shared_remap"], False,
+         "qwen3.5 0.5.19 draft loader lacks the remap"),
+    data("sglang.qwen3_5_moe", "0.5.14", "shared_experts_fusion", ["draft_decision"], "own",
+         "qwen3.5 0.5.14 draft decides alone"),
+    data("sglang.qwen3_5_moe", "0.5.12", "shared_experts_fusion", ["draft_decision"], "with_main",
+         "qwen3.5 0.5.12 draft follows the main model"),
+    data("sglang.qwen3_5_moe", "0.5.11", "shared_experts_fusion", ["platforms"], ["cuda", "rocm"],
+         "qwen3.5 0.5.11 fuses on CUDA"),
+    data("sglang.qwen3_5_moe", "0.5.19", "shared_experts_fusion", ["exclude_veto"], "mtp_prefix",
+         "qwen3.5 0.5.19 draft-layer entries veto"),
+    data("sglang.minimax_m3", "0.5.17", "quark_fused", ["index_qkv_proj"], ["index_q_proj", "index_k_proj"],
+         "minimax-m3 0.5.17 index_qkv_proj without index_v_proj"),
+    data("sglang.minimax_m3", "0.5.20", "quark_fused", ["index_qkv_proj"],
+         ["index_q_proj", "index_k_proj", "index_v_proj"], "minimax-m3 0.5.20 index_qkv_proj with index_v_proj"),
+    data("sglang.minimax_m3", "0.5.18", "shared_experts_fusion", ["min_capability"], {"cuda": [8, 0], "rocm": [9, 5]},
+         "minimax-m3 0.5.18 fuses on ROCm"),
+    data("sglang.minimax_m3", "0.5.17", "shared_experts_fusion", ["min_capability", "cuda"], [9, 0],
+         "minimax-m3 0.5.17 needs sm90"),
 ]
 
 
