@@ -78,6 +78,7 @@ def wheel(engine: str, release: str, download: bool = True) -> Path:
 
 
 _TREES: dict[tuple[str, int, int], ast.Module] = {}
+IMPORT_DEPTH = 4  # imports followed from a cited file to the definition of a name it imports
 
 
 class Wheel:
@@ -179,7 +180,7 @@ def _find(wheel_: Wheel, path: str, name: str, depth: int = 0) -> tuple[str, ast
     node = next((n for n in tree.body if _defines(n, name)), None)
     if node is not None:
         return path, node
-    origin = _imported(tree, path, name) if depth < 4 else None
+    origin = _imported(tree, path, name) if depth < IMPORT_DEPTH else None
     target = origin and _module_file(wheel_, origin[0])
     return _find(wheel_, target, origin[1], depth + 1) if target else None
 
@@ -204,7 +205,7 @@ def _member(wheel_: Wheel, path: str, cls: ast.ClassDef, name: str, depth: int =
     return []
 
 
-def symbol_nodes(wheel_: Wheel, path: str, symbol: str) -> list[ast.AST]:
+def symbol_nodes(wheel_: Wheel, path: str, symbol: str, local: bool = False) -> list[ast.AST]:
     """The definitions ``symbol`` names in ``path`` of this release (empty when it names nothing)."""
     if symbol == WHOLE_FILE:
         return [wheel_.tree(path)]
@@ -212,7 +213,7 @@ def symbol_nodes(wheel_: Wheel, path: str, symbol: str) -> list[ast.AST]:
     if head.startswith("*"):  # "*MultiTokenPredictorLayer.__init__": every class of the file whose name ends so
         return [n for c in wheel_.tree(path).body if isinstance(c, ast.ClassDef) and c.name.endswith(head[1:])
                 for n in (symbol_nodes(wheel_, path, c.name + "." + rest) if rest else [c])]
-    found = _find(wheel_, path, head)
+    found = _find(wheel_, path, head, depth=IMPORT_DEPTH if local else 0)
     if found is None:  # a bare method name: that method wherever the file's classes define it
         if rest:
             return []
@@ -329,18 +330,19 @@ def resolve_cite(wheel_: Wheel, cite: str, where: str, hint: str = "") -> list[s
         files = [resolved[w] for w in group.written]
         others = [p for p in dict.fromkeys(resolved.values()) if p not in files]
         found = []
-        for name in group.required + group.optional:
+        for name in group.required:
             where_found = [p for p in files if symbol_nodes(wheel_, p, name)] or \
                 [p for p in others if symbol_nodes(wheel_, p, name)][:1]
-            anywhere = wheel_.top_level_index.get(name.split(".")[0], []) \
-                if not where_found and (name in group.required or _class_like(name)) else []
+            anywhere = wheel_.top_level_index.get(name.split(".")[0], []) if not where_found else []
             if not where_found and len(anywhere) == 1 and symbol_nodes(wheel_, anywhere[0], name):
                 where_found = anywhere
-            if not where_found and name in group.required:
+            if not where_found:
                 raise CiteError(f"{where}: cite names {name} in {' and '.join(files)}, which {wheel_.engine} "
                                 f"{wheel_.release} does not define; fix the cite (Class.method, function, "
                                 "Class.attribute or CONSTANT after \"<file>.py:\")")
             found += [f"{p}:{name}" for p in where_found]
+        for name in group.optional:  # a name in prose counts where the cited file itself defines it
+            found += [f"{p}:{name}" for p in files if symbol_nodes(wheel_, p, name, local=True)]
         keys += found or [f"{p}:{WHOLE_FILE}" for p in files]
     return list(dict.fromkeys(keys))
 
