@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from quant.engines.rules import (
     ENGINES,
+    ReleaseState,
     RuleSet,
     UnknownEngine,
-    releases_read,
+    release_states,
     rule_sets,
     select,
     window,
@@ -34,11 +35,13 @@ TOPK_KEYS = ("num_experts_per_tok", "experts_per_token")
 
 
 @dataclass(frozen=True)
-class ReleaseState:
+class ReleaseResult:
+    """One release's place in a ``gate checkpoint`` report."""
+    engine: str
     release: str
     state: str  # read | carried | needs reading | not built
-    follows: str | None = None  # the read release whose rules replay it (itself, a .postN's base, or carried from)
-    detail: str = ""  # carried: from which release; needs reading: what changed
+    rules: str | None  # the id of the rule set replayed for it (its findings' ``engine``); None: not replayed
+    detail: str = ""  # carried: from which read release; needs reading: what changed since which
 
 
 @dataclass(frozen=True)
@@ -48,68 +51,65 @@ class Target:
     state: ReleaseState
     rules: RuleSet | None
 
+    model_class: str = ""
 
-@dataclass(frozen=True)
-class ReleaseResult:
-    """One release's place in a ``gate checkpoint`` report."""
-    engine: str
-    release: str
-    state: str  # read | carried | needs reading | not built
-    rules: str | None  # the id of the rule set replayed for it (its findings' ``engine``); None: not replayed
-    detail: str = ""
+    def result(self) -> ReleaseResult:
+        return ReleaseResult(self.engine, self.state.release, self.state.state, self.rules and self.rules.id,
+                             detail(self.state, self.model_class))
 
 
-def window_states(engine: str, family: Family) -> list[ReleaseState]:
-    """Every window release of ``engine`` in its state for the family's model class, oldest first."""
-    read = releases_read(engine, family)
-    by_version = {Version(v): v for v in read}
-    out = []
-    for release in window(engine):
-        match = by_version.get(Version(release))
-        if match is None:
-            out.append(ReleaseState(release, NEEDS_READING, detail="not read for this model class"))
-        else:
-            out.append(ReleaseState(release, READ, read[match]))
-    return out
+def detail(state: ReleaseState, model_class: str) -> str:
+    """Why a release is carried or not replayed, in a few words (``python -m quant.engines.window report``
+    names every rule and symbol)."""
+    if state.state == CARRIED:
+        return f"carried from {state.follows}: every source its rules cite is identical"
+    if state.state == NOT_BUILT:
+        return f"the release registers no {model_class}"
+    if state.state == NEEDS_READING and state.follows:
+        return f"a source its rules cite changed since {state.follows}"
+    return "; ".join(state.changed)
 
 
-def _covering(engine: str, family: Family, follows: str) -> RuleSet:
-    chosen = [r for r in rule_sets(engine, family) if r.covers(follows)]
-    if len(chosen) != 1:
-        raise UnknownEngine(f"{engine} {follows}: {len(chosen)} rule sets cover it for family {family.name}; each "
-                            "release read belongs to exactly one set")
-    return chosen[0]
+def check_spec(spec: str) -> None:
+    """Refuse an unknown engine, a version that is not one, or a release outside the window, before
+    anything is read (whether a release is read depends on the checkpoint's family)."""
+    engine, _, version = spec.partition("==")
+    if engine not in (*ENGINES, "all") or (engine == "all" and version):
+        raise UnknownEngine(f"unknown engine {engine!r}; known: {', '.join(ENGINES)} (see gate checkpoint "
+                            "--list-engines)")
+    if not version:
+        return
+    try:
+        wanted = Version(version)
+    except InvalidVersion:
+        raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
+    if not any(Version(v) == wanted for v in window(engine)):
+        raise UnknownEngine(f"{engine} {version} is not a registry release in the window quantgate reads "
+                            f"({window(engine)[0]}..{window(engine)[-1]}, manifests/engines/releases.yaml); "
+                            "name one of those")
+
+
+def _covering(engine: str, family: Family, rules_of: str) -> RuleSet:
+    return next(r for r in rule_sets(engine, family) if r.covers(rules_of))
 
 
 def targets(spec: str, family: Family) -> list[Target]:
     """The releases ``spec`` asks for (``all``, ``sglang``, ``vllm``, ``ENGINE==VERSION``), each with the
-    rule set that replays it. A release named alone must be in the window and read or carried (exit 2
-    otherwise); an engine none of whose releases is read or carried for the family is refused."""
+    rule set that replays it. A release named alone must be read or carried for the family (exit 2
+    otherwise, naming its state); an engine none of whose releases is read or carried is refused."""
+    check_spec(spec)
     engine, _, version = spec.partition("==")
     if version:
-        states = {Version(s.release): s for s in window_states(engine, family)} if engine in ENGINES else {}
-        state = states.get(_version(spec, version))
-        if state is None and engine in ENGINES:
-            raise UnknownEngine(f"{engine} {version} is not a registry release in the window quantgate reads "
-                                f"({window(engine)[0]}..{window(engine)[-1]}, manifests/engines/releases.yaml); "
-                                "name one of those")
-        chosen = select(spec, family)  # refuses an unknown engine and a release not read, naming what was read
-        return [Target(engine, state, chosen[0])]
+        state = next(s for v, s in release_states(engine, family).items() if Version(v) == Version(version))
+        # select refuses one not replayed, naming its state
+        return [Target(engine, state, select(spec, family)[0], family.engine_class[engine])]
     engines = ENGINES if engine == "all" else (engine,)
-    select(spec, family)  # an unknown engine is refused the same way as ever
-    out = [Target(e, s, _covering(e, family, s.follows) if s.state in REPLAYED else None)
-           for e in engines for s in window_states(e, family)]
+    out = [Target(e, s, _covering(e, family, s.rules_of) if s.state in REPLAYED else None, family.engine_class[e])
+           for e in engines for s in release_states(e, family).values()]
     if not any(t.rules for t in out):
         raise UnknownEngine(f"family {family.name}: no release of {' or '.join(engines)} in the window is read or "
                             "carried for its model class; nothing can be replayed")
     return out
-
-
-def _version(spec: str, version: str) -> Version:
-    try:
-        return Version(version)
-    except ValueError:
-        raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
 
 
 def moe_shape(text: dict, family: Family, fused_shared: int) -> dict | None:

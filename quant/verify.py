@@ -15,7 +15,7 @@ import numpy as np
 
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
-from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay, select
+from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay
 from quant.engines.block_partition import block_findings, check_heads, tp_summary
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.fusion import main_model_fusion
@@ -27,7 +27,7 @@ from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
 from quant.quark_config import config_kind
 from quant.release_check import named
-from quant.release_results import REPLAYED, ReleaseResult, moe_shape, targets
+from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -60,6 +60,7 @@ class Report:
     draft_findings: list[Finding] = field(default_factory=list)
     moe: dict[str, dict] = field(default_factory=dict)  # rule set id -> the MoE shape it runs (release_results)
     has_draft: bool = False  # the checkpoint holds MTP layers (a speculative draft)
+    family: str = ""  # the family the checkpoint was read as (its rules are its model classes')
 
     @property
     def ok(self) -> bool:
@@ -104,7 +105,7 @@ class Report:
         return "loads correctly"
 
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "ok": self.ok, "verdict": self.verdict,
+        return {"checkpoint": self.checkpoint, "family": self.family, "ok": self.ok, "verdict": self.verdict,
                 "modules_checked": self.modules_checked, "modules_quantized": self.modules_quantized,
                 "serving": asdict(self.serving), "block_fp8_tp": self.block_fp8_tp,
                 "engines": {e: {"ok": not self.for_engine(e), "findings": [asdict(f) for f in self.for_engine(e)],
@@ -360,10 +361,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     ``sglang==0.5.23``, ``vllm`` ...) served as ``serving``; findings are reported per release's rule
     set, and for each sglang release the GPUs and switches under which it loads."""
     try:
-        select(engine)  # an unknown engine or release is refused before the checkpoint is read
+        check_spec(engine)  # an unknown engine or release is refused before the checkpoint is read
     except UnknownEngine as exc:
-        if "has not been read" not in str(exc):
-            raise UnreadableCheckpoint(str(exc)) from None
+        raise UnreadableCheckpoint(str(exc)) from None
     try:
         checkpoint = Checkpoint.open(folder)
         family = family_for(checkpoint.config)
@@ -377,7 +377,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     config = checkpoint.config
     text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
     check_heads(text, serving, checkpoint.config_path)
-    report = Report(str(folder), [r.id for r in rule_sets], serving=serving)
+    report = Report(str(folder), [r.id for r in rule_sets], serving=serving, family=family.name)
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
     report.findings += malformed
@@ -455,11 +455,13 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     for rules in rule_sets:
         findings, ctx = rules_findings(rules, modules, mtp_layers, text)
         draft = {m for m in modules if is_draft(m, rules, num_hidden_layers)}
-        if draft or mtp_layers:  # the draft's findings: what the same release finds without the draft
-            report.has_draft = True
+        report.has_draft = report.has_draft or bool(draft or mtp_layers)
+        # the draft's findings: what the same release does not find without the draft (none where nothing is found)
+        if (draft or mtp_layers) and (findings or not serving.speculative):
             main = rules_findings(rules, {m: i for m, i in modules.items() if m not in draft}, set(),
                                   {**text, family.mtp_layers_key: 0})
-            report.draft_findings += [f for f in findings if f not in set(main[0])]
+            without = set(main[0])
+            report.draft_findings += [f for f in findings if f not in without]
             if not serving.speculative:  # served without the draft: the engine never builds it
                 findings, ctx = main
         report.findings += findings
@@ -474,8 +476,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.findings += block_findings(rules, built, text, usable, serving, shared_fused=bool(fused))
         if shape := moe_shape(text, family, fused):
             report.moe[rules.id] = shape
-    report.releases = [ReleaseResult(t.engine, t.state.release, t.state.state, t.rules.id if t.rules else None,
-                                     t.state.detail) for t in asked]
+    report.releases = [t.result() for t in asked]
     if kind == "fp8":  # where the newest release replayed fuses the shared expert, it is in the FusedMoE
         newest = {r.engine: r.id for r in rule_sets}  # rule sets oldest first: the last one per engine
         fusing = tuple(e for e, rule_set in newest.items() if report.fusion.get(rule_set, {}).get("fused"))

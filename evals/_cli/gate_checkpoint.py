@@ -119,16 +119,16 @@ def _draft(report, engine: str) -> list[str]:
 
 
 def _not_read(report, engine: str) -> list[str]:
-    lines = []
-    for state in dict.fromkeys(r.state for r in report.not_read(engine)):
-        results = [r for r in report.not_read(engine) if r.state == state]
-        details = sorted({r.detail for r in results if r.detail})
-        lines.append(f"{named(engine, [r.release for r in results])}: {state}, not replayed"
-                     + (f" ({'; '.join(details)})" if details else ""))
-    carried = [r for r in report.replayed(engine) if r.state == "carried"]
-    if carried:
-        lines.append(f"{named(engine, [r.release for r in carried])}: carried over (cited sources "
-                     f"identical to a release read: {'; '.join(sorted({r.detail for r in carried if r.detail}))})")
+    """The releases not replayed, and those carried over, grouped by what the window says of them."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for r in report.not_read(engine) + [r for r in report.replayed(engine) if r.state == "carried"]:
+        grouped.setdefault((r.state, r.detail), []).append(r.release)
+    lines = [f"{named(engine, releases)}: " + (detail if state == "carried" else f"{state}, not replayed"
+                                                + (f" ({detail})" if detail else ""))
+             for (state, detail), releases in grouped.items()]
+    if report.not_read(engine):
+        lines.append(f"  (python -m quant.engines.window report --engine {engine} --family {report.family} names each "
+                     "rule and function that changed)")
     return lines
 
 

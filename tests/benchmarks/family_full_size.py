@@ -185,9 +185,11 @@ def main() -> int:
             write_sparse(out, plan.output_config(), [e for s in plan.shards for e in s.entries])
             gcode, gseconds, gpeak = timed(["evals.cli", "checkpoint", "--engine", "sglang==0.5.23", str(out)])
             vcode, vseconds, vpeak = timed(["evals.cli", "checkpoint", "--engine", "vllm", str(out)])
+            wcode, wseconds, wpeak = timed(["evals.cli", "checkpoint", str(out)])  # the default: the whole window
             print(f"{family:<11} {len(entries):>6} tensors {claimed / 1e12:5.2f} TB bf16 | quantize --dry-run exit "
                   f"{code} {seconds:5.1f} s {peak} | gate checkpoint sglang==0.5.23 exit {gcode} {gseconds:5.1f} s "
-                  f"{gpeak}, vllm exit {vcode} {vseconds:5.1f} s {vpeak}", flush=True)
+                  f"{gpeak}, vllm exit {vcode} {vseconds:5.1f} s {vpeak}, whole window exit {wcode} {wseconds:5.1f} s "
+                  f"{wpeak}", flush=True)
     return 0
 
 
