@@ -258,12 +258,13 @@ def _lock(name: str) -> dict | None:
     try:
         hashes = {key: _expand(engine, ranges) for key, ranges in lock["hashes"].items()}
         classes = {c: _expand(engine, ranges) for c, ranges in lock["model_classes"].items()}
+        sets = {tuple(s["versions"]): s["rules"] for s in lock["rule_sets"]}
     except (KeyError, ValueError, AttributeError, TypeError):
         return None
-    if any(set(h) != set(window(engine)) for h in [*hashes.values(), *classes.values()]):
-        return None
-    return {"sets": {tuple(s["versions"]): s["rules"] for s in lock["rule_sets"]}, "hashes": hashes,
-            "classes": classes}
+    if any(set(h) != set(window(engine)) for h in [*hashes.values(), *classes.values()]) or \
+            any(key not in hashes for rules_ in sets.values() for keys in rules_.values() for key in keys):
+        return None  # written for another window, or a merge of two locks
+    return {"sets": sets, "hashes": hashes, "classes": classes}
 
 
 def _expand(engine: str, ranges: dict[str, str]) -> dict[str, str]:
