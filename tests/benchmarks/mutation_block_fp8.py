@@ -24,7 +24,8 @@ import pytest
 import quant.engines.block_partition as bp
 from quant.engines.rule_kinds import BlockFp8File
 
-TESTS = ["tests/quant/test_block_partition.py", "-k", "partitions_match or covered or expert_parallel"]
+TESTS = ["tests/quant/test_block_partition.py", "-k",
+         "partitions_match or covered or expert_parallel or fused_experts or not_guessed"]
 
 
 def data(engine, first, rule, key, value, why):

@@ -33,7 +33,8 @@ from tests.quant.family_checkpoints import write_family_checkpoint
 
 BLOCK = (128, 128)
 TPS = (1, 2, 4, 8, 16)
-SIZES = (256, 384, 512, 768, 1024, 1536, 2048)  # sizes whose partitions fit, refine or raise across TPS
+SIZES = (192, 256, 384, 512, 768, 1024, 1536, 2048)  # sizes whose partitions fit, refine or raise across TPS
+MOE_BLOCKS = ((128, 128), (64, 128))  # square as quantize writes it; non-square tells block_n's check from block_k's
 
 
 def _releases(engine: str) -> list[tuple[object, str]]:
@@ -62,8 +63,8 @@ def _raises(call) -> bool:
 
 
 def _ours(rules, modules: dict[str, Module], tp: int, text: dict | None = None, ep: int = 1,
-          platform: str = "cuda") -> bool:
-    return bool(misfits(rules, parts(modules), text or {}, BLOCK, tp, ep, platform))
+          platform: str = "cuda", block: tuple[int, int] = BLOCK) -> bool:
+    return bool(misfits(rules, parts(modules), text or {}, block, tp, ep, platform))
 
 
 def _linear_cases():
@@ -173,8 +174,8 @@ def _sglang_moe(whl):
     padding = load_source(whl, utils, ["AITER_PADDING_SIZE", "TRITON_PADDING_SIZE", "get_moe_padding_size"],
                           extra={"os": os}) if _has(whl, utils, None, "get_moe_padding_size") else {}
 
-    def check(intermediate: int, hidden: int, tp: int, aiter: bool):
-        quant_config = types.SimpleNamespace(weight_block_size=list(BLOCK))
+    def check(intermediate: int, hidden: int, tp: int, aiter: bool, block: tuple[int, int]):
+        quant_config = types.SimpleNamespace(weight_block_size=list(block))
         ns = {"block_quant": True, "quant_config": quant_config, "intermediate_size_per_partition": intermediate,
               "tp_size": tp, "_use_aiter": aiter, "get_moe_padding_size": padding.get("get_moe_padding_size"),
               "self": types.SimpleNamespace(block_quant=True, quant_config=quant_config)}
@@ -192,12 +193,12 @@ def _vllm_moe(whl):
     validate = load_source(whl, utils, ["validate_fp8_block_shape_moe"])["validate_fp8_block_shape_moe"] \
         if _has(whl, utils, None, "validate_fp8_block_shape_moe") else None
 
-    def check(intermediate: int, hidden: int, tp: int, aiter: bool):
+    def check(intermediate: int, hidden: int, tp: int, aiter: bool, block: tuple[int, int]):
         config = types.SimpleNamespace(intermediate_size_per_partition=intermediate, tp_size=tp, hidden_dim=hidden)
-        refined = refine(config, list(BLOCK)) if refine else None  # moe_backend auto: refine where it can
-        scale_refine = None if refined is None else (BLOCK[0] // refined[0], BLOCK[1] // refined[1])
-        own = types.SimpleNamespace(block_quant=True, weight_block_size=list(BLOCK), weight_scale_refine=scale_refine,
-                                    moe_block_shape=refined or list(BLOCK))
+        refined = refine(config, list(block)) if refine else None  # moe_backend auto: refine where it can
+        scale_refine = None if refined is None else (block[0] // refined[0], block[1] // refined[1])
+        own = types.SimpleNamespace(block_quant=True, weight_block_size=list(block), weight_scale_refine=scale_refine,
+                                    moe_block_shape=refined or list(block))
         with served_modules({"vllm.distributed": {"get_tensor_model_parallel_world_size": lambda: tp}}):
             ns = {"self": own, "layer": types.SimpleNamespace(), "intermediate_size_per_partition": intermediate,
                   "get_tensor_model_parallel_world_size": lambda: tp, "validate_fp8_block_shape_moe": validate}
@@ -214,12 +215,17 @@ def test_moe_partitions_match_each_release(engine):
             for hidden in (256, 2048, 3072):
                 experts = {f"l.mlp.experts.0.{p}_proj": Module(True, (intermediate, hidden), "routed_expert")
                            for p in ("gate", "up")}
-                for tp in TPS:
-                    for platform in ("cuda", "rocm"):
-                        aiter = platform == "rocm" and engine == "sglang"
-                        theirs = _raises(lambda: check(intermediate // tp, hidden, tp, aiter))  # noqa: B023
-                        assert _ours(rules, experts, tp, platform=platform) == theirs, \
-                            (release, intermediate, hidden, tp, platform)
+                for tp, platform, block in ((t, p, b) for t in TPS for p in ("cuda", "rocm") for b in MOE_BLOCKS):
+                    aiter = platform == "rocm" and engine == "sglang"
+                    theirs = _raises(lambda: check(intermediate // tp, hidden, tp, aiter, block))  # noqa: B023
+                    assert _ours(rules, experts, tp, platform=platform, block=block) == theirs, \
+                        (release, intermediate, hidden, tp, platform, block)
+
+
+def test_fused_experts_are_one_fused_moe():
+    """A fused gate_up_proj [2I, H] (a release's own fused experts) is the FusedMoE of intermediate I."""
+    fused = {"l.mlp.experts.gate_up_proj": Module(True, (2 * 768, 2048), "routed_expert")}
+    assert [(p.module, p.kind, p.sizes) for p in parts(fused)] == [("l.mlp.experts", "moe", (768, 2048))]
 
 
 def test_every_window_release_is_covered_once():
