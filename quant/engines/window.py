@@ -45,6 +45,7 @@ import yaml
 
 from quant.engines import rules
 from quant.engines.rules import ENGINES, RuleFileError
+from quant.errors import QuantgateError
 
 PACKAGES = {"sglang": ("sglang/srt/", "sglang/"), "vllm": ("vllm/model_executor/", "vllm/")}
 MODEL_DIRS = ("sglang/srt/models/", "vllm/model_executor/models/", "vllm/models/")
@@ -674,9 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print_report(rows, args.symbols)
         return 0
-    except (RuleFileError, rules.UnknownEngine) as exc:
+    except QuantgateError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 def _name_of(written: str) -> str:

@@ -241,3 +241,10 @@ def test_refresh_names_the_registry_releases_the_window_lacks(small_window):
         assert releases.read_text() == before.replace("- 0.5.22\n", "")  # a dry run writes nothing
     finally:
         releases.write_text(before)
+
+
+def test_an_unknown_family_or_rule_file_is_one_line():
+    for args in (["report", "--family", "nope"], ["lock", "nothing.yaml"]):
+        done = subprocess.run([sys.executable, "-m", "quant.engines.window", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
