@@ -410,6 +410,19 @@ def test_every_required_release_is_read_and_has_one_rule_set(family):
             assert len(select(f"{engine}=={release}", family)) == 1
 
 
+# Families read over sglang's whole window: every registry release (a .postN through its base release)
+WHOLE_WINDOW = {"sglang": ("mixtral", "qwen3_moe", "minimax_m2")}
+
+
+@pytest.mark.parametrize(("engine", "family"), [(e, f) for e, fams in WHOLE_WINDOW.items() for f in fams])
+def test_every_window_release_is_read(engine, family):
+    from quant.engines import select
+    from quant.engines.rules import window
+
+    assert set(window(engine)) <= set(releases_read(engine, family)), (engine, family)
+    assert all(len(select(f"{engine}=={release}", family)) == 1 for release in window(engine))
+
+
 def test_minimax_mtp_modules_are_skipped_as_the_wheel_skips_them():
     """sglang's own get_spec_layer_idx_from_weight_name names the MTP modules load_weights skips: the
     replay builds nothing from exactly those (and builds every decoder layer)."""
