@@ -89,8 +89,15 @@ def _module_path_match(entry: str, module: str) -> bool:
     return entry == module or module.startswith(entry + ".") or f".{entry}." in f".{module}."
 
 
+def fp8_fused_first(skip: Mapping) -> bool:
+    """Whether an FP8 rule honours a listed fused name before asking its shards (vLLM's exact match
+    from 0.24.0 does; sglang and older vLLM only ask the shards)."""
+    stated = skip.get("fused_first")
+    return skip["match"] == "exact" if stated is None else stated
+
+
 def fp8_skipped(module: str, ignored: list[str], fused: Mapping[str, list[str]], *, match: str, experts: str,
-                fallback_fused: Mapping[str, list[str]]) -> bool:
+                fallback_fused: Mapping[str, list[str]], fused_first: bool | None = None) -> bool:
     """FP8 ``is_layer_skipped``: True when ``module`` is built unquantized.
 
     ``match``: ``exact`` (vLLM), ``substring`` (sglang <= 0.5.10: ``entry in module``) or
@@ -103,8 +110,8 @@ def fp8_skipped(module: str, ignored: list[str], fused: Mapping[str, list[str]],
            "substring": lambda name: any(e in name for e in ignored),
            "module_path": lambda name: any(_module_path_match(e, name) for e in ignored)}[match]
     leaf = module.rsplit(".", 1)[-1]
-    if match == "exact" and leaf in fused and hit(module):
-        return True  # vLLM: a listed fused name is honoured before expanding
+    if (match == "exact" if fused_first is None else fused_first) and leaf in fused and hit(module):
+        return True  # vLLM >= 0.24.0: a listed fused name is honoured before expanding
     mapping = fused if leaf in fused else fallback_fused
     if leaf in mapping:
         decisions = [hit(shard) for shard in _shards(module, leaf, mapping[leaf])]

@@ -14,6 +14,7 @@ from quant.engines.fusion import loader_mapped, map_61, no_fusion_reason
 from quant.engines.match import (
     Exclude,
     MixedShards,
+    fp8_fused_first,
     fp8_ignored_layers,
     fp8_skipped,
     quark_excluded,
@@ -372,7 +373,7 @@ def excluded(name: str, exclude: Exclude, rules: RuleSet, kind: str, moe: bool) 
     if kind == "fp8":
         skip = rules["fp8_skip"]
         return fp8_skipped(name, exclude.entries, skip["fused"], match=skip["match"], experts=skip["experts"],
-                           fallback_fused=skip["fallback_fused"])
+                           fallback_fused=skip["fallback_fused"], fused_first=fp8_fused_first(skip))
     match = rules["quark_match"]
     return quark_excluded(name, exclude, rules["quark_fused"], fused_first=match["fused_first"],
                           experts_prefix=match["experts_prefix"], routed_experts=moe,
@@ -610,7 +611,7 @@ def _names_to_list(name: str, rules: RuleSet, kind: str) -> list[str]:
     """The entries this release honours for ``name``: its shards where it only expands fused names."""
     leaf = name.rsplit(".", 1)[-1]
     fused = rules.fused(kind)
-    fused_first = rules["quark_match"]["fused_first"] if kind == "quark" else rules["fp8_skip"]["match"] == "exact"
+    fused_first = rules["quark_match"]["fused_first"] if kind == "quark" else fp8_fused_first(rules["fp8_skip"])
     if leaf in fused and not fused_first:
         return [name.replace(leaf, shard) for shard in fused[leaf]]
     return [name]

@@ -139,10 +139,13 @@ class QuarkConfig(Schema):
 class Fp8Skip(Schema):
     """FP8 ``Fp8Config.from_config`` + ``is_layer_skipped`` (quant.engines.match.fp8_skipped): the config keys
     read for the skip list and how, how an entry matches a module, how experts are decided, and the fused
-    modules expanded to their shards (``fallback_fused``: the shards tried when the class maps none)."""
+    modules expanded to their shards (``fallback_fused``: the shards tried when the class maps none).
+    ``fused_first``: whether a listed fused name is honoured before its shards are asked (unset: only
+    under ``exact``; vLLM before 0.24.0 asks the shards alone)."""
     keys: list[str]
     keys_mode: Literal["first_present", "first_nonempty"]
     match: Literal["exact", "substring", "module_path"]
+    fused_first: bool | None = None
     model_prefix_variants: bool
     experts: Literal["replace", "or", "contained"]
     fused: FusedModules

@@ -29,7 +29,7 @@ from quant.engines import (
     excluded,
     rule_sets,
 )
-from quant.engines.match import fp8_ignored_layers, fp8_skipped
+from quant.engines.match import fp8_fused_first, fp8_ignored_layers, fp8_skipped
 from quant.engines.rules import release_states, releases_read
 from tests.quant.engine_sources import (
     Built,
@@ -85,9 +85,15 @@ def engine_wheel(rules, release):
 
 def _quark_engine(rules, whl):
     if rules.engine == "vllm":
-        cfg = load(whl, "vllm/model_executor/layers/quantization/utils/config_utils.py",
-                   ["find_matching_patterns", "is_equal_or_regex_match"])
-        ns = load(whl, "vllm/model_executor/layers/quantization/quark/utils.py", ["should_ignore_layer"], cfg)
+        utils = "vllm/model_executor/layers/quantization/quark/utils.py"
+        if "find_matching_patterns" in source(whl, utils):  # >= 0.30.0: the matching moved to config_utils.py
+            cfg = load(whl, "vllm/model_executor/layers/quantization/utils/config_utils.py",
+                       ["find_matching_patterns", "is_equal_or_regex_match"])
+            ns = load(whl, utils, ["should_ignore_layer"], cfg)
+        else:
+            ns = load(whl, utils, ["should_ignore_layer", "check_equal_or_regex_match", "_is_equal_or_regex_match"])
+        if "check_children" not in source(whl, utils):  # < 0.26.0: the routed experts are asked like any module
+            return lambda name, exclude, fused, moe: ns["should_ignore_layer"](name, exclude, fused)
         return lambda name, exclude, fused, moe: ns["should_ignore_layer"](name, exclude, fused, check_children=moe)
     ns = load(whl, "sglang/srt/layers/quantization/quark/utils.py",
               ["should_ignore_layer", "check_equal_or_regex_match", "_is_equal_or_regex_match"])
@@ -199,7 +205,7 @@ def fp8_disagreements(engine, skip, fused, modules, entries, rng, *, draws, most
 
     def decided_default(name, listed):
         return fp8_skipped(name, listed, skip["fused"], match=skip["match"], experts=skip["experts"],
-                           fallback_fused=skip["fallback_fused"])
+                           fallback_fused=skip["fallback_fused"], fused_first=fp8_fused_first(skip))
 
     listed_by, decided_by = listed_by or listed_default, decided_by or decided_default
     disagree, seen = [], 0
@@ -396,23 +402,31 @@ def _sglang_construction(whl) -> dict:
 
 
 def _vllm_construction(whl) -> dict:
-    ehs = [b for p in ("vllm/models/deepseek_v32/nvidia/mtp.py", "vllm/models/deepseek_v32/amd/mtp.py")
-           for b in attribute_builds(method_def(class_def(whl, p, "DeepseekV32MultiTokenPredictorLayer"), "__init__"),
-                                     "eh_proj")]
-    indexers = [method_def(class_def(whl, "vllm/models/deepseek_v32/attention.py", "DeepseekV32Indexer"), "__init__"),
-                method_def(class_def(whl, "vllm/model_executor/models/deepseek_v2.py", "Indexer"), "__init__")]
+    # the drafts: DeepSeekMTP (deepseek_mtp.py) always, DeepseekV32MTP (GLM-5's from 0.29.0) where the release has it
+    layers = [("vllm/model_executor/models/deepseek_mtp.py", "DeepSeekMultiTokenPredictorLayer")] + [
+        (p, "DeepseekV32MultiTokenPredictorLayer") for p in ("vllm/models/deepseek_v32/nvidia/mtp.py",
+                                                             "vllm/models/deepseek_v32/amd/mtp.py") if _has(whl, p)]
+    ehs = [b for p, cls in layers for b in attribute_builds(method_def(class_def(whl, p, cls), "__init__"), "eh_proj")]
+    indexers = [method_def(class_def(whl, "vllm/model_executor/models/deepseek_v2.py", "Indexer"), "__init__")] + [
+        method_def(class_def(whl, p, "DeepseekV32Indexer"), "__init__")
+        for p in ("vllm/models/deepseek_v32/attention.py",) if _has(whl, p)
+        and class_def(whl, p, "DeepseekV32Indexer") is not None]
     models = source(whl, "vllm/model_executor/models/deepseek_v2.py")
     dequant = models[models.find("def _try_load_fp8_indexer_wk"):] if "def _try_load_fp8_indexer_wk" in models else ""
-    fused = {_quantized_by(attribute_builds(i, "wk_weights_proj")) for i in indexers}
+    # wk and weights_proj: one fused wk_weights_proj from 0.20.0, two ReplicatedLinear before
+    fused = {_quantized_by(attribute_builds(i, "wk_weights_proj") or attribute_builds(i, "wk")) for i in indexers}
+    weights = {_quantized_by(attribute_builds(i, "wk_weights_proj") or attribute_builds(i, "weights_proj"))
+               for i in indexers}
     moe = method_def(class_def(whl, "vllm/model_executor/models/deepseek_v2.py", "DeepseekV2MoE"), "__init__")
     gate = attribute_builds(moe, "gate")
     return {
         "eh_proj": "plain" if ehs and all(b.call == "nn.Linear" for b in ehs) else "quant_config",
         "indexer": {"wq_b": _quantized_by([b for i in indexers for b in attribute_builds(i, "wq_b")]),
-                    "wk": fused.pop() if len(fused) == 1 else "mixed", "weights_proj": "bf16",
+                    "wk": fused.pop() if len(fused) == 1 else "mixed",
+                    "weights_proj": weights.pop() if len(weights) == 1 else "mixed",
                     "wk_fused_bf16_on_cuda": False,
                     "wk_dequantized": ["fp8"] if "float8_e4m3fn" in dequant and "scaled_dequantize" in dequant else []},
-        "router_plain": bool(gate) and all("quant_config" not in b.keywords for b in gate),
+        "router_plain": bool(gate) and all(b.keywords.get("quant_config") in (None, "None") for b in gate),
         "router_reads": _config_reads(moe),
         "built_fused": {name for name in ("gate_up_proj", "fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj")
                         if f"self.{name} = " in models},

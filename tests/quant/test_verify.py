@@ -27,7 +27,7 @@ def run_gate(capsys, *args) -> tuple[int, dict | str]:
     return code, (json.loads(out.out) if "--json" in args else out.out + out.err)
 
 
-SGLANG_OLD, SGLANG_NEW, VLLM = "sglang 0.5.15", "sglang 0.5.22..0.5.23", "vllm 0.33.0"
+SGLANG_OLD, SGLANG_NEW, VLLM = "sglang 0.5.15", "sglang 0.5.22..0.5.23", "vllm 0.30.0..0.34.0"
 
 
 def problems(report: dict, engine: str) -> list[str]:
@@ -137,9 +137,10 @@ def test_per_expert_excludes_without_the_aggregate(glm_ckpt, tmp_path, capsys):
     assert [p.split(":")[0] for p in problems(report, SGLANG_OLD)] == ["model.decoder.mlp.experts"]
     assert "RuntimeError: The size of tensor a (32) must match the size of tensor b (64)" in problems(report, SGLANG_OLD)[0]
     # sglang 0.5.16 adds model.decoder.mlp.experts for per-expert MTP entries, 0.5.21 matches any
-    # '<experts>.' entry, and vLLM's check_children does too.
+    # '<experts>.' entry, and vLLM's check_children (from 0.26.0) does too.
     assert failing(report) == ["sglang 0.5.10", "sglang 0.5.11..0.5.12", "sglang 0.5.13..0.5.14", "sglang 0.5.15",
-                               "sglang 0.5.9"]
+                               "sglang 0.5.9", "vllm 0.16.0", "vllm 0.17.0..0.19.1", "vllm 0.20.0..0.23.0",
+                               "vllm 0.24.0..0.25.1"]
 
 
 def test_a_stray_per_expert_entry_makes_mxfp4_experts_bf16_in_new_releases(ours, tmp_path, capsys):
@@ -147,7 +148,7 @@ def test_a_stray_per_expert_entry_makes_mxfp4_experts_bf16_in_new_releases(ours,
         q["exclude"].append("model.layers.1.mlp.experts.0.gate_proj")
 
     code, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", stray), "--json")
-    assert code == 1 and failing(report) == ["sglang 0.5.21", SGLANG_NEW, VLLM]
+    assert code == 1 and failing(report) == ["sglang 0.5.21", SGLANG_NEW, "vllm 0.26.0..0.28.0", "vllm 0.29.0", VLLM]
     assert problems(report, VLLM) == [("model.layers.1.mlp.experts: MXFP4 weight on disk but the exclude list makes "
                                        "this FusedMoE bf16: packed bytes would load as weights")]
 
@@ -157,9 +158,12 @@ def test_a_fused_name_alone_is_honoured_where_the_engine_matches_it_first(ours, 
         q["exclude"] = [e for e in q["exclude"] if not e.endswith(("shared_experts.gate_proj", "shared_experts.up_proj"))]
 
     _, report = run_gate(capsys, edited_copy(ours, tmp_path / "ck", fused_only), "--json")
-    # 0.5.9/0.5.10 know no gate_up_proj shards (fused name only); 0.5.21 and vLLM match the fused name first.
+    # 0.5.9/0.5.10 know no gate_up_proj shards (fused name only); 0.5.21 and vLLM >= 0.30.0 match the fused
+    # name first.
     assert failing(report) == ["sglang 0.5.11..0.5.12", "sglang 0.5.13..0.5.14", "sglang 0.5.15",
-                               "sglang 0.5.16..0.5.17", "sglang 0.5.18", "sglang 0.5.19..0.5.20"]
+                               "sglang 0.5.16..0.5.17", "sglang 0.5.18", "sglang 0.5.19..0.5.20", "vllm 0.16.0",
+                               "vllm 0.17.0..0.19.1", "vllm 0.20.0..0.23.0", "vllm 0.24.0..0.25.1", "vllm 0.26.0..0.28.0",
+                               "vllm 0.29.0"]
     assert any(p.startswith("model.layers.1.mlp.shared_experts.gate_up_proj: bf16 weight [32, 64] (shard gate_proj")
                for p in problems(report, "sglang 0.5.15"))
 
