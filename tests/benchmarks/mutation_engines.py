@@ -33,7 +33,7 @@ TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "te
          "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
          "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py", "tests/quant/test_engine_deepseek_v4.py",
          "tests/quant/test_engine_glm5_next.py", "tests/quant/test_engine_minimax_m3.py",
-         "tests/quant/test_incidents_sglang.py"]
+         "tests/quant/test_incidents_sglang.py", "tests/quant/test_incidents_vllm.py"]
 
 
 def data(engine, first, rule, path, value, why):
@@ -532,6 +532,21 @@ MUTATIONS = [
          "minimax-m3 0.5.18 fuses on ROCm"),
     data("sglang.minimax_m3", "0.5.17", "shared_experts_fusion", ["min_capability", "cuda"], [9, 0],
          "minimax-m3 0.5.17 needs sm90"),
+    # vLLM's DeepSeek-V2 class and engine-wide rules over 0.16.0..0.34.0: manifests/engines/vllm.yaml
+    # (killed by tests/quant/test_engine_sources.py and tests/quant/test_incidents_vllm.py)
+    data("vllm", "0.16.0", "quark_match", ["fused_first"], True, "vLLM 0.16 Quark fused name first"),
+    data("vllm", "0.16.0", "quark_match", ["experts_prefix"], "children", "vLLM 0.16 check_children"),
+    data("vllm", "0.26.0", "quark_match", ["experts_prefix"], "none", "vLLM 0.26 no check_children"),
+    data("vllm", "0.30.0", "quark_match", ["fused_first"], False, "vLLM 0.30 Quark shards only"),
+    data("vllm", "0.16.0", "mixed_shards_error", [], "ValueError: Found different quantization schemes for the "
+         "shards of {module}. vLLM requires all to use the same scheme.", "vLLM 0.16 new mixed-shards text"),
+    data("vllm", "0.16.0", "quark_config", ["requires_input_tensors"], False, "vLLM 0.16 accepts W4A16"),
+    data("vllm", "0.17.0", "quark_config", ["requires_input_tensors"], True, "vLLM 0.17 W4A4 only"),
+    data("vllm", "0.16.0", "indexer", ["wk"], "bf16", "vLLM 0.16 wk bf16"),
+    data("vllm", "0.20.0", "indexer", ["wk"], "quant_config", "vLLM 0.20 wk quantized"),
+    data("vllm", "0.16.0", "fp8_skip", ["fused_first"], True, "vLLM 0.16 FP8 fused name first"),
+    data("vllm", "0.24.0", "fp8_skip", ["fused_first"], False, "vLLM 0.24 FP8 shards only"),
+    data("vllm", "0.29.0", "eh_proj", [], "quant_config", "vLLM 0.29 eh_proj quantized"),
 ]
 
 

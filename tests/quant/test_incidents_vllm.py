@@ -73,3 +73,19 @@ def test_the_aggregate_entry_is_the_way_out(per_expert_mtp_excludes, tmp_path, c
     config["quantization_config"]["exclude"].append("model.layers.3.mlp.experts")
     (fixed / "config.json").write_text(json.dumps(config))
     assert run(capsys, fixed, "--engine", "vllm==0.16.0")[0] == 0
+
+
+@pytest.fixture(scope="module")
+def weight_only(glm_ckpt, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("w4a16") / "mxfp4_w4a16"
+    convert(make_plan(glm_ckpt, with_overrides(load_recipe(), weight_only=True)), dst, show_progress=False)
+    return dst
+
+
+def test_mx_weight_only_needs_0_17_0(weight_only, capsys):
+    # 0.16.0's QuarkConfig._is_ocp_mx asks OCP MX of the weight and the input_tensors (W4A4 only);
+    # 0.17.0's _is_w_ocp_mx_a_x asks it of the weight alone
+    code, out = run(capsys, weight_only, "--engine", "vllm==0.16.0", "--json")
+    (result,) = json.loads(out)["engines"].values()
+    assert code == 1 and [f["module"] for f in result["findings"]] == ["global_quant_config.input_tensors"], out
+    assert run(capsys, weight_only, "--engine", "vllm==0.17.0")[0] == 0
