@@ -429,9 +429,11 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
             continue
         quantized_on_disk = on_disk.pop()
         if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
+            outcome = f"the packed {fmt_name} rows are permuted but not their scales: it loads wrong" \
+                if rules["qk_rotary_permute"].get("scales_left") else \
+                f"a packed {fmt_name} weight cannot take that view (and its scales are not permuted)"
             finding(name, f"{rules.engine}'s loader views {permuted} as [heads, head_dim/2, 2, hidden] to permute "
-                          f"it for rotary; a packed {fmt_name} weight cannot take that view (and its scales are "
-                          "not permuted)", "keep q_proj and k_proj bf16 (list them in exclude)")
+                          f"it for rotary; {outcome}", "keep q_proj and k_proj bf16 (list them in exclude)")
             continue
         if em.build == "bf16":
             if em.moe:

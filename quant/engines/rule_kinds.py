@@ -251,10 +251,12 @@ class Mxfp4Native(Schema):
 
 class QkRotaryPermute(Schema):
     """Leaves the loader reshapes to permute for rotary, which fails for the ``fails`` kinds (a packed weight
-    cannot take the view), unless the module name holds one of ``unless_name_has``."""
+    cannot take the view), unless the module name holds one of ``unless_name_has``. ``scales_left``: the view
+    takes the packed weight but leaves its scales unpermuted, so the weight loads wrong instead of raising."""
     fails: list[Kind]
     leaves: list[str]
     unless_name_has: list[str]
+    scales_left: bool = False
 
 
 class LayerKinds(Schema):

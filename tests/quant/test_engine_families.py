@@ -292,8 +292,8 @@ def _block_sparse_moe_construction(whl, rules, where, family) -> dict:
         plain = bool(gates) and all(b.keywords.get("quant_config") == "None" for b in gates)
         lm_head = head[head.index("self.lm_head = "):][:200]
         assert "quant_config" not in lm_head or "quant_config=None" in lm_head  # lm_head built without it
-    else:
-        plain = bool(gates) and all(b.call == "GateLinear" and "quant_config" not in b.keywords for b in gates)
+    else:  # GateLinear without quant_config, or (<= 0.30.0) ReplicatedLinear(quant_config=None)
+        plain = bool(gates) and all(b.keywords.get("quant_config", "None") == "None" for b in gates)
     biases = attribute_builds(block, "e_score_correction_bias")
     layer = method_def(class_def(whl, where["main"], layer_cls), "__init__")
     moe_prefix = attribute_builds(layer, "block_sparse_moe")[0].keywords["prefix"]
@@ -302,8 +302,9 @@ def _block_sparse_moe_construction(whl, rules, where, family) -> dict:
             "bias_under": sorted({u for b in biases for u in b.under}), "eh": [], "remaps": False,
             "moe_prefix": moe_prefix, "reads_scoring_func": "scoring_func=config.scoring_func" in ast.unparse(block),
             "skips_mtp": "def get_spec_layer_idx_from_weight_name" in text and "num_mtp_modules" in text
-            if rules.engine == "sglang" else 'orig_to_new_prefix={f"layers.{base + i}.": None for i in range(num_mtp)}'
-            in text}
+            if rules.engine == "sglang" or "def get_spec_layer_idx_from_weight_name" in text  # vLLM <= 0.24.0
+            else 'skip_prefixes = [f"layers.{base + i}." for i in range(num_mtp)]' in text  # 0.25.0 .. 0.28.0
+            or 'orig_to_new_prefix={f"layers.{base + i}.": None for i in range(num_mtp)}' in text}
 
 
 CONSTRUCTION = {"glm4_moe": _glm4_moe_construction, "qwen3_moe": _qwen3_moe_construction,
@@ -410,8 +411,8 @@ def test_every_required_release_is_read_and_has_one_rule_set(family):
             assert len(select(f"{engine}=={release}", family)) == 1
 
 
-# Families read over sglang's whole window: every registry release (a .postN through its base release)
-WHOLE_WINDOW = {"sglang": ("mixtral", "qwen3_moe", "minimax_m2")}
+# Families read over each engine's whole window: every registry release (a .postN through its base release)
+WHOLE_WINDOW = {"sglang": ("mixtral", "qwen3_moe", "minimax_m2"), "vllm": ("mixtral", "qwen3_moe", "minimax_m2")}
 
 
 @pytest.mark.parametrize(("engine", "family"), [(e, f) for e, fams in WHOLE_WINDOW.items() for f in fams])

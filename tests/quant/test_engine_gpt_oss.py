@@ -25,7 +25,7 @@ from quant.engines.replay import class_name
 from quant.engines.rules import releases_read, window
 from quant.layout import family_named
 from tests.quant.engine_sources import (attribute_builds, class_constant, class_def, load, method_def, methods,
-                                        parsed, served_modules, sglang_quark_loader_additions)
+                                        parsed, served_modules, sglang_quark_loader_additions, source)
 from tests.quant.test_engine_sources import engine_wheel
 
 FAMILY = "gpt_oss"
@@ -49,10 +49,10 @@ IDS = [f"{rules.engine} {release}" for rules, release in CASES]
 
 
 def test_every_release_named_is_read():
-    """sglang: every release of the window (0.5.9 on, .postN included), each replayed by one rule set;
-    vLLM 0.33.0; nothing replayed unread."""
-    assert sorted(v for rules, v in CASES if rules.engine == "sglang") == sorted(window("sglang"))
-    assert [v for rules, v in CASES if rules.engine == "vllm"] == ["0.33.0"]
+    """Every release of each engine's window (sglang from 0.5.9, .postN included; vLLM from 0.16.0), each
+    replayed by one rule set; nothing replayed unread."""
+    for engine in ENGINES:
+        assert sorted(v for rules, v in CASES if rules.engine == engine) == sorted(window(engine))
 
 
 class _Layer:
@@ -89,7 +89,10 @@ def _quant_method(rules, whl, platform: str):
              "is_gfx95_supported": lambda: True, "mxfp_supported": lambda: True,  # ROCm MX support (<= 0.5.17: mxfp_supported)
              "logger": types.SimpleNamespace(debug_once=lambda *a, **k: None),
              "QuantizationMethods": str, "QuantizeMethodBase": object, "FusedMoEMethodBase": object,
-             "FusedMoEConfig": object, "Optional": typing.Optional, "List": typing.List, "torch": types.SimpleNamespace()}
+             "FusedMoEConfig": object, "Optional": typing.Optional, "List": typing.List, "torch": types.SimpleNamespace(),
+             # vLLM <= 0.18.1: an XPU method beside the MXFP4 MoE method (the platform is CUDA or ROCm here)
+             "current_platform": types.SimpleNamespace(is_xpu=lambda: False), "XpuMxfp4MoEMethod": MoEMethod,
+             "get_marlin_input_dtype": lambda prefix: None}
     names = ["__init__", "from_config", "get_quant_method", "get_name"]
     cls = methods(whl, MXFP4[rules.engine], "Mxfp4Config", names, stubs)["cls"]
     cls.get_from_keys = staticmethod(lambda config, keys: next(config[k] for k in keys if k in config))
@@ -130,18 +133,23 @@ def test_native_mxfp4_quantizes_the_experts_only(rules, release, platform):
 
 
 def _vllm_mapper(whl):
-    ns = load(whl, "vllm/model_executor/models/utils.py", ["WeightsMapper", "ShardIds", "ShardId"],
-              {"TypeAlias": typing.TypeAlias})
+    path = "vllm/model_executor/models/utils.py"  # ShardId (0.25.0) and ShardIds (0.31.0) came later than WeightsMapper
+    helpers = [n for n in ("ShardIds", "ShardId") if f"\n{n}" in source(whl, path) or f"class {n}" in source(whl, path)]
+    ns = load(whl, path, ["WeightsMapper", *helpers], {"TypeAlias": typing.TypeAlias})
     node = class_def(whl, MODEL["vllm"], "GptOssForCausalLM")
     call = next(s.value for s in node.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "hf_to_vllm_mapper")
-    return ns["WeightsMapper"](**{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+    mapper = ns["WeightsMapper"](**{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+    if not hasattr(mapper, "map_name"):  # <= 0.30.0: the same mapping under _map_name
+        mapper.map_name = mapper._map_name
+    return mapper
 
 
 NAMES = [f"model.layers.{i}.self_attn.{p}" for i in (0, 11) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")] + \
     ["model.layers.3.mlp.router", "model.layers.3.mlp.experts", "lm_head"]  # the Linear modules (and FusedMoE)
 
 
-@pytest.mark.parametrize("rules,release", [c for c in CASES if c[0].engine == "vllm"], ids=["vllm"])
+@pytest.mark.parametrize("rules,release", [c for c in CASES if c[0].engine == "vllm"],
+                         ids=[i for i in IDS if i.startswith("vllm")])
 def test_vllm_mapper_renames_as_the_rules_say(rules, release):
     """vLLM's own WeightsMapper: module names (what its quant config looks up) as class_name gives
     them, and every tensor quantgate writes for the experts maps to a FusedMoE parameter."""
@@ -220,6 +228,7 @@ def test_every_layer_is_moe(rules, release):
         assert "Dense MLP is not implemented" in text
     else:
         builds = attribute_builds(method_def(class_def(whl, MODEL["vllm"], "TransformerBlock"), "__init__"), "mlp")
-        assert [b.call for b in builds] == ["self.mlp_cls"] and not builds[0].under
+        # MLPBlock (<= 0.24.0), or the class attribute mlp_cls = MLPBlock
+        assert [b.call for b in builds] in (["MLPBlock"], ["self.mlp_cls"]) and not builds[0].under
     assert rules["moe_layers"] == "all"
     assert parsed(whl, MODEL[rules.engine]) is not None

@@ -139,7 +139,8 @@ def test_the_moe_layer_step_is_checked_against_the_stored_experts(tmp_path, caps
     capsys.readouterr()
     assert quantize(["--to", "mxfp4", "--dry-run", str(src), str(tmp_path / "dry")]) == 0
     out = capsys.readouterr().out
-    assert "vllm 0.33.0" in out and "builds MoE layers none" in out and "sglang" not in out.split("builds MoE")[0][-60:]
+    # every vLLM release of the window warns (named by rule-set span, from 0.16.0), no sglang release
+    assert "vllm 0.16.0" in out and "builds MoE layers none" in out and "sglang" not in out.split("builds MoE")[0][-60:]
 
 
 def test_a_recipe_quantizing_attention_to_mxfp4_is_refused_naming_sglangs_rotary_permute(llama4, tmp_path, capsys):
