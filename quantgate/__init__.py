@@ -116,7 +116,8 @@ def convert(planned: Plan, output: str | Path, *, overwrite: bool = False, resum
 def check(checkpoint: str | Path, engine: str = "all", *, deep: bool = False, **serving: Any) -> Report:
     """``gate checkpoint``: whether each engine release loads the checkpoint correctly. ``serving``
     is the setup sglang is started with: ``gpu`` (a GPU model), ``platform``, ``gpu_arch``, ``tp``, ``pp``,
-    ``ep``, ``disable_shared_experts_fusion`` (default: MI355X, TP 8). ``report.ok`` is the verdict."""
+    ``ep``, ``disable_shared_experts_fusion``, ``speculative`` (default: MI355X, TP 8, with the MTP draft).
+    ``report.ok`` is the exit code's answer; ``report.verdict`` names the failing and unread releases."""
     from quant.engines.serving import serving as setup
     from quant.verify import verify
 
