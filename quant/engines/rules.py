@@ -241,8 +241,15 @@ class ReleaseState:
         return {**asdict(self), "changed": list(self.changed)}
 
 
+def shown_path(name: str) -> Path:
+    """The rule file as a maintainer types it: relative to the repository, or whole for a family
+    folder outside it (``QUANTGATE_FAMILIES``)."""
+    path = rules_path(name)
+    return path.relative_to(manifests_root().parent) if path.is_relative_to(manifests_root().parent) else path
+
+
 def lock_command(name: str) -> str:
-    return f"python -m quant.engines.window lock {rules_path(name).relative_to(manifests_root().parent)}"
+    return f"python -m quant.engines.window lock {shown_path(name)}"
 
 
 @cache

@@ -468,7 +468,7 @@ def compute_lock(name: str, wheels: Wheels) -> dict:
         built = _registered(whl)
         for c, per_release in classes.items():
             per_release[release] = "built" if c in built else "not built"
-    return {"rule_file": str(rules.rules_path(name).relative_to(rules.manifests_root().parent)),
+    return {"rule_file": str(rules.shown_path(name)),
             "cites": rules.cites_digest(name),
             "rule_sets": sets,
             "hashes": {k: _ranges(engine, v) for k, v in hashes.items()},
