@@ -583,7 +583,8 @@ def _unloaded_draft_slot(ctx: ReplayContext, entries: list[str]) -> list[Finding
         return []
     moe, shared = drafts[0]
     ok = [r for r in rule_sets("sglang", ctx.family)
-          if not _draft_fuses_unloaded(r, replace(ctx, rules=r), exclude_entries(ctx.qconfig, r, ctx.kind, ctx.serving))]
+          if not _draft_fuses_unloaded(r, replace(ctx, rules=r),
+                                       exclude_entries(ctx.qconfig, r, ctx.kind, ctx.serving))]
     slot = ctx.config.get(rules["shared_experts_fusion"]["experts_key"])
     return [Finding(
         "fusion", rules.id, moe,

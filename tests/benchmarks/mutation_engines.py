@@ -31,7 +31,8 @@ from quant.engines.rule_kinds import RuleFile
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
          "tests/quant/test_engine_kimi.py", "tests/quant/test_engine_qwen3_next.py", "tests/quant/test_engine_llama4.py",
-         "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py", "tests/quant/test_engine_deepseek_v4.py",
+         "tests/quant/test_engine_gpt_oss.py", "tests/quant/test_engine_qwen3_5.py",
+         "tests/quant/test_engine_deepseek_v4.py",
          "tests/quant/test_engine_glm5_next.py", "tests/quant/test_engine_minimax_m3.py",
          "tests/quant/test_incidents_sglang.py", "tests/quant/test_incidents_vllm.py"]
 
@@ -441,7 +442,8 @@ MUTATIONS = [
          'config.get("indexer_rope_interleave", True)', "indexer rope assumed interleaved when unset"),
     # Mixtral, Qwen3-MoE, gpt-oss, Llama-4, MiniMax-M2 over sglang's window (their folders' sglang.yaml)
     data("sglang.mixtral", "0.5.9", "fp8_skip", ["match"], "module_path", "mixtral sglang 0.5.9 FP8 by module path"),
-    data("sglang.mixtral", "0.5.9", "fp8_skip", ["model_prefix_variants"], True, "mixtral sglang 0.5.9 model. variants"),
+    data("sglang.mixtral", "0.5.9", "fp8_skip", ["model_prefix_variants"], True,
+         "mixtral sglang 0.5.9 model. variants"),
     data("sglang.qwen3_moe", "0.5.10", "fp8_skip", ["experts"], "replace", "qwen3 sglang 0.5.10 experts replace"),
     data("sglang.qwen3_moe", "0.5.9", "quark_fused", [], {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
          "gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]},

@@ -86,10 +86,12 @@ def _quant_method(rules, whl, platform: str):
     stubs = {"LinearBase": LinearBase, "FusedMoE": FusedMoE, "RoutedExperts": FusedMoE, "Attention": Attention,
              "UnquantizedLinearMethod": Unquantized, "Mxfp4MoEMethod": MoEMethod, "GptOssMxfp4MoEMethod": MoEMethod,
              "Mxfp4DynamicQuantMoEMethod": MoEMethod, "is_layer_skipped": lambda **k: True, "_is_hip": platform == "rocm",
-             "is_gfx95_supported": lambda: True, "mxfp_supported": lambda: True,  # ROCm MX support (<= 0.5.17: mxfp_supported)
+             # ROCm MX support (<= 0.5.17: mxfp_supported)
+             "is_gfx95_supported": lambda: True, "mxfp_supported": lambda: True,
              "logger": types.SimpleNamespace(debug_once=lambda *a, **k: None),
              "QuantizationMethods": str, "QuantizeMethodBase": object, "FusedMoEMethodBase": object,
-             "FusedMoEConfig": object, "Optional": typing.Optional, "List": typing.List, "torch": types.SimpleNamespace(),
+             "FusedMoEConfig": object, "Optional": typing.Optional, "List": typing.List,
+             "torch": types.SimpleNamespace(),
              # vLLM <= 0.18.1: an XPU method beside the MXFP4 MoE method (the platform is CUDA or ROCm here)
              "current_platform": types.SimpleNamespace(is_xpu=lambda: False), "XpuMxfp4MoEMethod": MoEMethod,
              "get_marlin_input_dtype": lambda prefix: None}

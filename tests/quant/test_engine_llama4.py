@@ -75,7 +75,8 @@ def test_packed_mapping_is_the_one_the_wheel_leaves(rules, release):
         assert class_constant(class_def(whl, TOP["vllm"], CLASS), "packed_modules_mapping") == rules["quark_fused"]
         assert "hf_to_vllm_mapper" not in source(whl, TOP["vllm"]) + source(whl, TEXT["vllm"])
         llama = class_def(whl, "vllm/model_executor/models/llama.py", "LlamaModel")
-        mapper = next((s for s in llama.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "hf_to_vllm_mapper"),
+        mapper = next((s for s in llama.body
+                       if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "hf_to_vllm_mapper"),
                       None)  # none before 0.25.0: nothing renames the exclude list either
         if mapper is not None:
             assert [k.arg for k in mapper.value.keywords] == ["orig_to_new_stacked"]

@@ -115,7 +115,8 @@ def test_shared_expert_fusion_decisions_are_the_engines(rules, release):
     init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3_5MoeForConditionalGeneration"), "__init__"))
     rule = rules["shared_experts_fusion"]
     if rule is None:  # before 0.5.12 the class builds no fused slot at all
-        assert "num_fused_shared_experts" not in init and "support_shared_expert_fusion" not in source(whl, MAIN["sglang"])
+        assert "num_fused_shared_experts" not in init
+        assert "support_shared_expert_fusion" not in source(whl, MAIN["sglang"])
         return
     assert "if _use_aiter" in init and "self.num_fused_shared_experts = self._get_num_fused_shared_experts()" in init
     for decoder in ("Qwen3_5LinearDecoderLayer", "Qwen3_5AttentionDecoderLayer"):
@@ -209,7 +210,8 @@ def test_draft_quant_config_and_fused_slot_loading_are_the_wheels(rules, release
     if rule is None:
         return
     load = ast.unparse(method_def(class_def(whl, DRAFT, "Qwen3_5ForCausalLMMTP"), "load_weights"))
-    assert rule.get("draft_shared_remap", True) == ("'mlp.shared_expert.'" in load and "num_fused_shared_experts" in load)
+    remaps = "'mlp.shared_expert.'" in load and "num_fused_shared_experts" in load
+    assert rule.get("draft_shared_remap", True) == remaps
     text_init = ast.unparse(method_def(class_def(whl, MAIN["sglang"], "Qwen3_5ForCausalLM"), "__init__"))
     server_wide = "_maybe_autodisable_shared_experts_fusion(" in text_init
     assert rule.get("draft_decision", "own") == ("with_main" if server_wide else "own")

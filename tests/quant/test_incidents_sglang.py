@@ -77,7 +77,8 @@ def test_kimi_exclude_list_of_checkpoint_names_only_is_not_read_before_0_5_11(ki
     code, report = run_gate(capsys, tmp_path / "ck", "--engine", "sglang", "--json")
     assert code == 1
     assert [e.split(" ", 1)[1] for e in failing(report)][:2] == ["0.5.9", "0.5.10"]
-    assert any("model.layers.0.self_attn.kv_b_proj" in f["module"] for f in report["engines"]["sglang 0.5.9"]["findings"])
+    findings = report["engines"]["sglang 0.5.9"]["findings"]
+    assert any("model.layers.0.self_attn.kv_b_proj" in f["module"] for f in findings)
     assert not report["engines"]["sglang 0.5.11..0.5.12"]["findings"]
 
 
@@ -119,7 +120,8 @@ def test_qwen35_default_names_the_way_out(qwen35, capsys, release):
     code, text = run_gate(capsys, qwen35 / "default", "--engine", f"sglang=={release}")
     assert code == 1, text
     assert "[engine] mtp.layers.0.mlp.experts" in text and "qwen3_5_mtp.py: Qwen3_5ForCausalLMMTP.__init__" in text
-    assert "fix: keep the draft's experts bf16 too (quantize --mtp-experts bf16), or serve without the MTP draft" in text
+    assert ("fix: keep the draft's experts bf16 too (quantize --mtp-experts bf16), "
+            "or serve without the MTP draft") in text
 
 
 def test_qwen35_draft_fused_without_the_shared_expert_remap_loads_wrong(qwen35, capsys):
@@ -136,7 +138,8 @@ def test_qwen35_draft_fused_without_the_shared_expert_remap_loads_wrong(qwen35, 
         [e for e in report["engines"] if unloaded_slot(report, e)]
     code, text = run_gate(capsys, qwen35 / "draft_bf16", "--engine", "sglang==0.5.18")
     assert code == 1
-    assert "fuses the MTP draft's shared expert into its FusedMoE as expert 4 (qwen3_5.py: can_fuse_shared_expert" in text
+    assert ("fuses the MTP draft's shared expert into its FusedMoE as expert 4 "
+            "(qwen3_5.py: can_fuse_shared_expert") in text
     assert "fix: serve with sglang 0.5.11 or sglang 0.5.14..0.5.17 or sglang >= 0.5.19, or start sglang with " \
            "--disable-shared-experts-fusion, or serve without the MTP draft" in text
     for setup in (["--disable-shared-experts-fusion"], ["--platform", "cuda"]):

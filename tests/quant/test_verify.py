@@ -162,7 +162,8 @@ def test_a_fused_name_alone_is_honoured_where_the_engine_matches_it_first(ours, 
     # name first.
     assert failing(report) == ["sglang 0.5.11..0.5.12", "sglang 0.5.13..0.5.14", "sglang 0.5.15",
                                "sglang 0.5.16..0.5.17", "sglang 0.5.18", "sglang 0.5.19..0.5.20", "vllm 0.16.0",
-                               "vllm 0.17.0..0.19.1", "vllm 0.20.0..0.23.0", "vllm 0.24.0..0.25.1", "vllm 0.26.0..0.28.0",
+                               "vllm 0.17.0..0.19.1", "vllm 0.20.0..0.23.0", "vllm 0.24.0..0.25.1",
+                               "vllm 0.26.0..0.28.0",
                                "vllm 0.29.0"]
     assert any(p.startswith("model.layers.1.mlp.shared_experts.gate_up_proj: bf16 weight [32, 64] (shard gate_proj")
                for p in problems(report, "sglang 0.5.15"))

@@ -168,7 +168,9 @@ CASES = {"deepseek_v3": ".layers.1.mlp.shared_experts.",
          **dict.fromkeys(sorted(set(built_families()) - {"kimi_k25", "llama4", "gpt_oss", "minimax_m3", "qwen3_5_moe",
                                                          "deepseek_v4", "glm5_next"}), ".layers.1.self_attn."),
          # DeepSeek-V4 (attn, not self_attn): every entry of layer 1's attention, in either name
-         "deepseek_v4": "layers.1.attn."}  # kimi_k25, llama4, qwen3_5_moe, minimax_m3, glm5_next: see above; gpt_oss: its own MXFP4 config (tests/quant/test_vllm_cpu_gpt_oss.py)
+         "deepseek_v4": "layers.1.attn."}
+# kimi_k25, llama4, qwen3_5_moe, minimax_m3, glm5_next: see above; gpt_oss: its own MXFP4 config
+# (tests/quant/test_vllm_cpu_gpt_oss.py)
 
 
 @pytest.fixture(scope="module")
