@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import re
-import subprocess
 import sys
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -24,26 +23,21 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType, SimpleNamespace
 from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035 (names the engines' annotations use)
 
-CACHE = Path(os.environ.get("QUANTGATE_WHEELS", Path.home() / ".cache" / "quantgate-wheels"))
-
 
 class WheelUnavailable(RuntimeError):
     pass
 
 
 def wheel(package: str, version: str) -> Path:
-    """The cached wheel of ``package==version``, downloaded once from the registry."""
-    folder = CACHE / f"{package}-{version}"
-    found = sorted(folder.glob("*.whl"))
-    if found:
-        return found[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder), f"{package}=={version}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    found = sorted(folder.glob("*.whl"))
-    if done.returncode or not found:
-        raise WheelUnavailable(f"pip download {package}=={version} failed: {done.stderr.strip()[-300:]}")
-    return found[0]
+    """The cached wheel of ``package==version``, downloaded once from the registry (the window tool's
+    downloader: one cache, one place that runs pip)."""
+    from quant.engines.rules import RuleFileError
+    from quant.engines.window import wheel as window_wheel
+
+    try:
+        return window_wheel(package, version)
+    except RuleFileError as exc:
+        raise WheelUnavailable(str(exc)) from None
 
 
 @functools.cache
