@@ -18,7 +18,13 @@ from functools import cached_property, partial
 from packaging.version import InvalidVersion, Version
 
 from quant.engines import Finding, RuleSet, UnknownEngine, select
-from quant.engines.rules import ENGINES, release_states, releases_replayed, window
+from quant.engines.rules import (
+    ENGINES,
+    release_states,
+    releases_replayed,
+    window,
+    window_release,
+)
 from quant.errors import QuantgateError
 from quant.layout import Family
 
@@ -37,22 +43,15 @@ def parse_serve(spec: str) -> tuple[str, str]:
     if not sep or not version:
         raise ServeError(f"--serve {spec}: name the release you serve, e.g. --serve {engine}=={window(engine)[-1]}")
     try:
-        wanted = Version(version)
+        release = window_release(engine, version)
     except InvalidVersion:
         raise ServeError(f"--serve {spec}: {version!r} is not a version (e.g. {engine}=={window(engine)[-1]})") \
             from None
-    release = next((v for v in window(engine) if Version(v) == wanted), None)
     if release is None:
         raise ServeError(f"--serve {spec}: {engine} {version} is not a registry release in the window quantgate "
                          f"reads ({engine} {window(engine)[0]} to {window(engine)[-1]}, manifests/engines/"
                          "releases.yaml); name one of those (a newer release is added to the window and read first)")
     return engine, release
-
-
-def answered(engine: str, family: Family) -> dict[str, str]:
-    """Each window release the replay answers for for the family's class (read, or carried over by
-    identical cited source) -> the read release whose rule set it follows."""
-    return releases_replayed(engine, family)
 
 
 def release_ranges(engine: str, releases) -> list[str]:
@@ -103,7 +102,7 @@ def outcomes(family: Family, replayed: Callable[[RuleSet, bool], list[Finding]])
     out = []
     for rules in select("all", family):
         found = replayed(rules, True)
-        releases = tuple(v for v, base in answered(rules.engine, family).items() if rules.covers(base))
+        releases = tuple(v for v, base in releases_replayed(rules.engine, family).items() if rules.covers(base))
         fusion = tuple(f for f in found if f.check == "fusion")
         findings = tuple(f for f in found if f.check != "fusion")
         out.append(Outcome(rules, releases, findings, fusion, partial(replayed, rules, False)))
@@ -113,7 +112,7 @@ def outcomes(family: Family, replayed: Callable[[RuleSet, bool], list[Finding]])
 def not_answered(engine: str, family: Family) -> dict[str, list[str]]:
     """The window releases the replay cannot answer for, by state: ``needs reading`` (a cited function
     changed, or no lock proves it unchanged) and ``not built`` (the release has no such model class)."""
-    known = answered(engine, family)
+    known = releases_replayed(engine, family)
     out: dict[str, list[str]] = {}
     for release, state in release_states(engine, family).items():
         if release not in known:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import InvalidVersion
 
 from quant.engines.rules import (
+    CARRIED,
     ENGINES,
+    NEEDS_READING,
+    NOT_BUILT,
+    REPLAYED,
     ReleaseState,
     RuleSet,
     UnknownEngine,
@@ -25,11 +29,10 @@ from quant.engines.rules import (
     rule_sets,
     select,
     window,
+    window_release,
 )
 from quant.layout import Family
 
-READ, CARRIED, NEEDS_READING, NOT_BUILT = "read", "carried", "needs reading", "not built"
-REPLAYED = (READ, CARRIED)
 # the config keys the engines read the routed experts per token from (DeepSeek/Qwen style, gpt-oss)
 TOPK_KEYS = ("num_experts_per_tok", "experts_per_token")
 
@@ -80,10 +83,10 @@ def check_spec(spec: str) -> None:
     if not version:
         return
     try:
-        wanted = Version(version)
+        release = window_release(engine, version)
     except InvalidVersion:
         raise UnknownEngine(f"{spec!r}: {version!r} is not a version (e.g. sglang==0.5.23)") from None
-    if not any(Version(v) == wanted for v in window(engine)):
+    if release is None:
         raise UnknownEngine(f"{engine} {version} is not a registry release in the window quantgate reads "
                             f"({window(engine)[0]}..{window(engine)[-1]}, manifests/engines/releases.yaml); "
                             "name one of those")
@@ -100,7 +103,7 @@ def targets(spec: str, family: Family) -> list[Target]:
     check_spec(spec)
     engine, _, version = spec.partition("==")
     if version:
-        state = next(s for v, s in release_states(engine, family).items() if Version(v) == Version(version))
+        state = release_states(engine, family)[window_release(engine, version)]
         # select refuses one not replayed, naming its state
         return [Target(engine, state, select(spec, family)[0], family.engine_class[engine])]
     engines = ENGINES if engine == "all" else (engine,)

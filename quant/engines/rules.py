@@ -30,7 +30,13 @@ from pydantic import Field, model_validator
 from quant.engines.rule_kinds import RuleFile
 from quant.engines.rule_kinds import Version as Release
 from quant.errors import QuantgateError
-from quant.layout import Family, family_dirs, family_named, known_families, manifests_root
+from quant.layout import (
+    Family,
+    family_dirs,
+    family_named,
+    known_families,
+    manifests_root,
+)
 from quant.recipe import recipe_roles
 from quant.safe_files import read_yaml
 from quant.schema import Schema, load, nearest
@@ -225,6 +231,17 @@ def cites_digest(name: str) -> str:
     return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
 
 
+READ, CARRIED, NEEDS_READING, NOT_BUILT = "read", "carried", "needs reading", "not built"  # a release's states
+REPLAYED = (READ, CARRIED)  # the states a replay answers for; the others are named, never guessed
+
+
+def window_release(engine: str, version: str) -> str | None:
+    """The window's spelling of ``version`` (``0.5.10.post1``, ``0.33.0``), None when it is not a registry
+    release of the window (``version`` must parse: callers refuse one that does not, in their own words)."""
+    wanted = Version(version)
+    return next((v for v in window(engine) if Version(v) == wanted), None)
+
+
 @dataclass(frozen=True)
 class ReleaseState:
     """One window release for one family's class: ``read``, ``carried`` (not read; every symbol cited by the
@@ -302,11 +319,11 @@ def _release_states(engine: str, family: str, name: str, model_class: str) -> di
     out = {}
     for release in order:
         if release in read:
-            out[release] = ReleaseState(release, "read", read[release], rules_of=read[release])
+            out[release] = ReleaseState(release, READ, read[release], rules_of=read[release])
         elif lock is None:
-            out[release] = ReleaseState(release, "needs reading", changed=(f"no current lock: {lock_command(name)}",))
+            out[release] = ReleaseState(release, NEEDS_READING, changed=(f"no current lock: {lock_command(name)}",))
         elif lock["classes"].get(model_class, {}).get(release) != "built":
-            out[release] = ReleaseState(release, "not built")
+            out[release] = ReleaseState(release, NOT_BUILT)
         else:
             out[release] = _compared(release, read, lock, order)
     return out
@@ -320,19 +337,15 @@ def _compared(release: str, read: dict[str, str], lock: dict, order: list[str]) 
     newer = [r for r in order[index + 1:] if r in read][:1]
     verdict = None
     for other in older + newer:
-        rule_set = next(s for s in _rule_sets_of(lock) if Version(s[0]) <= Version(read[other]) <= Version(s[1]))
+        rule_set = next(s for s in lock["sets"] if Version(s[0]) <= Version(read[other]) <= Version(s[1]))
         # a symbol the read release lacks proves nothing (its cite was stated for another release)
         changed = tuple(f"{rule}: {key}" for rule, keys in lock["sets"][rule_set].items() for key in keys
                         if lock["hashes"][key][release] != lock["hashes"][key][other]
                         or lock["hashes"][key][other] == "absent")
         if not changed:
-            return ReleaseState(release, "carried", other, rules_of=read[other])
-        verdict = verdict or ReleaseState(release, "needs reading", other, changed)
-    return verdict or ReleaseState(release, "needs reading", changed=("no release read",))
-
-
-def _rule_sets_of(lock: dict) -> list[tuple[str, str]]:
-    return list(lock["sets"])
+            return ReleaseState(release, CARRIED, other, rules_of=read[other])
+        verdict = verdict or ReleaseState(release, NEEDS_READING, other, changed)
+    return verdict or ReleaseState(release, NEEDS_READING, changed=("no release read",))
 
 
 def releases_replayed(engine: str, family: Family | str = DEFAULT_FAMILY) -> dict[str, str]:
@@ -380,12 +393,12 @@ def _not_replayed(engine: str, version: str, family: Family | str) -> str:
     model_class = rule_sets(engine, family)[0].model_class
     known = window(engine)
     states = release_states(engine, family)
-    replayed = ", ".join(v for v, s in states.items() if s.state in ("read", "carried")) or "none"
-    release = next((v for v in known if Version(v) == Version(version)), None)
+    replayed = ", ".join(v for v, s in states.items() if s.state in REPLAYED) or "none"
+    release = window_release(engine, version)
     if release is None:
         why = (f": it is not a registry release of the window ({known[0]}..{known[-1]}, manifests/engines/"
                "releases.yaml; python -m quant.engines.window refresh adds new ones)")
-    elif states[release].state == "not built":
+    elif states[release].state == NOT_BUILT:
         return (f"{engine} {version} does not build family {name}: it registers no {engine} class "
                 f"{model_class}; the releases that build it and were read or carried over: {replayed}")
     elif states[release].follows:
