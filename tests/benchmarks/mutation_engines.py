@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib
 import io
 import json
 import sys
@@ -27,6 +28,7 @@ import pytest
 
 import quant.engines.rules as rules_module
 from quant.engines.rule_kinds import RuleFile
+from tests.benchmarks.engine_mutations import code, data, top
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "tests/quant/test_engine_families.py",
@@ -35,21 +37,6 @@ TESTS = ["tests/quant/test_fusion.py", "tests/quant/test_engine_sources.py", "te
          "tests/quant/test_engine_deepseek_v4.py",
          "tests/quant/test_engine_glm5_next.py", "tests/quant/test_engine_minimax_m3.py",
          "tests/quant/test_incidents_sglang.py", "tests/quant/test_incidents_vllm.py"]
-
-
-def data(engine, first, rule, path, value, why):
-    """Set ``rule``'s value at ``path`` (keys) in the rule set starting at ``first`` of the rule file
-    ``engine`` (``sglang``, ``vllm``: the DeepSeek-V2 class; ``sglang.glm4_moe`` ...: another class)."""
-    return {"kind": "data", "engine": engine, "first": first, "rule": rule, "path": path, "value": value, "why": why}
-
-
-def top(engine, key, value, why):
-    """Replace a top-level manifest entry (checked, post_releases) or a set's versions."""
-    return {"kind": "top", "engine": engine, "key": key, "value": value, "why": why}
-
-
-def code(module, old, new, why):
-    return {"kind": "code", "module": module, "old": old, "new": new, "why": why}
 
 
 MUTATIONS = [
@@ -559,6 +546,19 @@ MUTATIONS = [
     data("vllm", "0.24.0", "fp8_skip", ["fused_first"], False, "vLLM 0.24 FP8 shards only"),
     data("vllm", "0.29.0", "eh_proj", [], "quant_config", "vLLM 0.29 eh_proj quantized"),
 ]
+
+
+def _family_mutations() -> None:
+    """Each family's own mutations and test files (tests/benchmarks/engine_mutations/<family>.py), after the list
+    above in file-name order, so the numbers of the mutations above never change."""
+    folder = Path(__file__).resolve().parent / "engine_mutations"
+    for file in sorted(folder.glob("[!_]*.py")):
+        module = importlib.import_module(f"tests.benchmarks.engine_mutations.{file.stem}")
+        MUTATIONS.extend(module.MUTATIONS)
+        TESTS.extend(t for t in getattr(module, "TESTS", []) if t not in TESTS)
+
+
+_family_mutations()
 
 
 def _apply_data(manifest: dict, m: dict) -> None:
