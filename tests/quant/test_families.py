@@ -29,6 +29,11 @@ EXPECT = {
     # vLLM builds the router with the quant config: it must be listed
     "qwen3_moe": {"aliases": ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate"],
                   "sglang_default_loads": True},
+    # K-EXAONE: sglang has no qkv_proj in its Quark mapping; the draft under vLLM's mtp.* (mtp.fc built with the
+    # quant config) and sglang's model.layers.0.* (main layer 0's names); the shared expert is never fused
+    "exaone_moe": {"aliases": ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+                               "model.layers.1.mlp.shared_experts.gate_up_proj", "mtp.layers.0.self_attn.qkv_proj",
+                               "mtp.layers.0.mlp.gate_up_proj", "mtp.fc"], "sglang_default_loads": True},
     # sglang builds Mixtral's layers under layers.N (no model.), and has no qkv_proj shards mapping
     "mixtral": {"aliases": ["layers.0.self_attn.qkv_proj", "layers.2.self_attn.o_proj", "model.layers.0.self_attn.q_proj"],
                 "sglang_default_loads": True},
