@@ -475,6 +475,17 @@ def _mtp_prefix(config: dict) -> str | None:
         return None
 
 
+def _num_layers_key(config: dict) -> str:
+    """The config key counting the decoder layers, as the family's manifest names it (LongCat-Flash: num_layers,
+    where transformers' num_hidden_layers counts its two attention sublayers per layer)."""
+    from quant.layout import UnknownFamilyError, family_for
+
+    try:
+        return family_for(config).num_layers_key
+    except UnknownFamilyError:
+        return "num_hidden_layers"
+
+
 def _load_gpt_oss_mxfp4(checkpoint: Checkpoint, emulation: Emulation, device: str, dtype: torch.dtype):
     """gpt-oss's own MXFP4 layout as W4A16: transformers' Mxfp4 quantizer decodes the *_blocks /
     *_scales into the fused GptOssExperts (``Mxfp4Config(dequantize=True)``: its Mxfp4Dequantize op,
@@ -528,7 +539,7 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
     # a multimodal release (Llama-4) keeps the text model's layer count under text_config
     text = checkpoint.config.get("text_config")
     layers = config_int(text, "num_hidden_layers", checkpoint.config_path) if isinstance(text, dict) else \
-        checkpoint.config_int("num_hidden_layers")
+        checkpoint.config_int(_num_layers_key(checkpoint.config))
     config.quantization_config = {"quant_method": METHOD, "emulation": emulation.to_dict(), "num_hidden_layers": layers,
                                   "mtp_prefix": _mtp_prefix(checkpoint.config)}
     model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, config=config, dtype=dtype, device_map=device,

@@ -111,7 +111,11 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     naming = rules["mtp_naming"]
     draft = is_draft(module, rules, num_hidden_layers)
     if naming["style"] == "renames":  # the draft under its own prefix, renamed by the class's loader
-        return renamed(module, naming["renames"]) if draft else class_name(module, rules)
+        if not draft:
+            return class_name(module, rules)
+        index = max(draft_layer(module, rules, num_hidden_layers), 0)  # a module beside the layers: the first's
+        layer = str(num_hidden_layers * naming.get("layer_times", 1) + index)
+        return renamed(module, {old: new.replace("{layer}", layer) for old, new in naming["renames"].items()})
     if draft and naming["style"] == "dropped":
         return None  # the class skips the MTP layers' weights and builds no draft from them
     if naming.get("dropped_prefix") and module.startswith(naming["dropped_prefix"]):

@@ -73,13 +73,16 @@ class MtpNaming(Schema):
     ``prefix``, or the layers from num_hidden_layers on when it has none, renamed by ``renames``),
     ``dropped`` (the draft's layers are not loaded; ``dropped_prefix``: draft modules stored outside the
     decoder stack), ``original`` (names kept). ``max_layers``: the most draft layers the class builds
-    (None: no limit)."""
+    (None: no limit). ``{layer}`` in a rename's new name is the index the class gives draft layer i,
+    num_hidden_layers * ``layer_times`` + i (vLLM's LongCat draft counts two attention sublayers per decoder
+    layer: layer 2 * num_layers)."""
     style: Literal["decoder", "renames", "dropped", "original"]
     top_level: list[str]
     skipped: list[str]
     max_layers: int | None
     prefix: str | None = None
     renames: Renames | None = None
+    layer_times: int = Field(1, ge=1)
     dropped_prefix: str | None = None
 
     @model_validator(mode="after")

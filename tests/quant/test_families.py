@@ -40,6 +40,12 @@ EXPECT = {
     # vLLM builds MiniMax-M2's MoE block under mlp.* (its router: model.layers.N.mlp.gate)
     "minimax_m2": {"aliases": ["model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate",
                                "model.layers.0.self_attn.qkv_proj"], "sglang_default_loads": True},
+    # vLLM looks the MLA's fused_qkv_a_proj up by its fused name (no mapping); the draft is self_attn.* / mlps.* /
+    # eh_proj in sglang (built without a prefix) and model.layers.{2 * num_layers}.* in vLLM
+    "longcat_flash": {"aliases": ["model.layers.0.self_attn.1.fused_qkv_a_proj", "model.layers.0.mlps.1.gate_up_proj",
+                                  "model.layers.0.mlp.router.classifier", "self_attn.fused_qkv_a_proj_with_mqa",
+                                  "mlps.gate_up_proj", "eh_proj", "model.layers.6.self_attn.fused_qkv_a_proj",
+                                  "model.layers.6.mlp.gate_up_proj"], "sglang_default_loads": True},
     # sglang's DeepSeek text model replaces the Quark mapping (no gate_up_proj); vLLM names the
     # projector linear_1/2 and builds the vision tower with the quant config
     "kimi_k25": {"aliases": ["language_model.model.layers.0.mlp.gate_up_proj",
