@@ -31,7 +31,7 @@ from quant.engines.replay import Module, ReplayContext, engine_modules
 from quant.engines.rules import releases_read, select
 from quant.layout import family_dirs, family_for, family_names
 from tests.benchmarks.family_full_size import family_layouts, write_sparse
-from tests.quant.family_checkpoints import write_family_checkpoint
+from tests.quant.family_checkpoints import serve_args, write_family_checkpoint
 from tests.quant.test_engine_families import class_mapping
 from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel
 
@@ -43,7 +43,7 @@ def converted(request, tmp_path_factory):
     family = request.param
     root = tmp_path_factory.mktemp(family)
     src = write_family_checkpoint(root / "bf16", family)
-    assert quantize(["--to", "mxfp4", "-q", str(src), str(root / "mxfp4")]) == 0
+    assert quantize(["--to", "mxfp4", "-q", *serve_args(family), str(src), str(root / "mxfp4")]) == 0
     return family, src, root / "mxfp4"
 
 
@@ -88,9 +88,11 @@ def test_decode_gives_back_the_releases_names_and_shapes(converted, tmp_path):
 
 
 def newest_releases(family: str) -> list[str]:
-    """``<engine>==<release>`` for each engine's newest release read for the family's model classes."""
+    """``<engine>==<release>`` for each engine's newest release read for the family's model classes (only the
+    engines the family's tiny.py serves, where it names some: serve_args)."""
+    served = set(serve_args(family)[1::2])
     return [f"{engine}=={max(releases_read(engine, family), key=Version)}" for engine in ENGINES
-            if releases_read(engine, family)]
+            if releases_read(engine, family) and (not served or any(s.startswith(engine + "==") for s in served))]
 
 
 def test_the_conversion_loads_in_each_engines_newest_release(converted, capsys):
@@ -181,7 +183,8 @@ def test_the_full_size_layout_plans(family, tmp_path, capsys):
         config, entries = build()
         src = tmp_path / name
         write_sparse(src, config, entries)
-        code = quantize(["--to", "mxfp4", "--dry-run", "-q", "--json", str(src), str(tmp_path / f"{name}-out")])
+        code = quantize(["--to", "mxfp4", "--dry-run", "-q", "--json", *serve_args(family), str(src),
+                         str(tmp_path / f"{name}-out")])
         text = capsys.readouterr()
         assert code == 0, (name, text.err)
         assert family_for(config).name == family

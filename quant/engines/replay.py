@@ -439,6 +439,12 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
             finding(name, f"{rules.engine}'s loader views {permuted} as [heads, head_dim/2, 2, hidden] to permute "
                           f"it for rotary; {outcome}", "keep q_proj and k_proj bf16 (list them in exclude)")
             continue
+        if quantized_on_disk and em.moe and (renamed := _expert_scales_renamed(rules, kind)):
+            finding(name, f"{rules.engine}'s loader renames the experts' {renamed['dtype']} {renamed['scale']} to "
+                          f"{renamed['renamed']} ({rules.cites['expert_scales_renamed'].split(' (', 1)[0]}), which "
+                          f"the {fmt_name} MoE method does not create: the load fails (KeyError)",
+                    "serve with a release that loads it (gate checkpoint names them), or keep the experts bf16")
+            continue
         if em.build == "bf16":
             if em.moe:
                 slots[name] = False
@@ -492,6 +498,13 @@ def _forced_quantized(ctx: ReplayContext, em: EngineModule, name: str, quantized
         finding(name, f"{why}; the {where} entry matching it makes its quant method unquantized and the class's "
                       "assertion fails ('FP8 quant_config must create weight_scale_inv')",
                 f"remove the {where} entries matching {name!r}")
+
+
+def _expert_scales_renamed(rules: RuleSet, kind: str) -> dict | None:
+    """The loader's rename of quantized expert scales that this kind's MoE method cannot take (rule
+    ``expert_scales_renamed``: sglang's MiMo-V2), or None."""
+    rule = rules.values.get("expert_scales_renamed")
+    return rule if rule and kind in rule["fails"] else None
 
 
 def _rotary_permuted(em: EngineModule, rules: RuleSet, kind: str) -> str | None:

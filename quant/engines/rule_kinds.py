@@ -262,6 +262,16 @@ class QkRotaryPermute(Schema):
     scales_left: bool = False
 
 
+class ExpertScalesRenamed(Schema):
+    """The class's loader renames a quantized routed expert's ``scale`` tensor of ``dtype`` to ``renamed`` for
+    a layout of its own (MiMo-V2's MXFP4 experts: a uint8 weight_scale becomes weight_scale_inv), a parameter
+    the MoE method of the ``fails`` kinds does not create: their quantized routed experts cannot load."""
+    fails: list[Kind]
+    scale: str
+    dtype: str
+    renamed: str
+
+
 class LayerKinds(Schema):
     """The attention kind of each decoder layer (hybrid families): from an interval key (every ``key``-th layer
     ``full``, others ``linear``) or a per-layer list (``key``), falling back to ``interval_key``."""
@@ -297,6 +307,7 @@ class Rules(Schema):
     mxfp4_native: Rule[Mxfp4Native | None] | None = None
     qk_rotary_permute: Rule[QkRotaryPermute | None] | None = None
     layer_kinds: Rule[LayerKinds | None] | None = None
+    expert_scales_renamed: Rule[ExpertScalesRenamed | None] | None = None
 
 
 Version = Annotated[str, Field(pattern=r"^\d+(\.\d+)*(\.post\d+)?$")]

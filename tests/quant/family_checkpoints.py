@@ -59,6 +59,13 @@ def built_families() -> list[str]:
     return [f for f in family_dirs() if hasattr(family_module(f, "tiny"), "build")]
 
 
+def serve_args(family: str) -> list[str]:
+    """``--serve`` arguments for quantizing ``family``'s tiny checkpoint to MXFP4: the releases its ``tiny.py``
+    names (``SERVE``) where an engine's newest release read cannot load that output (quantize refuses it
+    otherwise); none for the rest."""
+    return [arg for spec in getattr(tiny_builder(family), "SERVE", ()) for arg in ("--serve", spec)]
+
+
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
     """Seeded small bf16 values for tensors a release carries beyond what transformers builds."""
     import torch

@@ -18,8 +18,9 @@ from quant.layout import family_for
 from tests.quant.family_checkpoints import built_families, tiny_builder, write_family_checkpoint
 
 # gpt-oss writes its release's own MXFP4 layout (no Quark exclude list) and refuses --to fp8:
-# tests/quant/test_gpt_oss.py
-FAMILIES = sorted(set(built_families()) - {"gpt_oss"})
+# tests/quant/test_gpt_oss.py. MiMo-V2-Flash's MXFP4 experts do not load in sglang 0.5.21-0.5.23, so quantize
+# refuses them there: tests/quant/test_engine_mimo_v2_flash.py
+FAMILIES = sorted(set(built_families()) - {"gpt_oss", "mimo_v2_flash"})
 # Per family: exclude entries the engines need beyond the checkpoint's own names, and whether
 # sglang 0.5.23 on the default setup (MI355X, TP 8, fusion on) loads the routed-only MXFP4 output.
 EXPECT = {

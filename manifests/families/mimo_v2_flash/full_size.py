@@ -1,0 +1,62 @@
+"""MiMo-V2-Flash's full-size layout for the dry-run benchmark (tests/benchmarks/family_full_size.py reads this
+module): ``layout() -> (config.json, [(name, dtype, shape)])`` of the release at its published sizes,
+written as sparse files (headers, no tensor data)."""
+
+from __future__ import annotations
+
+# XiaomiMiMo/MiMo-V2-Flash: 48 layers (full attention at layer 0 and every sixth, sliding-window elsewhere),
+# the first dense (intermediate_size 16384), 256 routed experts (moe_intermediate_size 2048), top-8, no shared
+# expert; 64 query heads of 192 (v 128), 4 key-value heads on full layers, 8 on sliding ones; one MTP layer.
+# These are transformers 5.25's MiMoV2FlashConfig defaults ("Overrides from Glm4MoeConfig", documented with
+# checkpoint XiaomiMiMo/MiMo-V2-Flash; its attention doubles the sliding layers' key-value heads), and the one
+# MTP layer both engines build (vLLM mimo_v2_mtp.py _MIMO_V2_FLASH_NUM_MTP_LAYERS = 1; sglang
+# configs/model_config.py sets num_nextn_predict_layers 1 for the draft). No published config.json was read.
+TEXT = {"vocab_size": 152576, "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 192,
+        "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8}
+
+
+
+def _release_names(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A decoder layer's tensor as the release stores it (transformers' conversion_mapping.py "mimo_v2_flash"
+    reverted): per-expert experts, the sinks as attention_sink_bias, the router F32."""
+    experts, inter = TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
+    if rest == "mlp.experts.gate_up_proj":
+        return [(f"mlp.experts.{e}.{p}.weight", dtype, (inter, shape[2])) for e in range(experts)
+                for p in ("gate_proj", "up_proj")]
+    if rest == "mlp.experts.down_proj":
+        return [(f"mlp.experts.{e}.down_proj.weight", dtype, (shape[1], inter)) for e in range(experts)]
+    if rest == "mlp.gate.weight":
+        return [(rest, "F32", shape)]
+    return [(rest.replace("self_attn.sinks", "self_attn.attention_sink_bias"), dtype, shape)]
+
+
+def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    """MiMo-V2-Flash at full size: transformers' MiMoV2FlashForCausalLM on the meta device with one layer of
+    each kind (full dense, sliding sparse, full sparse), repeated over the layers; the MTP layer's tensors
+    (tiny.py's release(), at these sizes) under model.mtp.layers.0; the router weight F32 as the release
+    stores it (transformers' _keep_in_fp32_modules_strict)."""
+    import torch
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    from tests.quant.family_checkpoints import family_module, layer_entries
+
+    layers = TEXT["num_hidden_layers"]
+    config = MiMoV2FlashConfig(**TEXT)
+    built = {("full_attention", "dense"): 0, ("sliding_attention", "sparse"): 1, ("full_attention", "sparse"): 2}
+    with torch.device("meta"):
+        model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig(**{
+            **TEXT, "num_hidden_layers": 3, "layer_types": [kind for kind, _ in built],
+            "mlp_layer_types": [kind for _, kind in built]}))
+    per_layer, out = layer_entries(model.state_dict(), "model.layers")
+    for i in range(layers):
+        template = built[(config.layer_types[i], config.mlp_layer_types[i])]
+        out += [(f"model.layers.{i}.{name}", d2, s2) for rest, d, s in per_layer[template]
+                for name, d2, s2 in _release_names(rest, d, s)]
+    tiny = family_module("mimo_v2_flash", "tiny")
+    with torch.device("meta"):
+        mtp = tiny.release({}, config, layers, 0)
+    out += [(name, "BF16", tuple(t.shape)) for name, t in mtp.items()]
+    saved = {**config.to_dict(), "architectures": ["MiMoV2FlashForCausalLM"], "torch_dtype": "bfloat16"}
+    tiny.release_config(saved, config, layers)
+    return saved, out
