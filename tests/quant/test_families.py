@@ -38,6 +38,15 @@ EXPECT = {
     # sglang builds Mixtral's layers under layers.N (no model.), and has no qkv_proj shards mapping
     "mixtral": {"aliases": ["layers.0.self_attn.qkv_proj", "layers.2.self_attn.o_proj", "model.layers.0.self_attn.q_proj"],
                 "sglang_default_loads": True},
+    # Hunyuan-V4: the MLA a-projections and the MLP gate_up_proj by their fused names (sglang's and vLLM's), the
+    # MTP layer model.mtp_layers.0.* also under the drafts' own names (sglang model.decoder.* / model.eh_proj, vLLM
+    # model.layers.3.*); neither engine fuses the shared expert (sglang: its SwiGLU limit is routed-only)
+    "hy_v4": {"aliases": ["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa",
+                          "model.layers.0.self_attn.fused_qkv_a_proj",
+                          "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.0.mlp.gate_up_proj",
+                          "model.decoder.self_attn.fused_qkv_a_proj_with_mqa", "model.eh_proj",
+                          "model.layers.3.self_attn.linear_gate", "model.layers.3.mlp.shared_experts.gate_up_proj"],
+              "sglang_default_loads": True},
     # vLLM builds MiniMax-M2's MoE block under mlp.* (its router: model.layers.N.mlp.gate)
     "minimax_m2": {"aliases": ["model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate",
                                "model.layers.0.self_attn.qkv_proj"], "sglang_default_loads": True},
