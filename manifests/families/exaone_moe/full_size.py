@@ -32,9 +32,9 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     layer, repeated over the layers in the release's names; the dense layer again as the draft's mtp.layers.0
     beside mtp.fc and its norms (both engines build the draft's layer dense)."""
     import torch
+    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
 
     from tests.quant.family_checkpoints import draft_fc_shapes, layer_entries
-    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
 
     with torch.device("meta"):
         model = ExaoneMoeForCausalLM(ExaoneMoeConfig(**{**TEXT, "num_hidden_layers": 2}))
