@@ -31,19 +31,22 @@ from quant.safetensors_io import ShardHeader, TensorInfo, numel
 from quant.structure import declared_counts
 
 
-def _decoded_shape(header: ShardHeader, info: TensorInfo, scale: TensorInfo, codec: Codec) -> tuple[int, int]:
-    """The bf16 shape a stored weight decodes to, after checking it and its scale are the codec's."""
-    if problem := codec.stored_shape_problem(info.shape):
+def _decoded_shape(header: ShardHeader, info: TensorInfo, scale: TensorInfo, codec: Codec) -> tuple[int, ...]:
+    """The bf16 shape a stored weight decodes to, after checking it and its scale are the codec's; a
+    stacked weight ``[experts, out, in]`` (``fused_experts.writes: stacked``) as one matrix per expert."""
+    stacked = info.shape[:1] if len(info.shape) == 3 else ()
+    if problem := codec.stored_shape_problem(info.shape[len(stacked):]):
         raise PlanError(f"{header.path}: {info.name} {info.dtype}{list(info.shape)}: {problem}; not a "
                         f"{codec.name} weight quantgate can decode: re-export the checkpoint (gate checkpoint "
                         "lists every problem)")
-    shape = codec.logical_shape(info.shape)
-    expected = codec.outputs(info.name, shape)[1]
+    shape = codec.logical_shape(info.shape[len(stacked):])
+    _, scale_dtype, scale_shape = codec.outputs(info.name, shape)[1]
+    expected = (None, scale_dtype, (*stacked, *scale_shape))
     if (scale.dtype, scale.shape) != expected[1:]:
         raise PlanError(f"{header.path}: {info.name} is {info.dtype}{list(info.shape)} but its scale is "
                         f"{scale.dtype}{list(scale.shape)}, not the {codec.name} scale {expected[1]}"
                         f"{list(expected[2])}; cannot decode it (gate checkpoint lists every problem)")
-    return shape
+    return (*stacked, *shape)
 
 
 def _plan_decode(header: ShardHeader, codec: Codec, assembled: list[TensorPlan]) -> tuple[TensorPlan, ...]:
@@ -53,7 +56,7 @@ def _plan_decode(header: ShardHeader, codec: Codec, assembled: list[TensorPlan])
     tensors = header.tensors
     absorbed = {t.name for plan in assembled for member in plan.members for t in member if t is not None}
     starts = {plan.source.name: plan for plan in assembled}
-    weights = {n for n, t in tensors.items() if t.dtype == codec.weight_dtype and len(t.shape) == 2
+    weights = {n for n, t in tensors.items() if t.dtype == codec.weight_dtype and len(t.shape) in (2, 3)
                and n + codec.scale_suffix in tensors}
     scales = {n + codec.scale_suffix for n in weights}
     plans = []

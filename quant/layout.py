@@ -45,7 +45,7 @@ AXES = {("experts", "out", "in"), ("experts", "in", "out")}  # Qwen3.5: [E, 2I, 
 SPLITS = ("halves", "interleaved")  # gate then up along the out axis, or gate, up alternating (gpt-oss)
 # the layouts the converter writes fused experts in: Quark's per-expert 2-D names (published MXFP4
 # releases), or a release's own ``<fused>_blocks`` / ``_scales`` form (gpt-oss: quant/blocks.py)
-WRITES = ("per_expert", "blocks")
+WRITES = ("per_expert", "blocks", "stacked")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,11 @@ class FusedTensor:
     bias: bool = False  # the release stores ``<fused>_bias`` [experts, out] beside it (gpt-oss)
 
     def per_expert_name(self, fused_name: str, expert: int, projection: str) -> str:
-        return self.names.format(experts=fused_name.rpartition(".")[0], e=expert, proj=projection)
+        # {experts}: the fused name less its ``name`` (one component, or several where the release stores
+        # each projection stacked as <parent>.<proj>.weight: Step-3.7's moe.gate_proj.weight)
+        suffix = "." + self.name
+        experts = fused_name.removesuffix(suffix) if fused_name.endswith(suffix) else fused_name.rpartition(".")[0]
+        return self.names.format(experts=experts, e=expert, proj=projection)
 
     def fused_name(self, experts: str) -> str | None:
         """The fused tensor ``experts`` (a per-expert name's ``{experts}``) is written back as, None
@@ -86,8 +90,10 @@ class FusedTensor:
 class FusedExperts:
     """How a family stores its routed experts fused (manifest ``fused_experts``), and the layout the
     converter writes them in (``writes``: ``per_expert``, the per-expert 2-D names the engines'
-    per-expert loaders map; or ``blocks``, the release's own ``<fused>_blocks`` / ``_scales`` tensors,
-    written by quant.blocks)."""
+    per-expert loaders map; ``blocks``, the release's own ``<fused>_blocks`` / ``_scales`` tensors,
+    written by quant.blocks; or ``stacked``, each fused tensor under its own name as the codec's weight
+    ``[experts, *weight]`` and scale ``[experts, *scale]``, for loaders that read only the release's
+    stacked layout: Step-3.7's)."""
     experts_key: str  # the text config key counting the routed experts
     tensors: tuple[FusedTensor, ...]
     writes: str = "per_expert"

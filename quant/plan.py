@@ -67,6 +67,9 @@ class TensorPlan:
     # ``fused_experts.writes: blocks``: ENCODE writes the pieces (one whole matrix per expert) into
     # the two ``outputs`` as the release's ``*_blocks`` / ``*_scales`` (``quant.blocks``)
     blocks: bool = False
+    # ``fused_experts.writes: stacked``: ENCODE writes the pieces, expert by expert, into the two
+    # ``outputs`` as one stacked weight and one stacked scale under the fused tensor's name
+    stacked: bool = False
 
     def linear_modules(self) -> list[tuple[str, tuple[int, int]]]:
         """The Linear modules this tensor holds, by the engines' per-expert names, with their [out, in]."""
@@ -248,6 +251,10 @@ def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Rec
     if problem := fmt.shape_problem((out, inner)):
         raise PlanError(f"{where}: each expert's {spec.projections[0]} [{out}, {inner}]: {problem}; keep this role "
                         "bf16 in the recipe")
+    if family.fused_experts.writes == "stacked":  # one weight and one scale, each with the experts axis first
+        outputs = tuple((name, dtype, (len(found), *shape))
+                        for name, dtype, shape in fmt.outputs(info.name, (found[0].rows, found[0].cols)))
+        return TensorPlan(info, ENCODE, outputs, role.role, role.linear, role.mtp, pieces=found, stacked=True)
     outputs = tuple(entry for p in found for entry in fmt.outputs(p.name, (p.rows, p.cols)))
     return TensorPlan(info, ENCODE, outputs, role.role, role.linear, role.mtp, pieces=found)
 

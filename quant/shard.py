@@ -26,7 +26,7 @@ from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
 from quant.fused import Piece
 from quant.plan import ASSEMBLE, CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
-from quant.safetensors_io import DTYPE_BYTES, ShardWriter, file_identity, numel
+from quant.safetensors_io import DTYPE_BYTES, ShardWriter, TensorInfo, file_identity, numel
 from quant.source import CHUNK_BYTES, SourceReader, first_non_finite
 from quant.strided import copy2d
 
@@ -48,11 +48,13 @@ class ShardJob:
 def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
                    advance: Callable[[int], None], timing: dict) -> dict:
     info = tensor.source
-    if tensor.blocks:  # the release's own layout: every expert's matrix into one *_blocks, then one *_scales
+    if tensor.blocks or tensor.stacked:  # every expert's matrix into one weight (*_blocks), then one scale
         scales: list = []
+        _, dtype, shape = tensor.outputs[0]
+        expert_bytes = numel(shape[1:]) * DTYPE_BYTES[dtype]
         errors = [_encode_rows(piece_rows(reader, piece, job.kernel_threads), (piece.rows, piece.cols), tensor.outputs, info.dtype,
                                f"{info.name} expert {piece.expert}", writer, job, advance, timing,
-                               weight_base=i * piece.rows * piece.cols // 2, scales_out=scales)
+                               weight_base=i * expert_bytes, scales_out=scales)
                   for i, piece in enumerate(tensor.pieces)]
         writer.write(tensor.outputs[1][0], 0, np.concatenate(scales).data)
         err_sq, ref_sq = sum(e for e, _ in errors), sum(r for _, r in errors)
@@ -155,8 +157,19 @@ def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
     info, scale = tensor.source, tensor.scale
     name, _, shape = tensor.outputs[0]
     raw_scales = stored_scales if stored_scales is not None else reader.peek(scale.begin, scale.nbytes)
-    for start, out in _decoded_rows(job, info, scale, raw_scales, reader.read, shape, timing, advance):
-        writer.write(name, start * shape[1] * 2, out.data)
+    # a stacked weight [experts, out, in] (fused_experts writes: stacked) decodes expert by expert, each
+    # matrix with its own scales (block FP8's tiles do not run across experts)
+    experts = shape[0] if len(shape) == 3 else 1
+    weight_bytes, scale_bytes = info.nbytes // experts, scale.nbytes // experts
+    rows, cols = shape[-2:]
+    for e in range(experts):
+        one = TensorInfo(info.name, info.dtype, info.shape[-2:], info.begin + e * weight_bytes,
+                         info.begin + (e + 1) * weight_bytes)
+        one_scale = TensorInfo(scale.name, scale.dtype, scale.shape[-2:], scale.begin + e * scale_bytes,
+                               scale.begin + (e + 1) * scale_bytes)
+        scales = raw_scales[e * scale_bytes:(e + 1) * scale_bytes]
+        for start, out in _decoded_rows(job, one, one_scale, scales, reader.read, (rows, cols), timing, advance):
+            writer.write(name, (e * rows + start) * cols * 2, out.data)
 
 
 def _assemble_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,

@@ -128,11 +128,14 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
             continue
         scale = tensors.get(name + suffix)
         if fmt and info.dtype == fmt.weight_dtype:
-            if problem := fmt.stored_shape_problem(info.shape):
+            # a stacked expert tensor [E, out, in] (fused_experts writes: stacked): each expert's matrix as one
+            stacked = info.shape[:1] if len(info.shape) == 3 else ()
+            if problem := fmt.stored_shape_problem(info.shape[len(stacked):]):
                 findings.append(Finding("layout", None, name, f"{info.dtype}{list(info.shape)}: {problem}",
                                         "re-export the checkpoint; the engines cannot load this weight"))
                 continue
-            expected = fmt.outputs(name, fmt.logical_shape(info.shape))[1]
+            _, scale_dtype, scale_shape = fmt.outputs(name, fmt.logical_shape(info.shape[len(stacked):]))[1]
+            expected = (None, scale_dtype, (*stacked, *scale_shape))
             if scale is None:
                 findings.append(Finding("layout", None, name, f"{info.dtype} weight without weight{suffix}: the engines "
                                         "load it silently as garbage", "re-export the checkpoint; the scale is missing"))
@@ -400,7 +403,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             moe_layers.add(role.layer)
         if role.role in kind_roles and role.layer is not None and not role.mtp:
             roles_by_layer.setdefault(role.layer, set()).add(role.role)
-        if family.fused_experts and (fused := _fused_module(name, info, tensors, family, num_hidden_layers)):
+        if family.fused_experts and (fused := _fused_module(name, info, family, num_hidden_layers, fmt)):
             modules[fused[0]] = fused[1]
         elif role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
@@ -490,16 +493,19 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     return report
 
 
-def _fused_module(name: str, info, tensors, family, num_hidden_layers: int) -> tuple[str, Module] | None:
+def _fused_module(name: str, info, family, num_hidden_layers: int, fmt: Codec | None) -> tuple[str, Module] | None:
     """A fused expert tensor as the module the engines build from it (its FusedMoE's parts): bf16
-    ``[E, in, out]`` / ``[E, out, in]`` as the release stores it, or its MXFP4 ``*_blocks``
-    (``quant.blocks``); the module is named by the fused tensor, shaped one expert's [out, in]."""
+    ``[E, in, out]`` / ``[E, out, in]`` as the release stores it, its MXFP4 ``*_blocks``
+    (``quant.blocks``), or stacked in ``fmt`` (``writes: stacked``); the module is named by the fused
+    tensor, shaped one expert's [out, in]."""
     stored = blocks.fused_name(name)
     spec = family.fused_experts.match(stored or name)
     if spec is None or family.classify(stored or name, num_hidden_layers).role != "routed_expert":
         return None
     if stored is not None and info.dtype == "U8" and len(info.shape) == 4:
         return stored, Module(True, (info.shape[1], info.shape[2] * BLOCK), "routed_expert")
+    if stored is None and fmt is not None and info.dtype == fmt.weight_dtype and len(info.shape) == 3:
+        return name, Module(True, fmt.logical_shape(info.shape[1:]), "routed_expert")
     if stored is None and info.dtype in FLOAT_DTYPES and len(info.shape) == 3:
         out, inner = (info.shape[1], info.shape[2]) if spec.axes[1] == "out" else (info.shape[2], info.shape[1])
         return name, Module(False, (out, inner), "routed_expert")

@@ -253,7 +253,8 @@ def _engine_modules(ctx: ReplayContext, whole_draft_bf16: bool, indexer_bf16: fr
     max_draft = rules["mtp_naming"]["max_layers"]
     for module, info in ctx.modules.items():
         moe = info.role == "routed_expert"
-        if moe:
+        # a stacked expert tensor (Step-3.7's moe.gate_proj.weight) has no ".experts." until the class names it
+        if moe and ".experts." in module:
             group = experts.get(module[:module.rindex(".experts.") + len(".experts")])
             if group is not None:
                 group.members.append(module)
@@ -275,7 +276,7 @@ def _engine_modules(ctx: ReplayContext, whole_draft_bf16: bool, indexer_bf16: fr
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
                                                build=_build(info.role, leaf, rules, kind, draft and whole_draft_bf16,
                                                             indexer_bf16, quantized))
-            if moe:
+            if moe and ".experts." in module:
                 experts[module[:module.rindex(".experts.") + len(".experts")]] = entry
         entry.members.append(module)
     return built

@@ -96,6 +96,15 @@ EXPECT = {
                                 "model.layers.1.attn.fused_wqa_wkv", "model.layers.1.ffn.shared_experts.gate_up_proj",
                                 "model.layers.1.ffn.shared_experts.down_proj", "model.layers.0.mlp.gate",
                                 "model.layers.1.attn.indexer.wq_b", "lm_head"], "sglang_default_loads": True},
+    # Step-3.7-Flash: sglang builds the text model under language_model.model.* (the MoE block under mlp.*, the
+    # shared expert share_expert.*) and maps qkv_proj to no shards; vLLM builds the shared expert under moe.* and
+    # the vision tower with the quant config (its mlp.c_fc renamed fc1); neither fuses the shared expert
+    "step3p7": {"aliases": ["language_model.model.layers.0.self_attn.qkv_proj",
+                            "language_model.model.layers.1.share_expert.gate_up_proj",
+                            "language_model.model.layers.1.moe.share_expert.gate_up_proj",
+                            "language_model.model.layers.0.self_attn.g_proj",
+                            "vision_model.transformer.resblocks.0.mlp.fc1",
+                            "vit_large_projector", "language_model.lm_head"], "sglang_default_loads": True},
     # GLM-5.3-Flash: the KDA q/k/v and MLA a-projections by their fused names, the draft under sglang's
     # model.decoder.* / model.eh_proj and vLLM's model.layers.3.*, the stored fused vision qkv also by the
     # shards sglang 0.5.20 looks up under its built name; sglang fuses the shared expert on CUDA only
