@@ -57,14 +57,17 @@ DRAFT_LINEARS = ["model.mtp.layers.0.eh_proj", "model.mtp.layers.0.self_attn.q_a
 def wheel_packed(whl, engine: str, kind: str) -> dict[str, list[str]]:
     """The packed_modules_mapping the engine's quant config holds for the class. sglang: the class's dict literal
     (empty), which the loader updates in place for Quark and __init__ extends only after the quant config was
-    made; Fp8Config.from_config keeps ``mapping or {}``, so an empty dict is not the class's object."""
+    made; Fp8Config.from_config keeps ``mapping or {}`` (an empty dict is not the class's object) or, in 0.5.9,
+    takes none."""
     node = class_def(whl, MAIN[engine], CLASS)
     mapping = dict(class_constant(node, "packed_modules_mapping") or {})
     if engine == "vllm":
         return {k: list(v) for k, v in mapping.items()}
-    assert "packed_modules_mapping or {}" in source(whl, "sglang/srt/layers/quantization/fp8.py").replace(
-        'get_from_keys_or(config, ["packed_modules_mapping"], {}) or {}', "packed_modules_mapping or {}")
-    if kind == "fp8" and not mapping:
+    fp8 = source(whl, "sglang/srt/layers/quantization/fp8.py")
+    if kind == "fp8" and "packed_modules_mapping" not in fp8:  # 0.5.9: the FP8 config takes no mapping
+        return {}
+    if kind == "fp8" and not mapping:  # the class's empty dict is falsy: the config keeps a fresh one
+        assert 'get_from_keys_or(config, ["packed_modules_mapping"], {}) or {}' in fp8
         return {}
     if kind == "quark":
         mapping.update(sglang_quark_loader_additions(whl))
