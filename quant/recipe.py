@@ -37,6 +37,9 @@ class RuleEntry(Schema):
     action: Literal[ACTIONS]
     mtp: bool | None = None  # None: any layer; true: the MTP (next-n) layer only; false: the main layers only
     format: str | None = None  # the recipe's own format, if given (mixed formats are refused)
+    # true: the rule applies only where the family lets the role be quantized (its engines build it with the
+    # quant config); elsewhere the tensor is kept, where a plain rule would be refused
+    quantizable_only: bool = False
 
     @field_validator("role")
     @classmethod
@@ -71,9 +74,11 @@ class Rule:
     role: str
     action: str
     mtp: bool | None = None  # None: any layer
+    quantizable_only: bool = False
 
     def matches(self, role: TensorRole) -> bool:
-        return self.role == role.role and (self.mtp is None or self.mtp == role.mtp)
+        return self.role == role.role and (self.mtp is None or self.mtp == role.mtp) and \
+            (role.quantizable or not self.quantizable_only)
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ def load_recipe(path: Path | None = None, to: str | None = None, family: Family 
         format=fmt,
         scale_rule=ScaleRule(data.scale_rule),
         weight_only=data.activations == "none",
-        rules=tuple(Rule(raw.role, raw.action, raw.mtp) for raw in data.rules or []),
+        rules=tuple(Rule(raw.role, raw.action, raw.mtp, raw.quantizable_only) for raw in data.rules or []),
     )
 
 

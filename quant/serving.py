@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from quant.engines import draft_name, rule_sets
-from quant.engines.replay import class_name, draft_module_name, is_draft, shard_parent
+from quant.engines.replay import class_name, draft_module_name, is_draft, mapped_entry, shard_parent
 from quant.engines.rules import DEFAULT_FAMILY, ENGINES
 from quant.errors import QuantgateError
 
@@ -143,8 +143,23 @@ def build_exclude(kept: set[str], quantized: set[str], num_hidden_layers: int, f
     names = set(kept) | set(expert_groups(kept)) | _fused_names(kept, family) | _absent_shards(kept, quantized, family)
     aliases = {alias for rules in _all_rule_sets(family) for name in names
                for alias in (draft_name(name, rules, num_hidden_layers),
-                             draft_module_name(name, rules, num_hidden_layers))}
+                             draft_module_name(name, rules, num_hidden_layers),
+                             _unmapped_draft_name(name, rules, num_hidden_layers))}
     return sorted(names | {alias for alias in aliases if alias} | _stored_fused_shards(kept, family))
+
+
+def _unmapped_draft_name(module: str, rules, num_hidden_layers: int) -> str | None:
+    """For a draft module that shares the main class's exclude list after the class's mapper renamed every
+    entry under the draft's own prefix (dots.note in vLLM: model. -> language_model.model., while the draft
+    builds model.layers.N.*), the draft's name as a ``re:`` entry: the mapper renames plain names only,
+    and Quark matches a ``re:`` entry by re.match, so this one reaches the draft's module alone."""
+    mapper = rules.values.get("exclude_mapper")
+    if not mapper or "quark" not in mapper["kinds"] or not is_draft(module, rules, num_hidden_layers):
+        return None
+    name = draft_name(module, rules, num_hidden_layers)
+    if name is None or mapped_entry(name, mapper) == name:
+        return None
+    return "re:" + re.escape(name) + "$"
 
 
 def _stored_fused_shards(kept: set[str], family=DEFAULT_FAMILY) -> set[str]:

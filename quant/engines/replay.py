@@ -125,7 +125,8 @@ def draft_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | Non
     if any(part in module for part in naming["skipped"]):
         return None
     rest = _LAYER.match(module).group(2)
-    return ("model." if any(part in module for part in naming["top_level"]) else "model.decoder.") + rest
+    top_level = any(part in module for part in naming["top_level"])
+    return (naming.get("top_level_as", "model.") if top_level else naming.get("decoder_as", "model.decoder.")) + rest
 
 
 def draft_module_name(module: str, rules: RuleSet, num_hidden_layers: int) -> str | None:

@@ -75,7 +75,8 @@ class MtpNaming(Schema):
     decoder stack), ``original`` (names kept). ``max_layers``: the most draft layers the class builds
     (None: no limit). ``{layer}`` in a rename's new name is the index the class gives draft layer i,
     num_hidden_layers * ``layer_times`` + i (vLLM's LongCat draft counts two attention sublayers per decoder
-    layer: layer 2 * num_layers)."""
+    layer: layer 2 * num_layers). ``decoder_as`` / ``top_level_as``: where the ``decoder`` style puts the
+    draft's decoder layer and its own modules (dots.note's draft keeps them under model.heads.0)."""
     style: Literal["decoder", "renames", "dropped", "original"]
     top_level: list[str]
     skipped: list[str]
@@ -84,6 +85,8 @@ class MtpNaming(Schema):
     renames: Renames | None = None
     layer_times: int = Field(1, ge=1)
     dropped_prefix: str | None = None
+    decoder_as: str = "model.decoder."
+    top_level_as: str = "model."
 
     @model_validator(mode="after")
     def _renames_need_renames(self):

@@ -27,6 +27,14 @@ EXPECT = {
     # sglang's Quark mapping for Glm4MoeForCausalLM has no qkv_proj; the draft is model.decoder.*
     "glm4_moe": {"aliases": ["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.shared_experts.gate_up_proj",
                              "model.decoder.self_attn.qkv_proj"], "sglang_default_loads": False},
+    # dots.note: sglang builds the text model under thinker.language_model (no mapper for the exclude list)
+    # and the draft under model.heads.0, fusing q_a_proj, kv_a_proj_with_mqa and g_proj; vLLM's mapper renames
+    # every model.* entry, so its draft (model.layers.3.*) is reached by re: entries only
+    "dots3_note": {"aliases": ["thinker.language_model.model.layers.1.self_attn.fused_qkv_a_g_proj_with_mqa",
+                               "thinker.language_model.model.layers.1.mlp.shared_experts.gate_up_proj",
+                               "model.heads.0.decoder.self_attn.fused_qkv_a_g_proj_with_mqa", "model.heads.0.eh_proj",
+                               "model.layers.1.self_attn.fused_qkv_a_proj", r"re:model\.layers\.3\.eh_proj$"],
+                   "sglang_default_loads": True},
     # vLLM builds the router with the quant config: it must be listed
     "qwen3_moe": {"aliases": ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate"],
                   "sglang_default_loads": True},
