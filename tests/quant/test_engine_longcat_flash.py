@@ -115,6 +115,8 @@ def test_router_eh_proj_and_attention_are_built_as_the_rules_say(rules, release)
     assert rules["built_fused"][fused] == ["q_a_proj", "kv_a_proj_with_mqa"]
     mapper = "hf_to_sglang_mapper" if rules.engine == "sglang" else "hf_to_vllm_mapper"
     assert mapper not in source(whl, MAIN[rules.engine]) and rules["exclude_mapper"] is None
+    # neither draft class maps the exclude list (no weight mapper of its own, none inherited to apply)
+    assert mapper not in source(whl, DRAFT[rules.engine]) and rules["draft_exclude"] == {FAMILY: "none"}
     assert rules["indexer"] is None and rules["shared_experts_fusion"] is None
 
 
@@ -188,7 +190,9 @@ def _pool(rules):
                                              "mlp.experts.0.gate_proj", "mlp.router.classifier")]
     entries += DRAFT_LINEARS + sorted(drafts) + [
         "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlps.gate_proj", "mlps.up_proj", "eh_proj",
-        "re:.*self_attn.*", "re:model\\.layers\\.1\\..*", "re:.*mlps.*", "self_attn", "model.layers.1", "lm_head"]
+        "re:.*self_attn.*", "re:model\\.layers\\.1\\..*", "re:.*mlps.*", "self_attn", "model.layers.1", "lm_head",
+        # FP8 reads some entries with and without model. (sglang 0.5.10 on): the bare draft names as model.*
+        "model.self_attn.q_b_proj", "model.mlps.down_proj", "model.eh_proj", "layers.0.mlps.0.down_proj"]
     return modules, entries
 
 
