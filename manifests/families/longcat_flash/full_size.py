@@ -54,5 +54,6 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     out += [(mtp + "eh_proj.weight", "BF16", (h, 2 * h)), ("model.mtp.norm.weight", "BF16", (h,)),
             ("model.mtp.embed_tokens.weight", "BF16", (CONFIG["vocab_size"], h))]
     config = LongcatFlashConfig(**CONFIG).to_dict()
-    config.update(zero_expert_type="identity", num_nextn_predict_layers=1)
+    config.update(zero_expert_type="identity", mla_scale_q_lora=True, mla_scale_kv_lora=True,
+                  num_nextn_predict_layers=1)
     return {**config, "architectures": ["LongcatFlashForCausalLM"], "torch_dtype": "bfloat16"}, out

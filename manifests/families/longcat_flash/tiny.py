@@ -45,6 +45,8 @@ def release(tensors: dict, config, num_hidden_layers: int, seed: int) -> dict:
 
 def release_config(saved: dict, config, num_hidden_layers: int) -> None:
     """The keys the release's config.json carries that transformers' config does not define: vLLM's
-    LongcatMoe asserts config.zero_expert_type (read as an attribute of transformers' config), sglang's
-    own LongcatFlashConfig defaults it to identity; one MTP layer."""
-    saved.update(num_layers=num_hidden_layers, zero_expert_type="identity", num_nextn_predict_layers=1)
+    LongcatMoe asserts config.zero_expert_type and (0.32.0 on) scale_mla_lora_norms_on_load reads
+    config.mla_scale_q_lora / mla_scale_kv_lora, attributes of transformers' config; sglang's own
+    LongcatFlashConfig defaults them (identity, True, True); one MTP layer."""
+    saved.update(num_layers=num_hidden_layers, zero_expert_type="identity", mla_scale_q_lora=True,
+                 mla_scale_kv_lora=True, num_nextn_predict_layers=1)
