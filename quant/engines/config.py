@@ -176,6 +176,13 @@ def layer_kind_findings(rules: RuleSet, config: dict, family, roles_by_layer: di
     if len(kinds) < num_hidden_layers:
         return [Finding("config", rules.id, "config.json layer_types", f"{len(kinds)} entries for {num_hidden_layers} "
                         "layers: the engine indexes it per layer (IndexError at load)", "list one kind per layer")]
+    builds = rules["layer_kinds"].get("builds")
+    unbuilt = sorted({kind for kind in kinds[:num_hidden_layers] if builds is not None and kind not in builds})
+    if unbuilt:
+        return [Finding("config", rules.id, f"config.json {rules['layer_kinds']['key']}",
+                        f"names {', '.join(unbuilt)}, a layer kind {rules.engine} does not build "
+                        f"({rules.cites['layer_kinds'].split(' (')[0]}; KeyError at load)",
+                        f"write the kind as this release names it ({', '.join(builds)})")]
     wrong = [(layer, kinds[layer], sorted(have)) for layer, have in sorted(roles_by_layer.items())
              if layer < num_hidden_layers and have and role_of.get(kinds[layer]) not in have]
     if not wrong:

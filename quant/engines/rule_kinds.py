@@ -284,6 +284,8 @@ class LayerKinds(Schema):
     linear: str
     interval_key: str | None = None
     interval_default: int | None = None
+    # the kinds a listed layer may name (unset: any); the release has no decoder layer for another (KeyError)
+    builds: list[str] | None = None
 
 
 class Rules(Schema):

@@ -96,6 +96,14 @@ EXPECT = {
                                 "model.language_model.layers.0.mlp.shared_expert.gate_up_proj",
                                 "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc1",
                                 "mtp.layers.0.self_attn.qkv_proj", "mtp.fc"], "sglang_default_loads": True},
+    # Qwen4-Exp: Qwen3.5's packed names, the PLE's key/value projections by vLLM's packed kv_proj, the
+    # draft under mtp.* in both engines with sglang's top-level fc_embedding / fc_hidden; sglang fuses the
+    # shared expert only on ROCm with aiter, and not when it is excluded
+    "qwen4_exp": {"aliases": ["model.language_model.layers.0.linear_attn.in_proj_qkvz",
+                              "model.language_model.layers.1.self_attn.qkv_proj",
+                              "model.language_model.layers.0.ple.kv_proj", "mtp.layers.0.self_attn.qkv_proj",
+                              "mtp.layers.0.mlp.shared_expert.gate_up_proj", "fc_embedding", "fc_hidden"],
+                  "sglang_default_loads": True},
     # DeepSeek-V4: sglang builds layers.N.attn/ffn as model.layers.N.self_attn/mlp (wq_a + wkv fused as
     # wqkv_a, the shared expert's w1/w3 as gate_up_proj), vLLM keeps attn/ffn and fuses fused_wqa_wkv;
     # the compressors and the indexer's weights_proj are built bf16 by both (listed anyway); sglang fuses
