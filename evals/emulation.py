@@ -465,6 +465,19 @@ def _refuse_without_a_causal_lm_class(checkpoint: Checkpoint) -> None:
                                "evals run --base-url")
 
 
+def _refuse_unloaded_experts(checkpoint: Checkpoint, info: dict) -> None:
+    """transformers initialises a weight its conversion mapping finds no checkpoint tensor for and runs anyway
+    (Hunyuan-V4's ``hy_v4`` mapping merges no per-expert experts into its fused ones): a model whose routed experts
+    were not loaded would be evaluated on random weights, so it is refused naming the first of them."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if ".experts." in k)
+    if missing:
+        raise EmulationRefused(f"{checkpoint.config_path}: transformers loads none of the checkpoint's tensors into "
+                               f"{missing[0]} ({len(missing)} expert weights left uninitialised: its conversion "
+                               f"mapping for model_type {checkpoint.config.get('model_type')!r} does not read the "
+                               "release's expert names), so it cannot be evaluated locally; serve it and use "
+                               "evals run --base-url")
+
+
 def _mtp_prefix(config: dict) -> str | None:
     """Where the family's manifest keeps a draft outside model.layers (Qwen3-Next: mtp.layers), if it does."""
     from quant.layout import UnknownFamilyError, family_for
@@ -527,8 +540,10 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
     if emulation is not None and emulation.source == "mxfp4":
         return _load_gpt_oss_mxfp4(checkpoint, emulation, device, dtype)
     if emulation is None:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device,
-                                                     experts_implementation=EXPERTS_IMPLEMENTATION)
+        model, info = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=dtype, device_map=device,
+                                                           experts_implementation=EXPERTS_IMPLEMENTATION,
+                                                           output_loading_info=True)
+        _refuse_unloaded_experts(checkpoint, info)
         return model.eval(), None
     fmt = emulation.weight_format
     emulation = replace(emulation, modules=quantized_modules(checkpoint.tensors(), fmt))
