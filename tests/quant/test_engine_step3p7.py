@@ -282,3 +282,34 @@ def test_the_releases_that_build_the_class_are_the_ones_read_or_named(engine):
     for release, state in release_states(engine, FAMILY).items():
         built = Version(release.split(".post")[0]) >= Version(first)
         assert (state.state != "not built") == built, (release, state)
+
+
+def stacked_mapping(whl, engine: str) -> dict[str, list[str]]:
+    """The fused modules the loader stacks shards into: its stacked_params_mapping literal (sglang
+    Step3p5ForCausalLM.load_weights, vLLM Step3p5Model.load_weights)."""
+    cls = TEXT_CLASS if engine == "sglang" else "Step3p5Model"
+    fn = method_def(class_def(whl, TEXT[engine], cls), "load_weights")
+    assign = next(n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  and ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target) == "stacked_params_mapping")
+    fused: dict[str, list[str]] = {}
+    for param, shard, _ in ast.literal_eval(assign.value):
+        fused.setdefault(param.strip("."), []).append(shard.strip("."))
+    return fused
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_built_fused_and_draft_rules_are_the_loaders(rules, release):
+    """The fused modules are the loader's stacked_params_mapping; the main class skips the MTP layers (a
+    model.layers.N with N >= num_hidden_layers), whose draft class builds eh_proj as a plain nn.Linear; the
+    MoE layers come from the config (moe_layers_enum / mlp_layer_types)."""
+    whl = engine_wheel(rules, release)
+    assert rules["built_fused"] == stacked_mapping(whl, rules.engine)
+    text = source(whl, TEXT[rules.engine])
+    skip = "layer_id >= self.config.num_hidden_layers" if rules.engine == "sglang" else \
+        "layer_idx >= config.num_hidden_layers"
+    assert skip in text and rules["mtp_naming"]["style"] == "dropped"
+    assert "self.eh_proj = nn.Linear(" in source(whl, TEXT[rules.engine].replace("step3p5.py", "step3p5_mtp.py"))
+    assert rules["eh_proj"] == "plain" and rules["draft_exclude"] == {FAMILY: "none"}
+    assert "moe_layers_enum" in text and rules["moe_layers"] == "config"
+    assert "num_fused_shared_experts = 0" in text if rules.engine == "sglang" else "shared_experts=" in text
+    assert rules["shared_experts_fusion"] is None
