@@ -90,7 +90,7 @@ MANIFEST_CASES = {
     "projection twice": (lambda d: _tensor(d).update(projections=["gate_proj", "gate_proj"]),
                          "fused_experts.tensors.0.projections:", "names a projection twice"),
     "writes unknown": (lambda d: d["fused_experts"].update(writes="mxfp4_native"), "fused_experts.writes:",
-                       "'per_expert' or 'blocks'"),
+                       "'per_expert', 'blocks' or 'stacked'"),
     "split unknown": (lambda d: _tensor(d).update(split="alternate"), "fused_experts.tensors.0.split:",
                       "'halves' or 'interleaved'"),
     "config value nan": (lambda d: d.update(config_keys={"mxfp4": {"expert_dtype": float("nan")}}),
