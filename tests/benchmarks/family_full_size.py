@@ -28,7 +28,7 @@ from quant.layout import family_dirs
 from quant.safetensors_io import DTYPE_BYTES, numel
 from quant.schema import JsonValue, Schema, load
 from tests.conftest import write_sparse_shards
-from tests.quant.family_checkpoints import family_module, named_as
+from tests.quant.family_checkpoints import family_module, named_as, serve_args
 
 ST = {"torch.bfloat16": "BF16", "torch.float32": "F32"}
 
@@ -175,12 +175,15 @@ def main() -> int:
             config, entries = found[family]()
             src = Path(tmp) / family / "bf16"
             claimed = write_sparse(src, config, entries)
-            code, seconds, peak = timed(["quant.cli", "--to", "mxfp4", "--dry-run", "-q", "--json", str(src),
+            # the releases the family's MXFP4 output is for, where an engine's newest release cannot load it
+            serve = serve_args(family) if family in family_dirs() else []
+            code, seconds, peak = timed(["quant.cli", "--to", "mxfp4", "--dry-run", "-q", "--json", *serve, str(src),
                                          str(Path(tmp) / family / "out")])
             # the MXFP4 output's layout, from the plan: headers the converter would write, holes for data
             from quant.plan import make_plan
             from quant.recipe import load_recipe
-            plan = make_plan(src, load_recipe(None, "mxfp4"))
+            from quant.release_check import parse_serve
+            plan = make_plan(src, load_recipe(None, "mxfp4"), serve=tuple(parse_serve(s) for s in serve[1::2]))
             out = Path(tmp) / family / "mxfp4"
             write_sparse(out, plan.output_config(), [e for s in plan.shards for e in s.entries])
             gcode, gseconds, gpeak = timed(["evals.cli", "checkpoint", "--engine", "sglang==0.5.23", str(out)])

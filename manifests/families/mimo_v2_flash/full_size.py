@@ -6,14 +6,16 @@ from __future__ import annotations
 
 # XiaomiMiMo/MiMo-V2-Flash: 48 layers (full attention at layer 0 and every sixth, sliding-window elsewhere),
 # the first dense (intermediate_size 16384), 256 routed experts (moe_intermediate_size 2048), top-8, no shared
-# expert; 64 query heads of 192 (v 128), 4 key-value heads on full layers, 8 on sliding ones; one MTP layer.
+# expert; 64 query heads of 192 (v 128), 4 key-value heads on full layers, 8 on sliding ones; three MTP layers.
 # These are transformers 5.25's MiMoV2FlashConfig defaults ("Overrides from Glm4MoeConfig", documented with
-# checkpoint XiaomiMiMo/MiMo-V2-Flash; its attention doubles the sliding layers' key-value heads), and the one
-# MTP layer both engines build (vLLM mimo_v2_mtp.py _MIMO_V2_FLASH_NUM_MTP_LAYERS = 1; sglang
-# configs/model_config.py sets num_nextn_predict_layers 1 for the draft). No published config.json was read.
+# checkpoint XiaomiMiMo/MiMo-V2-Flash; its attention doubles the sliding layers' key-value heads); the three MTP
+# layers as vLLM's mimo_v2_mtp.py says of the checkpoints ("MiMo-V2 checkpoints contain multiple MTP layers, but
+# vLLM currently supports only the first layer") and LMDeploy's MiMo-V2-Flash support counts them (a three-layer
+# MTP module). No published config.json was read: num_nextn_predict_layers counts them here.
 TEXT = {"vocab_size": 152576, "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,
         "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 192,
         "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8}
+MTP_LAYERS = 3
 
 
 
@@ -34,7 +36,7 @@ def _release_names(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[
 def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     """MiMo-V2-Flash at full size: transformers' MiMoV2FlashForCausalLM on the meta device with one layer of
     each kind (full dense, sliding sparse, full sparse), repeated over the layers; the MTP layer's tensors
-    (tiny.py's release(), at these sizes) under model.mtp.layers.0; the router weight F32 as the release
+    (tiny.py's release(), at these sizes) under model.mtp.layers.0-2; the router weight F32 as the release
     stores it (transformers' _keep_in_fp32_modules_strict)."""
     import torch
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
@@ -56,7 +58,9 @@ def layout() -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
     tiny = family_module("mimo_v2_flash", "tiny")
     with torch.device("meta"):
         mtp = tiny.release({}, config, layers, 0)
-    out += [(name, "BF16", tuple(t.shape)) for name, t in mtp.items()]
+    out += [(name.replace(".layers.0.", f".layers.{i}."), "BF16", tuple(t.shape)) for i in range(MTP_LAYERS)
+            for name, t in mtp.items()]
     saved = {**config.to_dict(), "architectures": ["MiMoV2FlashForCausalLM"], "torch_dtype": "bfloat16"}
     tiny.release_config(saved, config, layers)
+    saved["num_nextn_predict_layers"] = MTP_LAYERS
     return saved, out
