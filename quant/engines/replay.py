@@ -291,7 +291,8 @@ def indexer_bf16_leaves(rules: RuleSet, serving: Serving, config: dict) -> froze
     if indexer is None:  # a model class without a DSA indexer
         return frozenset()
     leaves = {leaf for leaf in ("wq_b", "wk", "weights_proj") if indexer[leaf] == "bf16"}
-    if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and config.get("indexer_rope_interleave", False):
+    interleaved = indexer.get("interleaved_always") or config.get("indexer_rope_interleave", False)
+    if indexer["wk_fused_bf16_on_cuda"] and serving.platform == "cuda" and interleaved:
         leaves.add("wk")
     return frozenset(leaves)
 

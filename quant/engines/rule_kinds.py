@@ -126,12 +126,15 @@ IndexerBuild = Literal["quant_config", "bf16"]
 class Indexer(Schema):
     """The DSA indexer's Linear leaves: built with the quant config or bf16; ``wk_fused_bf16_on_cuda``: wk fused
     into a bf16 wk_weights_proj on CUDA when the indexer's rope is interleaved; ``wk_dequantized``: the kinds
-    whose quantized wk the loader dequantizes into that bf16 slot."""
+    whose quantized wk the loader dequantizes into that bf16 slot; ``interleaved_always``: the class builds the
+    indexer's rope interleaved whatever config.json says (dots.note: Indexer(is_neox_style=False)), else it
+    follows the config's indexer_rope_interleave."""
     wq_b: IndexerBuild
     wk: IndexerBuild
     weights_proj: IndexerBuild
     wk_fused_bf16_on_cuda: bool
     wk_dequantized: list[Kind]
+    interleaved_always: bool = False
 
 
 class QuarkConfig(Schema):

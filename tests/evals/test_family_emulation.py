@@ -26,7 +26,7 @@ from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_activation_codec import quark_dynamic_qdq
 
 FAMILIES = ["glm4_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax_m2", "qwen3_5_moe", "deepseek_v4", "exaone_moe",
-            "longcat_flash"]
+            "longcat_flash", "dots3_note"]
 # how each release names a layer's experts and their (gate, up, down) projections
 EXPERTS = {"glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
@@ -36,7 +36,8 @@ EXPERTS = {"glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "qwen3_5_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
            "deepseek_v4": ("ffn.experts", "w1", "w3", "w2"),
            "exaone_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
-           "longcat_flash": ("mlp.experts", "gate_proj", "up_proj", "down_proj")}
+           "longcat_flash": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+           "dots3_note": ("mlp.experts", "gate_proj", "up_proj", "down_proj")}
 # where a release keeps its decoder layers (the model's model.layers.N): Qwen3.5 MoE under its
 # multimodal model's language_model, routed experts fused [E, 2I, H] in the bf16 release
 LAYERS = {"qwen3_5_moe": "model.language_model.layers.", "deepseek_v4": "layers."}

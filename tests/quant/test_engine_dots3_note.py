@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from evals.cli import main as gate_main
+from quant.cli import main as quantize
 from quant.engines import ENGINES
 from quant.engines.fusion import no_fusion_reason
 from quant.engines.match import Exclude
@@ -33,7 +35,7 @@ from quant.engines.replay import class_name, draft_exclude, draft_name, exclude_
 from quant.engines.rules import release_states, releases_read, select, window
 from quant.engines.serving import serving
 from tests.quant.engine_sources import class_constant, class_def, load, method_def, methods, \
-    sglang_quark_loader_additions, window_sample
+    sglang_quark_loader_additions, source, window_sample
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel, wheel
 
@@ -61,7 +63,7 @@ STORED = ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_pr
           "model.heads.0.decoder.self_attn.q_a_proj", "model.heads.0.decoder.self_attn.kv_a_proj_with_mqa",
           "model.heads.0.decoder.self_attn.g_proj", "model.layers.0.self_attn.fused_qkv_a_proj",
           "model.layers.1.mlp.shared_experts.gate_up_proj", r"re:model\.layers\.3\.eh_proj$",
-          r"re:model\.layers\.3\.self_attn\.fused_qkv_a_proj$"]
+          r"re:model\.layers\.3\.self_attn\.fused_qkv_a_proj$", "model.layers.3"]
 # the modules each engine builds and looks up: main model, then the draft
 MODULES = {"sglang": (["thinker.language_model.model.layers.0.self_attn.fused_qkv_a_g_proj_with_mqa",
                        "thinker.language_model.model.layers.0.mlp.gate_up_proj",
@@ -111,8 +113,9 @@ def sglang_quark_mapping(whl) -> dict[str, list[str]]:
 
 def vllm_mapper(whl):
     """vLLM's own WeightsMapper built from the class's literal."""
-    utils = load(whl, "vllm/model_executor/models/utils.py", ["WeightsMapper", "ShardIds", "ShardId"],
-                 {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
+    path = "vllm/model_executor/models/utils.py"
+    shards = ["ShardIds", "ShardId"] if "ShardIds" in source(whl, path) else []  # 0.31.0 on
+    utils = load(whl, path, ["WeightsMapper", *shards], {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
     node = class_def(whl, VLLM_MAIN, CLASS)
     assign = next(s for s in node.body
                   if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "hf_to_vllm_mapper")
@@ -188,6 +191,23 @@ def test_draft_names_are_the_loaders(rules, release):
     assert [draft_name(n, rules, LAYERS) for n in draft] == [
         "model.heads.0.eh_proj", "model.heads.0.shared_head.norm", "model.heads.0.decoder.self_attn.q_a_proj",
         "model.heads.0.decoder.mlp.gate_proj"]
+
+
+@pytest.mark.parametrize(("rules", "release"), SGLANG, ids=[f"sglang {v}" for _, v in SGLANG])
+def test_the_indexer_is_built_as_the_rule_says(rules, release):
+    """sglang's Dots3AttentionMLA builds the DSA indexer with the quant config and is_neox_style=False, the
+    interleaved rope under which dsa_indexer.py fuses wk with weights_proj (bf16) on CUDA, whatever config.json
+    says."""
+    whl = engine_wheel(rules, release)
+    fn = method_def(class_def(whl, SGLANG_MODEL, "Dots3AttentionMLA"), "__init__")
+    call = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self.indexer")
+    keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    assert keywords["quant_config"] == "quant_config" and keywords["is_neox_style"] == "False"
+    indexer = rules["indexer"]
+    assert indexer["wq_b"] == indexer["wk"] == "quant_config" and indexer["interleaved_always"]
+    fusion = ast.unparse(method_def(class_def(whl, "sglang/srt/layers/attention/dsa/dsa_indexer.py", "Indexer"),
+                                    "__init__"))
+    assert "not is_neox_style" in fusion and indexer["wk_fused_bf16_on_cuda"]
 
 
 @pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
@@ -267,16 +287,14 @@ def _names(whl) -> list[str]:
         return z.namelist()
 
 
-# --- the tiny checkpoint converted, in real processes ---------------------------------------------------------
+# --- the tiny checkpoint converted and gated: the CLI's own entry points (in this process, so the rule mutations of
+# tests/benchmarks/engine_mutations/dots3_note.py reach them), and one conversion in a real process -------------
 
 
-def run(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
-
-
-def gate(*args) -> subprocess.CompletedProcess:
-    return run("evals.cli", "checkpoint", *args)
+def gate(capsys, *args) -> tuple[int, str]:
+    code = gate_main(["checkpoint", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
 
 
 def with_exclude(src: Path, dst: Path, keep) -> Path:
@@ -294,72 +312,94 @@ def converted(tmp_path_factory):
     with the exclude list a Quark export writes: the stored module names only."""
     root = tmp_path_factory.mktemp("dots3_note")
     src = write_family_checkpoint(root / "bf16", FAMILY, num_hidden_layers=LAYERS)
-    done = run("quant.cli", "--to", "mxfp4", "-q", src, root / "ours")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert quantize(["--to", "mxfp4", "-q", str(src), str(root / "ours")]) == 0
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     modules = {n.rsplit(".", 1)[0] for n in index}
     return src, root / "ours", with_exclude(root / "ours", root / "stored", lambda e: e in modules)
 
 
-def test_quantgates_own_exclude_list_loads_in_every_release_read(converted):
+def test_quantgates_own_exclude_list_loads_in_every_release_read(converted, capsys):
     """quantgate writes sglang's thinker.language_model.* and model.heads.0.* names and vLLM's draft as re:
-    entries: the conversion loads in every release read, with the MTP draft."""
-    _, ours, _ = converted
+    entries: the conversion loads in every release read, with the MTP draft; decoded in a real process, it
+    gives back the release's names."""
+    src, ours, _ = converted
     exclude = json.loads((ours / "config.json").read_text())["quantization_config"]["exclude"]
     assert {"thinker.language_model.model.layers.0.self_attn.fused_qkv_a_g_proj_with_mqa", "model.heads.0.eh_proj",
             r"re:model\.layers\.3\.eh_proj$",
             "language_model.model.layers.0.self_attn.fused_qkv_a_proj"} <= set(exclude)
-    done = gate(ours)
-    assert done.returncode == 0 and "verdict: loads correctly" in done.stdout, done.stdout + done.stderr
-    decoded = run("quant.cli", "--to", "bf16", "-q", ours, ours.parent / "decoded")
+    code, text = gate(capsys, ours)
+    assert code == 0 and "verdict: loads correctly" in text, text
+    decoded = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "bf16", "-q", str(ours),
+                              str(ours.parent / "decoded")], capture_output=True, text=True, timeout=300)
     assert decoded.returncode == 0, decoded.stdout + decoded.stderr
+    names = json.loads((ours.parent / "decoded" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(names) == set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
 
 
-def test_a_stored_name_exclude_list_misses_sglangs_thinker_modules(converted):
+def test_a_stored_name_exclude_list_misses_sglangs_thinker_modules(converted, capsys):
     """sglang builds the text model under thinker.language_model and maps no exclude entry: a list in the stored
-    names only leaves the bf16 attention and shared experts looked up as MXFP4 (FP8 would still find them)."""
+    names only leaves the bf16 attention, indexer and draft eh_proj looked up as MXFP4 (FP8 would still find
+    them); the router is built without the quant config either way."""
     _, _, stored = converted
-    failed = gate(stored, "--engine", "sglang==0.5.23")
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "thinker.language_model.model.layers.0.self_attn.fused_qkv_a_g_proj_with_mqa" in failed.stdout
-    assert "model.heads.0.eh_proj" in failed.stdout
+    code, text = gate(capsys, stored, "--engine", "sglang==0.5.23")
+    assert code == 1, text
+    assert "thinker.language_model.model.layers.0.self_attn.fused_qkv_a_g_proj_with_mqa" in text
+    assert "model.heads.0.eh_proj" in text and ".mlp.gate\n" not in text
 
 
-def test_vllm_matches_fused_modules_by_their_own_names_only(converted):
+def test_vllm_matches_fused_modules_by_their_own_names_only(converted, capsys):
     """vLLM: the class hands the quant config no packed-modules mapping, so the stored shard names never
     exclude fused_qkv_a_proj or gate_up_proj: a stored-name list fails the main model, draft or not."""
     _, _, stored = converted
     for args in ((), ("--no-speculative",)):
-        failed = gate(stored, "--engine", "vllm==0.34.0", *args)
-        assert failed.returncode == 1, failed.stdout + failed.stderr
-        assert "language_model.model.layers.0.self_attn.fused_qkv_a_proj" in failed.stdout
-        assert "language_model.model.layers.1.mlp.shared_experts.gate_up_proj" in failed.stdout
+        code, text = gate(capsys, stored, "--engine", "vllm==0.34.0", *args)
+        assert code == 1, text
+        assert "language_model.model.layers.0.self_attn.fused_qkv_a_proj" in text
+        assert "language_model.model.layers.1.mlp.shared_experts.gate_up_proj" in text
 
 
-def test_vllms_draft_is_reached_by_re_entries_only(converted, tmp_path):
+def test_vllms_draft_is_reached_by_re_entries_only(converted, tmp_path, capsys):
     """vLLM: the class's mapper renames model.layers.3.* (stored or written again) to language_model.model.*, so
     without its re: entries quantgate's list leaves the draft's bf16 modules looked up as MXFP4; without the
     draft it loads."""
     _, ours, _ = converted
     plain = with_exclude(ours, tmp_path / "plain", lambda e: not e.startswith("re:"))
-    failed = gate(plain, "--engine", "vllm==0.34.0")
-    assert failed.returncode == 1 and "model.layers.3.eh_proj" in failed.stdout, failed.stdout + failed.stderr
-    assert "language_model.model.layers.0" not in failed.stdout
-    without_draft = gate(plain, "--engine", "vllm==0.34.0", "--no-speculative")
-    assert without_draft.returncode == 0, without_draft.stdout + without_draft.stderr
+    code, text = gate(capsys, plain, "--engine", "vllm==0.34.0")
+    assert code == 1 and "model.layers.3.eh_proj" in text and "language_model.model.layers.0" not in text, text
+    code, text = gate(capsys, plain, "--engine", "vllm==0.34.0", "--no-speculative")
+    assert code == 0, text
 
 
-def test_fp8_quantizes_the_drafts_input_projection(converted, tmp_path):
+def test_fp8_quantizes_the_drafts_input_projection(converted, tmp_path, capsys):
     """FP8 ignored_layers match exactly (no re: entries): the fp8-block recipe quantizes dots.note's eh_proj,
     which both engines build with the quant config, so the draft loads in vLLM too."""
     src, _, _ = converted
-    done = run("quant.cli", "--to", "fp8", "-q", src, tmp_path / "fp8")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert quantize(["--to", "fp8", "-q", str(src), str(tmp_path / "fp8")]) == 0
     index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.3.eh_proj.weight_scale_inv" in index
     for engine in ("sglang==0.5.23", "vllm==0.34.0"):
-        loaded = gate(tmp_path / "fp8", "--engine", engine)
-        assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+        code, text = gate(capsys, tmp_path / "fp8", "--engine", engine)
+        assert code == 0, text
+
+
+def test_the_indexer_and_router_as_each_engine_builds_them(converted, tmp_path, capsys):
+    """Without their exclude entries: sglang looks the DSA indexer's wq_b and (off CUDA) wk up with the quant
+    config, vLLM wq_b only (wk and weights_proj fused bf16); neither builds the router with it."""
+    _, ours, _ = converted
+    no_indexer = with_exclude(ours, tmp_path / "no_indexer", lambda e: ".indexer." not in e)
+    layer = "model.layers.0.self_attn.indexer"
+    for engine, prefix, looked_up, kept in (("sglang==0.5.23", "thinker.language_model.", ["wq_b", "wk"], []),
+                                            ("vllm==0.34.0", "language_model.", ["wq_b"], ["wk"])):
+        code, text = gate(capsys, no_indexer, "--engine", engine)
+        assert code == 1, text
+        assert all(f"{prefix}{layer}.{leaf}\n" in text for leaf in looked_up), text
+        assert not any(f"{layer}.{leaf}" in text for leaf in [*kept, "weights_proj"]), text
+    # on CUDA sglang fuses wk with weights_proj into a bf16 wk_weights_proj: wq_b alone is looked up
+    code, text = gate(capsys, no_indexer, "--engine", "sglang==0.5.23", "--platform", "cuda", "--gpu-arch", "sm90")
+    assert code == 1 and f"{layer}.wq_b\n" in text and f"{layer}.wk\n" not in text, text
+    no_router = with_exclude(ours, tmp_path / "no_router", lambda e: not e.endswith((".mlp.gate", r"mlp\.gate$")))
+    code, text = gate(capsys, no_router)
+    assert code == 0, text
 
 
 def test_the_fp8_recipe_quantizes_eh_proj_only_where_the_family_lets_it():
@@ -373,8 +413,8 @@ def test_the_fp8_recipe_quantizes_eh_proj_only_where_the_family_lets_it():
     assert recipe.action(family_named("glm4_moe").classify("model.layers.3.eh_proj.weight", LAYERS)) == "keep"
 
 
-def test_a_release_before_the_class_is_refused(converted):
+def test_a_release_before_the_class_is_refused(converted, capsys):
     """sglang 0.5.18 has no models/dots3.py: it cannot serve the family, and is never replayed."""
     _, ours, _ = converted
-    refused = gate(ours, "--engine", "sglang==0.5.18")
-    assert refused.returncode == 2 and "0.5.18" in refused.stderr and "Traceback" not in refused.stderr
+    code, text = gate(capsys, ours, "--engine", "sglang==0.5.18")
+    assert code == 2 and "0.5.18" in text and "Traceback" not in text and len(text.strip().splitlines()) == 1
