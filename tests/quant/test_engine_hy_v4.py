@@ -119,6 +119,9 @@ def test_packed_mapping_is_the_wheels(rules, release):
     whl = engine_wheel(rules, release)
     assert rules["quark_fused"] == wheel_packed(whl, rules.engine, "quark")
     assert rules["fp8_skip"]["fused"] == wheel_packed(whl, rules.engine, "fp8")
+    if rules.engine == "sglang":  # the shards FP8 tries for a fused name the class does not map
+        fallback = load(whl, "sglang/srt/layers/quantization/utils.py", ["_FALLBACK_FUSED_SHARDS"])
+        assert rules["fp8_skip"]["fallback_fused"] == fallback["_FALLBACK_FUSED_SHARDS"]
 
 
 def vllm_rename_mapper(whl):
@@ -171,6 +174,7 @@ def test_draft_names_are_the_drafts_own_remaps(rules, release):
         assert fp8.ignored_layers == stored + ours
         quark = types.SimpleNamespace(quant_config={"exclude": list(stored)})
         assert remap["_remap_mtp_quant_exclusions"](quark, LAYERS, 1) is quark
+    assert rules["draft_exclude"][FAMILY] == "none"  # the list as written (as the remaps above leave a Quark one)
     assert draft_exclude(list(STORED), rules, FAMILY, LAYERS, "quark") == (STORED, False)
 
 
