@@ -219,6 +219,29 @@ def fused_into(module: str, of: dict[str, str], dotted_only: bool = False) -> st
     return None
 
 
+def stored_fused(module: str, built_fused: dict[str, list[str]], stored) -> str | None | bool:
+    """Which fused module a layer whose kinds differ builds from a stored shard, by the shards the layer
+    stores beside it: Kimi-K3's g_proj is a KDA layer's fused_qkvg_proj shard but its own module (or
+    fused_qkv_a_g_proj's shard) in an MLA layer. The fused leaf with the most stored sibling shards; None when
+    no fused module has one (the shard is built on its own); False where the leaf is no shard, is a shard of one
+    fused module only, or the candidates tie (``fused_into`` decides)."""
+    counts = {}
+    for fused, shards in built_fused.items():
+        for shard in shards:
+            if "." not in shard and (parent := shard_parent(module, shard)) is not None:
+                counts[fused] = sum(f"{parent}.{s}" in stored for s in shards if s != shard)
+    if not counts:
+        return False
+    best = max(counts, key=lambda fused: counts[fused])
+    if not counts[best]:
+        return None
+    return False if len(counts) == 1 or list(counts.values()).count(counts[best]) > 1 else best
+
+
+def _rename_leaf(name: str, leaf: str) -> str:
+    return f"{name.rpartition('.')[0]}.{leaf}"
+
+
 _MEMO: dict[tuple, tuple] = {}  # (what a result depends on) -> (the objects keyed by id, kept alive; the result)
 
 
@@ -270,8 +293,12 @@ def _engine_modules(ctx: ReplayContext, whole_draft_bf16: bool, indexer_bf16: fr
         leaf = name.rpartition(".")[2]
         if moe:
             name = name[:name.rindex(".experts.") + len(".experts")]
-        else:  # an indexer module joins a dotted shard's fused module only, never an attention's by its leaf
-            name = fused_into(name, fused_of, dotted_only=info.role == "indexer") or name
+        else:
+            # an indexer module joins a dotted shard's fused module only, never an attention's by its leaf
+            indexer = info.role == "indexer"
+            fused = False if indexer else stored_fused(module, rules["built_fused"], ctx.modules)
+            name = (fused_into(name, fused_of, dotted_only=indexer) or name) if fused is False else \
+                _rename_leaf(name, fused) if fused else name
         entry = built.get(name)
         if entry is None:
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
