@@ -465,6 +465,17 @@ def _refuse_without_a_causal_lm_class(checkpoint: Checkpoint) -> None:
                                "evals run --base-url")
 
 
+def refuse_unbuildable(folder: Path) -> None:
+    """``_refuse_without_a_causal_lm_class`` on a checkpoint folder, for a caller that asks transformers for the
+    model's config before loading it (a model type transformers does not know at all, Kimi-K3's ``kimi_k3``,
+    would raise there)."""
+    try:
+        checkpoint = Checkpoint.open(folder)
+    except CheckpointError as exc:
+        raise BadInput(str(exc)) from None
+    _refuse_without_a_causal_lm_class(checkpoint)
+
+
 def _refuse_unloaded_experts(checkpoint: Checkpoint, info: dict) -> None:
     """transformers initialises a weight its conversion mapping finds no checkpoint tensor for and runs anyway
     (Hunyuan-V4's ``hy_v4`` mapping merges no per-expert experts into its fused ones): a model whose routed experts

@@ -128,6 +128,9 @@ def fit_budget(spec: RunSpec, tasks: dict[str, run_tasks.RunTask]) -> budget.Bud
         context = budget.server_context(spec.base_url, spec.model)
         count, unit = budget.prompt_counter(spec.tokenizer, chat=spec.api == "chat")
     else:
+        from evals.emulation import refuse_unbuildable
+
+        refuse_unbuildable(Path(spec.model))  # before transformers reads a config it may not know (one line, exit 2)
         context = budget.local_context(spec.model)
         count, unit = budget.prompt_counter(spec.model, chat=False)
     longest = max(count(prompt) for b, task in tasks.items()

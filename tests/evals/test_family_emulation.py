@@ -212,11 +212,11 @@ def test_a_layer_with_some_experts_left_bf16_is_refused_in_one_line(family, data
     assert not (out / "run.json").exists()
 
 
-@pytest.mark.parametrize("family", ["kimi_k25", "minimax_m3", "glm5_next", "step3p7"])
+@pytest.mark.parametrize("family", ["kimi_k25", "minimax_m3", "glm5_next", "step3p7", "kimi_k3"])
 def test_a_family_without_a_causal_lm_class_is_refused_in_one_line(data_dir, tmp_path, capsys, family):  # noqa: F811
     """Kimi-K2.5 (kimi_k25), MiniMax-M3 (minimax_m3_vl), GLM-5.3-Flash (glm5_next) and Step-3.7-Flash
-    (step3p7): transformers builds them as image-text-to-text only; bf16 and MXFP4 alike exit 2 naming the
-    model type and the way out, nothing written."""
+    (step3p7): transformers builds them as image-text-to-text only; Kimi-K3 (kimi_k3) it does not build at all;
+    bf16 and MXFP4 alike exit 2 naming the model type and the way out, nothing written."""
     src = write_family_checkpoint(tmp_path / "bf16", family)
     assert quantize(["--to", "mxfp4", "-q", str(src), str(tmp_path / "mxfp4")]) == 0
     for ckpt in (src, tmp_path / "mxfp4"):
@@ -226,7 +226,7 @@ def test_a_family_without_a_causal_lm_class_is_refused_in_one_line(data_dir, tmp
                        "--limit", 1) == 2
         said = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
         model_type = {"kimi_k25": "kimi_k25", "minimax_m3": "minimax_m3_vl", "glm5_next": "glm5_next",
-                      "step3p7": "step3p7"}[family]
+                      "step3p7": "step3p7", "kimi_k3": "kimi_k3"}[family]
         assert len(said) == 1 and f"model_type '{model_type}' has no transformers causal-LM class" in said[0], said
         assert "--base-url" in said[0] and not (out / "run.json").exists()
 
