@@ -313,3 +313,33 @@ def test_built_fused_and_draft_rules_are_the_loaders(rules, release):
     assert "moe_layers_enum" in text and rules["moe_layers"] == "config"
     assert "num_fused_shared_experts = 0" in text if rules.engine == "sglang" else "shared_experts=" in text
     assert rules["shared_experts_fusion"] is None
+
+
+def _config_attributes(fn: ast.FunctionDef) -> set[str]:
+    """The keys a function reads as ``config.X`` attributes (a getattr with a default is no such read)."""
+    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "config"}
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_router_reads_and_bias_are_the_classes(rules, release):
+    """The router keys config.json must carry are those the MoE block reads as attributes that the engine's
+    config class does not define (sglang: its own configs/step3p5.py Step3p5Config; vLLM: transformers'
+    Step3p7TextConfig, fields and attribute_map); the router bias is created under use_moe_router_bias
+    (sglang) or always (vLLM)."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+    whl = engine_wheel(rules, release)
+    block = "Step3p5MoEMLP" if rules.engine == "sglang" else "FusedMoEBlock"
+    init = method_def(class_def(whl, TEXT[rules.engine], block), "__init__")
+    if rules.engine == "sglang":
+        config_init = method_def(class_def(whl, "sglang/srt/configs/step3p5.py", "Step3p5Config"), "__init__")
+        defined = {n.attr for n in ast.walk(config_init) if isinstance(n, ast.Attribute)
+                   and ast.unparse(n.value) == "self"}
+    else:
+        defined = {n for c in Step3p7TextConfig.__mro__ for n in getattr(c, "__annotations__", {})} | \
+            set(Step3p7TextConfig.attribute_map)
+    assert set(rules["router"]["reads"]) == _config_attributes(init) - defined
+    bias = attribute_builds(init, "router_bias")
+    assert len(bias) == 1
+    assert rules["router"]["bias_when"] == ("config:use_moe_router_bias" if bias[0].under == [
+        "self.use_moe_router_bias"] else "always" if not bias[0].under else bias[0].under)
