@@ -24,8 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from evals.cli import main as gate_main
 from quant.engines import ENGINES
-from quant.engines.replay import draft_name
+from quant.engines.replay import draft_exclude, draft_name
 from quant.engines.rules import release_states, select
 from tests.quant.engine_sources import (
     attribute_builds,
@@ -181,6 +182,58 @@ def test_modules_built_without_the_quant_config_are_the_engines(rules, release):
     assert bias.under == ["config.topk_method == 'noaux_tc'"] and rules["router"]["bias_when"] == "noaux_tc"
 
 
+# the main model's and the draft's loader classes
+LOADERS = {"sglang": ("MiMoV2ForCausalLM", DRAFT["sglang"], "MiMoV2MTP"),
+           "vllm": ("MiMoV2Model", DRAFT["vllm"], "MiMoV2MTP")}
+
+
+def _stacked(whl, path: str, cls: str) -> dict[str, list[str]]:
+    """A loader's stacked_params_mapping literal as fused module -> its shards, in order."""
+    fn = method_def(class_def(whl, path, cls), "load_weights")
+    assign = next(n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  and ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target) == "stacked_params_mapping")
+    fused: dict[str, list[str]] = {}
+    for param, shard, _ in ast.literal_eval(assign.value):
+        fused.setdefault(param, []).append(shard)
+    return fused
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_fused_modules_mappers_and_layers_are_the_loaders(rules, release):
+    """What the class builds fused is what its loaders stack (main model and draft alike); neither the main class
+    nor the draft has a weight mapper, so the draft matches the exclude list as written; no DSA indexer, no
+    shared-expert fusion hook; MoE layers where config.moe_layer_freq says so."""
+    whl = engine_wheel(rules, release)
+    main, draft_path, draft = LOADERS[rules.engine]
+    assert _stacked(whl, MAIN[rules.engine], main) == _stacked(whl, draft_path, draft) == rules["built_fused"]
+    mapper = "hf_to_sglang_mapper" if rules.engine == "sglang" else "hf_to_vllm_mapper"
+    assert mapper not in source(whl, MAIN[rules.engine]) and mapper not in source(whl, draft_path)
+    _, entries = _pool(rules.engine)
+    for kind in ("quark", "fp8"):
+        assert draft_exclude(entries, rules, FAMILY, LAYERS, kind) == (entries, False)
+    assert "Indexer" not in source(whl, MAIN[rules.engine]) and rules["indexer"] is None
+    assert "shared_experts_fusion_disable_reason" not in source(whl, MAIN[rules.engine])
+    assert rules["shared_experts_fusion"] is None
+    layer = "MiMoV2DecoderLayer" if rules.engine == "sglang" else "MiMoV2FlashDecoderLayer"
+    sparse = ast.unparse(method_def(class_def(whl, MAIN[rules.engine], layer), "is_moe_layer"))
+    assert "moe_layer_freq[layer_idx]" in sparse and rules["moe_layers"] == "config"
+
+
+@pytest.mark.parametrize(("rules", "release"), CASES, ids=IDS)
+def test_router_reads_are_the_keys_transformers_config_lacks(rules, release):
+    """The config attributes the router code reads that transformers' MiMoV2FlashConfig does not define (a
+    config.json without them raises at build): sglang's MoEGate / MiMoV2MoE, vLLM's MiMoV2MoE."""
+    from transformers import MiMoV2FlashConfig
+
+    whl = engine_wheel(rules, release)
+    classes = ("MoEGate", "MiMoV2MoE") if rules.engine == "sglang" else ("MiMoV2MoE",)
+    reads = {n.attr for cls in classes for n in ast.walk(method_def(class_def(whl, MAIN[rules.engine], cls),
+                                                                    "__init__"))
+             if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "config"}
+    defined = MiMoV2FlashConfig()
+    assert sorted(r for r in reads if not hasattr(defined, r)) == sorted(rules["router"]["reads"])
+
+
 def _uint8_branch(whl) -> ast.If | None:
     """load_weights' statement that takes a uint8 routed-expert tensor for MiMo-V2's own MXFP4 layout."""
     fn = method_def(class_def(whl, MAIN["sglang"], "MiMoV2ForCausalLM"), "load_weights")
@@ -284,7 +337,14 @@ def headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def test_mxfp4_is_refused_without_serve_and_loads_in_vllm_only(tiny):
+def gate(folder: Path, engine: str, capsys) -> tuple[int, str]:
+    """``gate checkpoint`` in this process (the replay as imported here), its exit code and output."""
+    code = gate_main(["checkpoint", str(folder), "--engine", engine])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_mxfp4_is_refused_without_serve_and_loads_in_vllm_only(tiny, capsys):
     src, root = tiny
     code, text = run("quant.cli", "--to", "mxfp4", src, root / "refused")
     assert code == 2 and "weight_scale_inv" in text and "--serve" in text and "Traceback" not in text, text
@@ -295,21 +355,25 @@ def test_mxfp4_is_refused_without_serve_and_loads_in_vllm_only(tiny):
     assert code == 0 and "verdict: loads correctly" in text, text
     code, text = run("evals.cli", "checkpoint", root / "mxfp4", "--engine", "sglang==0.5.23")
     assert code == 1 and "model.layers.1.mlp.experts" in text and "weight_scale_inv" in text, text
+    for engine, expect in (("sglang==0.5.21", 1), ("sglang==0.5.22", 1), ("vllm==0.32.0", 0)):
+        code, text = gate(root / "mxfp4", engine, capsys)
+        assert code == expect and ("weight_scale_inv" in text) == bool(expect), (engine, text)
+    assert "model.layers.0.mlp" not in text  # the dense layer's MLP is no FusedMoE: its scales are not renamed
     code, text = run("quant.cli", "--to", "bf16", "-q", root / "mxfp4", root / "decoded")
     assert code == 0, text
     assert {n: s for n, (_, s) in headers(root / "decoded").items()} == {n: s for n, (_, s) in headers(src).items()}
 
 
-def test_fp8_loads_in_both_engines(fp8):
+def test_fp8_loads_in_both_engines(fp8, capsys):
     stored = headers(fp8)
     # the MTP attention stays bf16 (vLLM builds its o_proj without quant config); its MLP and the main layers do not
     assert stored[MTP + "self_attn.o_proj.weight"][0] == "BF16" and stored[MTP + "mlp.down_proj.weight"][0] == "F8_E4M3"
     for engine in ("sglang==0.5.23", "sglang==0.5.21", "vllm==0.34.0", "vllm==0.32.0"):
-        code, text = run("evals.cli", "checkpoint", fp8, "--engine", engine)
+        code, text = gate(fp8, engine, capsys)
         assert code == 0 and "verdict: loads correctly" in text, (engine, text)
 
 
-def test_draft_entries_under_stored_names_only_fail_in_sglang(fp8, tmp_path):
+def test_draft_entries_under_stored_names_only_fail_in_sglang(fp8, tmp_path, capsys):
     """An FP8 export listing the MTP layer only as stored (model.mtp.layers.0.*), as a quantizer that knows the
     checkpoint's names writes it: sglang's draft looks up model.mtp_block.* and finds them quantized, so the bf16
     attention cannot load; vLLM's draft keeps the stored names and loads."""
@@ -320,11 +384,13 @@ def test_draft_entries_under_stored_names_only_fail_in_sglang(fp8, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     code, text = run("evals.cli", "checkpoint", out, "--engine", "sglang==0.5.23")
     assert code == 1 and "model.mtp_block.self_attn.qkv_proj" in text, text
-    code, text = run("evals.cli", "checkpoint", out, "--engine", "vllm==0.34.0")
+    code, text = gate(out, "vllm==0.34.0", capsys)
     assert code == 0, text
+    code, text = gate(out, "sglang==0.5.21", capsys)
+    assert code == 1 and "model.mtp_block.mlp" not in text, text  # the MTP MLP is FP8 and built quantized
 
 
-def test_an_fp8_mtp_o_proj_fails_in_vllm(fp8, tmp_path):
+def test_an_fp8_mtp_o_proj_fails_in_vllm(fp8, tmp_path, capsys):
     """The MTP layer's o_proj stored FP8 (block scales beside it, no exclude entry): vLLM builds it without
     quant config (MiMoV2Attention under an mtp.layers prefix) and cannot load it; sglang's draft takes it."""
     out = copied(fp8, tmp_path / "fp8-mtp-o")
@@ -344,6 +410,8 @@ def test_an_fp8_mtp_o_proj_fails_in_vllm(fp8, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     code, text = run("evals.cli", "checkpoint", out, "--engine", "vllm==0.34.0")
     assert code == 1 and name.removesuffix(".weight") in text, text
-    code, text = run("evals.cli", "checkpoint", out, "--engine", "sglang==0.5.23")
+    code, text = gate(out, "vllm==0.32.0", capsys)
+    assert code == 1 and name.removesuffix(".weight") in text, text
+    code, text = gate(out, "sglang==0.5.23", capsys)
     assert code == 0, text
 
