@@ -240,6 +240,10 @@ def test_sglang_builds_these_without_the_quant_config(rules, release):
         assert call.endswith("(config.vision_config)"), call
     assert {"router", "latent_proj", "attn_res", "vision", "projector"} <= set(rules["unquantized_roles"])
     assert _built(whl, SGLANG_MAIN, "KimiK3DeltaAttention", "fused_qkvg_proj") == ["quant_config"]
+    # the loader stacks q, k, v, g into it (KimiK3LinearForCausalLM.load_weights' full-rank-gate mapping)
+    stacked = ast.unparse(method_def(class_def(whl, SGLANG_MAIN, "KimiK3LinearForCausalLM"), "load_weights"))
+    shards = [p for p in ("q_proj", "k_proj", "v_proj", "g_proj") if f"('.fused_qkvg_proj', '.{p}'" in stacked]
+    assert rules["built_fused"]["fused_qkvg_proj"] == shards == ["q_proj", "k_proj", "v_proj", "g_proj"]
 
 
 @pytest.mark.parametrize(("rules", "release"), VLLM, ids=V_IDS)
