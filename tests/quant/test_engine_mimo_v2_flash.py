@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from evals.cli import main as gate_main
 from quant.engines import ENGINES
-from quant.engines.replay import draft_exclude, draft_name
+from quant.engines.replay import draft_exclude, draft_layer, draft_name
 from quant.engines.rules import release_states, select
 from tests.quant.engine_sources import (
     attribute_builds,
@@ -124,6 +124,8 @@ def test_draft_class_and_names_are_the_engines(rules, release):
     the name the replay looks up (before stacking); vLLM: MiMoV2FlashForCausalLM's draft is MiMoV2MTPModel,
     built under model.mtp.layers (names as stored), one layer."""
     whl = engine_wheel(rules, release)
+    assert [draft_layer(w, rules, LAYERS) for w in DRAFT_WEIGHTS] == [0] * len(DRAFT_WEIGHTS)
+    assert draft_layer(f"model.layers.{LAYERS - 1}.mlp.gate_proj", rules, LAYERS) is None
     if rules.engine == "sglang":
         config = source(whl, "sglang/srt/configs/model_config.py")
         assert 'self.hf_config.architectures[0] = "MiMoV2MTP"' in config
@@ -208,7 +210,9 @@ def test_fused_modules_mappers_and_layers_are_the_loaders(rules, release):
     assert _stacked(whl, MAIN[rules.engine], main) == _stacked(whl, draft_path, draft) == rules["built_fused"]
     mapper = "hf_to_sglang_mapper" if rules.engine == "sglang" else "hf_to_vllm_mapper"
     assert mapper not in source(whl, MAIN[rules.engine]) and mapper not in source(whl, draft_path)
-    _, entries = _pool(rules.engine)
+    # the pool, and entries a draft mapper or a whole-bf16-draft rule would act on (the decoder layer after the last,
+    # a Qwen-style mtp.* prefix): neither engine's draft does
+    entries = [*_pool(rules.engine)[1], f"model.layers.{LAYERS}.self_attn.q_proj", "mtp.layers.0.self_attn.q_proj"]
     for kind in ("quark", "fp8"):
         assert draft_exclude(entries, rules, FAMILY, LAYERS, kind) == (entries, False)
     assert "Indexer" not in source(whl, MAIN[rules.engine]) and rules["indexer"] is None
