@@ -185,6 +185,9 @@ def draft_exclude(entries: list[str], rules: RuleSet, family: str, num_hidden_la
         # a draft shipped bf16 is detected from its mtp.* entries; the draft then takes no quant config at all
         mtp = [e for e in entries if e.startswith("mtp.")]
         return entries, bool(mtp) and (how == "mtp_any_draft_bf16" or any("mlp.experts" in e for e in mtp))
+    if how == "mtp_layers_unshifted_quark" and kind == "quark":
+        # the draft's layer i is built as mtp.layers.{num_hidden_layers + i}, which the unshifted entries never name
+        return [e for e in entries if not e.startswith("mtp.layers.")], False
     if how == "glm_remap" and kind == "quark":
         prefix = f"model.layers.{num_hidden_layers}."
         mtp = [e for e in entries if e.startswith(prefix)]

@@ -112,9 +112,12 @@ class DraftModuleNames(Schema):
 # alone or joined with the target's ``exclude_mapper``, and the whole draft bf16 when that layer is excluded:
 # quant.engines.replay.nextn_mapper), ``mtp_any_draft_bf16`` / ``mtp_experts_draft_bf16`` (the list as is, and the
 # whole draft bf16 under Quark when any ``mtp.*`` entry is listed / one naming ``mlp.experts``: Qwen3.5's
-# qwen3_5_mtp.py _mtp_quant_config).
+# qwen3_5_mtp.py _mtp_quant_config), ``mtp_layers_unshifted_quark`` (the draft builds its layers as
+# mtp.layers.{num_hidden_layers + i} and shifts only the FP8 skip list to them: under Quark no mtp.layers.* entry
+# names a draft module, vLLM's Qwen4-Exp draft before 0.34.0).
 DraftExclude = dict[str, Literal["none", "mapper_61", "mapper_61_draft_bf16", "glm_remap", "nextn_mapper",
-                                 "nextn_mapper_target", "mtp_any_draft_bf16", "mtp_experts_draft_bf16"]]
+                                 "nextn_mapper_target", "mtp_any_draft_bf16", "mtp_experts_draft_bf16",
+                                 "mtp_layers_unshifted_quark"]]
 
 # How the draft's eh_proj is built: ``plain`` (nn.Linear, always bf16), ``quant_config`` (with a Quark config
 # only), ``any_quant_config`` (with any quant config).

@@ -210,3 +210,25 @@ def test_a_release_before_the_class_is_refused(converted):
     ours, _ = converted
     refused = gate(ours, "--engine", "sglang==0.5.19")
     assert refused.returncode == 2 and "0.5.19" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_vllm_0_33_0_misses_the_drafts_quark_entries_and_packs_the_indexer_with_qkv(converted, tmp_path):
+    """vLLM 0.32.0-0.33.0: the draft's layer is built as mtp.layers.3 and only FP8's skip list is shifted to it, so
+    a Quark list's mtp.layers.0.* entries name no draft module (its bf16 shared expert is looked up as MXFP4);
+    and index_qk_proj is a fourth shard of qkv_proj, so FP8 attention beside a bf16 indexer is mixed. 0.34.0
+    shifts Quark's list too and fuses the indexer only when it takes q/k/v's quant method."""
+    ours, _ = converted
+    failed = gate(ours, "--engine", "vllm==0.33.0")
+    assert failed.returncode == 1 and "mtp.layers.0.mlp.shared_expert.gate_up_proj" in failed.stdout, \
+        failed.stdout + failed.stderr
+    without_draft = gate(ours, "--engine", "vllm==0.33.0", "--no-speculative")
+    assert without_draft.returncode == 0, without_draft.stdout + without_draft.stderr
+    src = write_family_checkpoint(tmp_path / "bf16", FAMILY, num_hidden_layers=LAYERS)
+    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "fp8", "-q", str(src), str(tmp_path / "fp8")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    mixed = gate(tmp_path / "fp8", "--engine", "vllm==0.33.0", "--no-speculative")
+    assert mixed.returncode == 1 and "self_attn.indexer.index_qk_proj" in mixed.stdout, mixed.stdout + mixed.stderr
+    for folder in (ours, tmp_path / "fp8"):
+        done = gate(folder, "--engine", "vllm==0.34.0")
+        assert done.returncode == 0, done.stdout + done.stderr
