@@ -227,8 +227,39 @@ def test_vllm_0_33_0_misses_the_drafts_quark_entries_and_packs_the_indexer_with_
     done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "fp8", "-q", str(src), str(tmp_path / "fp8")],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    mixed = gate(tmp_path / "fp8", "--engine", "vllm==0.33.0", "--no-speculative")
-    assert mixed.returncode == 1 and "self_attn.indexer.index_qk_proj" in mixed.stdout, mixed.stdout + mixed.stderr
-    for folder in (ours, tmp_path / "fp8"):
+    assert gate(tmp_path / "fp8", "--engine", "vllm==0.33.0").returncode == 0  # the indexer FP8 as q/k/v
+    mixed = indexer_kept_bf16(src, tmp_path / "fp8", tmp_path / "mixed")
+    failed = gate(mixed, "--engine", "vllm==0.33.0", "--no-speculative")
+    assert failed.returncode == 1 and "self_attn.indexer.index_qk_proj" in failed.stdout, failed.stdout + failed.stderr
+    for folder in (ours, mixed):
         done = gate(folder, "--engine", "vllm==0.34.0")
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def indexer_kept_bf16(src: Path, fp8: Path, dst: Path) -> Path:
+    """``fp8`` with every QSA indexer projection bf16 again (the source's weight, no scale) and listed as not
+    converted: the checkpoint a quantizer writes that skips indexers."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(fp8, dst)
+    source = {}
+    for file in src.glob("*.safetensors"):
+        source.update(load_file(str(file)))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    kept = sorted({n.rsplit(".", 1)[0] for n in index["weight_map"] if ".indexer.index_qk_proj." in n})
+    total = 0
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(dst / file))
+        for module in kept:
+            if tensors.pop(f"{module}.weight_scale_inv", None) is not None:
+                tensors[f"{module}.weight"] = source[f"{module}.weight"]
+        save_file(tensors, str(dst / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.endswith("_proj.weight_scale_inv")
+                           or ".indexer." not in n}
+    index["metadata"]["total_size"] = total
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] += kept
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -103,7 +103,9 @@ EXPECT = {
                               "model.language_model.layers.1.self_attn.qkv_proj",
                               "model.language_model.layers.0.ple.kv_proj", "mtp.layers.0.self_attn.qkv_proj",
                               "mtp.layers.0.mlp.shared_expert.gate_up_proj", "fc_embedding", "fc_hidden"],
-                  "sglang_default_loads": True},
+                  "sglang_default_loads": True,
+                  # vLLM 0.32.0-0.33.0 do not shift a Quark list's draft entries to the draft's layers (NOTES.md)
+                  "vllm_args": ["--no-speculative"]},
     # DeepSeek-V4: sglang builds layers.N.attn/ffn as model.layers.N.self_attn/mlp (wq_a + wkv fused as
     # wqkv_a, the shared expert's w1/w3 as gate_up_proj), vLLM keeps attn/ffn and fuses fused_wqa_wkv;
     # the compressors and the indexer's weights_proj are built bf16 by both (listed anyway); sglang fuses
@@ -198,7 +200,7 @@ def test_mxfp4_gate_is_the_engines_fusion_answer(converted, capsys):
         assert code == 1 and f"[fusion] {fused_moe}" in text and "--disable-shared-experts-fusion" in text
     code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "sglang==0.5.23", "--disable-shared-experts-fusion")
     assert code == 0 and "verdict: loads correctly" in text, text
-    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "vllm")
+    code, text = run_gate(capsys, outputs["mxfp4"], "--engine", "vllm", *EXPECT[family].get("vllm_args", ()))
     assert code == 0 and "verdict: loads correctly" in text, text
 
 
