@@ -31,11 +31,25 @@ from quant.cli import main as quantize
 from quant.engines import ENGINES
 from quant.engines.fusion import no_fusion_reason
 from quant.engines.match import Exclude
-from quant.engines.replay import class_name, draft_exclude, draft_name, exclude_entries, excluded
+from quant.engines.replay import (
+    class_name,
+    draft_exclude,
+    draft_name,
+    exclude_entries,
+    excluded,
+)
 from quant.engines.rules import release_states, releases_read, select, window
 from quant.engines.serving import serving
-from tests.quant.engine_sources import class_constant, class_def, load, method_def, methods, \
-    sglang_quark_loader_additions, source, window_sample
+from tests.quant.engine_sources import (
+    class_constant,
+    class_def,
+    load,
+    method_def,
+    methods,
+    sglang_quark_loader_additions,
+    source,
+    window_sample,
+)
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel, wheel
 
@@ -200,7 +214,8 @@ def test_the_indexer_is_built_as_the_rule_says(rules, release):
     says."""
     whl = engine_wheel(rules, release)
     fn = method_def(class_def(whl, SGLANG_MODEL, "Dots3AttentionMLA"), "__init__")
-    call = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self.indexer")
+    call = next(n.value for n in ast.walk(fn)
+                if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self.indexer")
     keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
     assert keywords["quant_config"] == "quant_config" and keywords["is_neox_style"] == "False"
     indexer = rules["indexer"]

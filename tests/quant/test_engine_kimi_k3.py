@@ -27,10 +27,23 @@ from packaging.version import Version
 
 from quant.engines import rule_sets
 from quant.engines.match import Exclude
-from quant.engines.replay import class_name, exclude_entries, excluded, mapped_entry, stored_fused
+from quant.engines.replay import (
+    class_name,
+    exclude_entries,
+    excluded,
+    stored_fused,
+)
 from quant.engines.rules import release_states, releases_read, window
-from tests.quant.engine_sources import attribute_builds, class_constant, class_def, load, method_def, packed_mapping
-from tests.quant.engine_sources import source, window_sample
+from tests.quant.engine_sources import (
+    attribute_builds,
+    class_constant,
+    class_def,
+    load,
+    method_def,
+    packed_mapping,
+    source,
+    window_sample,
+)
 from tests.quant.family_checkpoints import write_family_checkpoint
 from tests.quant.test_engine_sources import _outcome, _quark_engine, engine_wheel, wheel
 
@@ -100,7 +113,8 @@ def sglang_mapper(whl):
 def vllm_mapper(whl, platform: str = "cuda"):
     path = "vllm/model_executor/models/utils.py"
     aliases = ["ShardIds", "ShardId"] if "\nShardIds:" in source(whl, path) else ["ShardId"]  # 0.29.0: no ShardIds
-    utils = load(whl, path, ["WeightsMapper", *aliases], {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
+    utils = load(whl, path, ["WeightsMapper", *aliases],
+                 {"TypeAlias": typing.TypeAlias, "replace": dataclasses.replace})
     return utils["WeightsMapper"](**mapper_literal(whl, VLLM_MAIN[platform], CLASS, "hf_to_vllm_mapper"))
 
 

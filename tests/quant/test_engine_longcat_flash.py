@@ -35,7 +35,12 @@ from tests.quant.engine_sources import (
     window_sample,
 )
 from tests.quant.family_checkpoints import write_family_checkpoint
-from tests.quant.test_engine_sources import _fp8_engine, _outcome, _quark_engine, engine_wheel
+from tests.quant.test_engine_sources import (
+    _fp8_engine,
+    _outcome,
+    _quark_engine,
+    engine_wheel,
+)
 
 FAMILY = "longcat_flash"
 CLASS = "LongcatFlashForCausalLM"

@@ -57,7 +57,8 @@ MUTATIONS = [
                                                    "renamed": "weight_scale_inv"}, "mimo vLLM renames expert scales"),
     code("quant.engines.replay", 'return rule if rule and kind in rule["fails"] else None', "return None",
          "replay ignores expert_scales_renamed"),
-    code("quant.engines.replay", 'if quantized_on_disk and em.moe and (renamed := _expert_scales_renamed(rules, kind)):',
+    code("quant.engines.replay",
+         'if quantized_on_disk and em.moe and (renamed := _expert_scales_renamed(rules, kind)):',
          "if quantized_on_disk and not em.moe and (renamed := _expert_scales_renamed(rules, kind)):",
          "replay renames dense modules' scales"),
 ]
