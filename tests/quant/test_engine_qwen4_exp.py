@@ -11,6 +11,8 @@ checkpoint`` in its own process, and a load incident rebuilt: the layer kind tra
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import random
 import shutil
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from evals.cli import main as gate_main
 from quant.engines import ENGINES, rule_sets
 from quant.engines.match import Exclude
 from quant.engines.replay import exclude_entries, excluded
@@ -161,8 +164,12 @@ def test_the_releases_that_build_the_class_are_the_ones_read_or_named(engine):
 
 
 def gate(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    """``gate checkpoint`` in this process (its entry point, output captured), so a rule mutated in memory
+    (tests/benchmarks/mutation_engines.py) reaches it."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = gate_main(["checkpoint", *map(str, args)])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
