@@ -86,6 +86,18 @@ def draft_fc_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
             "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
 
 
+def per_expert(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]] | None:
+    """transformers' fused 3-D experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``
+    [E, H, I]) as the releases store them, one weight per expert and projection (conversion_mapping.py
+    reverted, as save_pretrained writes them); None for any other tensor."""
+    if rest == "mlp.experts.gate_up_proj":
+        return [(f"mlp.experts.{e}.{p}.weight", dtype, (shape[1] // 2, shape[2])) for e in range(shape[0])
+                for p in ("gate_proj", "up_proj")]
+    if rest == "mlp.experts.down_proj":
+        return [(f"mlp.experts.{e}.down_proj.weight", dtype, tuple(shape[1:])) for e in range(shape[0])]
+    return None
+
+
 def layer_entries(state: dict, layers: str) -> tuple[dict[int, list], list]:
     """A (meta-device) state dict as header entries ``(name, dtype, shape)``, for a full-size layout
     built from a few layers: each decoder layer's (by its index under ``layers``, a name prefix such as
@@ -129,9 +141,25 @@ def named_as(config: dict, family: str) -> bool:
     return True
 
 
+def write_shards(tensors: dict, dst: Path) -> None:
+    """``tensors`` as a release stores them: two safetensors shards (names in sorted order) and their index."""
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves, start=1):
+        file = f"model-{i:05d}-of-{len(halves):05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+
+
 def _write_built(dst: Path, builder: ModuleType, num_hidden_layers: int, seed: int, overrides: dict) -> Path:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     config, model_class = builder.build(num_hidden_layers + getattr(builder, "DRAFT_LAYERS", 0), **overrides)
     torch.manual_seed(seed)
@@ -145,16 +173,7 @@ def _write_built(dst: Path, builder: ModuleType, num_hidden_layers: int, seed: i
         if hasattr(builder, "release"):
             tensors = builder.release(tensors, config, num_hidden_layers, seed)
     dst.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    halves = [names[: len(names) // 2], names[len(names) // 2:]]
-    weight_map = {}
-    for i, part in enumerate(halves, start=1):
-        file = f"model-{i:05d}-of-{len(halves):05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(dst / file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in part})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
+    write_shards(tensors, dst)
     saved = config.to_dict()
     saved.update(architectures=[getattr(builder, "ARCHITECTURE", model_class.__name__)], torch_dtype="bfloat16")
     if hasattr(builder, "release_config"):

@@ -19,11 +19,10 @@ TEXT = {"vocab_size": 153600, "hidden_size": 6144, "intermediate_size": 18432, "
 
 def _per_expert(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """transformers' fused experts as the release stores them: per expert (conversion_mapping.py reverted)."""
-    if rest == "mlp.experts.gate_up_proj":
-        return [(f"mlp.experts.{e}.{p}.weight", dtype, (shape[1] // 2, shape[2])) for e in range(shape[0])
-                for p in ("gate_proj", "up_proj")]
-    if rest == "mlp.experts.down_proj":
-        return [(f"mlp.experts.{e}.down_proj.weight", dtype, shape[1:]) for e in range(shape[0])]
+    from tests.quant.family_checkpoints import per_expert
+
+    if (experts := per_expert(rest, dtype, shape)) is not None:
+        return experts
     return [(rest.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"), dtype, shape)]
 
 

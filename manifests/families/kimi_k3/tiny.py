@@ -133,10 +133,10 @@ def tensor_shapes(cfg: dict, layers: range | None = None) -> dict[str, tuple[int
 def write(dst, *, num_hidden_layers: int, seed: int, **overrides) -> Path:
     """The tiny release in two shards with index, config.json and tokenizer: bf16, the router bias float32."""
     import torch
-    from safetensors.torch import save_file
 
     from quant.example import write_tokenizer
     from quant.safe_files import make_folder
+    from tests.quant.family_checkpoints import write_shards
 
     cfg = config(num_hidden_layers, **overrides)
     dst = make_folder(Path(dst))
@@ -147,16 +147,7 @@ def write(dst, *, num_hidden_layers: int, seed: int, **overrides) -> Path:
         if name.endswith("norm.weight"):
             value = value + 1
         tensors[name] = value.to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
-    names = sorted(tensors)
-    halves = [names[: len(names) // 2], names[len(names) // 2:]]
-    weight_map = {}
-    for i, part in enumerate(halves, start=1):
-        file = f"model-{i:05d}-of-{len(halves):05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(dst / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
+    write_shards(tensors, dst)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     text = cfg["text_config"]
     write_tokenizer(dst, text["vocab_size"], text["max_position_embeddings"])

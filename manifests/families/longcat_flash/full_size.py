@@ -19,12 +19,10 @@ CONFIG = {"vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_atte
 
 def _release_names(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """A decoder layer's tensor as the release stores it: transformers' fused experts per expert."""
-    experts, inter = CONFIG["n_routed_experts"], CONFIG["expert_ffn_hidden_size"]
-    if rest == "mlp.experts.gate_up_proj":
-        return [(f"mlp.experts.{e}.{p}.weight", dtype, (inter, shape[2])) for e in range(experts)
-                for p in ("gate_proj", "up_proj")]
-    if rest == "mlp.experts.down_proj":
-        return [(f"mlp.experts.{e}.down_proj.weight", dtype, (shape[1], inter)) for e in range(experts)]
+    from tests.quant.family_checkpoints import per_expert
+
+    if (experts := per_expert(rest, dtype, shape)) is not None:
+        return experts
     return [(rest, dtype, shape)]
 
 

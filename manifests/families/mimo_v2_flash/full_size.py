@@ -22,12 +22,10 @@ MTP_LAYERS = 3
 def _release_names(rest: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """A decoder layer's tensor as the release stores it (transformers' conversion_mapping.py "mimo_v2_flash"
     reverted): per-expert experts, the sinks as attention_sink_bias, the router F32."""
-    experts, inter = TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
-    if rest == "mlp.experts.gate_up_proj":
-        return [(f"mlp.experts.{e}.{p}.weight", dtype, (inter, shape[2])) for e in range(experts)
-                for p in ("gate_proj", "up_proj")]
-    if rest == "mlp.experts.down_proj":
-        return [(f"mlp.experts.{e}.down_proj.weight", dtype, (shape[1], inter)) for e in range(experts)]
+    from tests.quant.family_checkpoints import per_expert
+
+    if (experts := per_expert(rest, dtype, shape)) is not None:
+        return experts
     if rest == "mlp.gate.weight":
         return [(rest, "F32", shape)]
     return [(rest.replace("self_attn.sinks", "self_attn.attention_sink_bias"), dtype, shape)]
