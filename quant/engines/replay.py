@@ -228,6 +228,8 @@ def stored_fused(module: str, built_fused: dict[str, list[str]], stored) -> str 
     fused_qkv_a_g_proj's shard) in an MLA layer. The fused leaf with the most stored sibling shards; None when
     no fused module has one (the shard is built on its own); False where the leaf is no shard, is a shard of one
     fused module only, or the candidates tie (``fused_into`` decides)."""
+    if any("." in shard and module.endswith("." + shard) for shards in built_fused.values() for shard in shards):
+        return False  # a dotted shard (DeepSeek-V4's compressor.wkv) names its fused module itself
     counts = {}
     for fused, shards in built_fused.items():
         for shard in shards:

@@ -210,11 +210,13 @@ def test_fp8_skip_decisions_equal_the_engines(rules, release):
     assert seen > 30
 
 
-def _built_name(rules, module: str) -> str:
+def _built_name(rules, module: str, *siblings: str) -> str:
+    """The module the engine builds from stored ``module`` (stored beside ``siblings``, the other shards of its
+    fused module in its layer, as a release stores them: a shard's fused module is told by the shards beside it)."""
     family = family_named(FAMILY)
-    role = family.classify(module + ".weight", N).role
-    built = engine_modules(ReplayContext(rules, {module: Module(False, (64, 64), role)}, {}, FAMILY, N, "quark"))
-    return next(iter(built))
+    stored = {m: Module(False, (64, 64), family.classify(m + ".weight", N).role) for m in (module, *siblings)}
+    built = engine_modules(ReplayContext(rules, stored, {}, FAMILY, N, "quark"))
+    return next(name for name, em in built.items() if module in em.members) if siblings else next(iter(built))
 
 
 def _sglang_stacking(whl) -> dict[str, list[str]]:
@@ -256,16 +258,20 @@ def test_fused_modules_are_the_loaders_stacking(rules, release):
     whl = engine_wheel(rules, release)
     stacked = (_sglang_stacking if rules.engine == "sglang" else _vllm_stacking)(whl)
     assert stacked == rules["built_fused"]
+    def stored(shard: str) -> str:
+        return "layers.1." + {"gate_proj": "ffn.shared_experts.w1", "up_proj": "ffn.shared_experts.w3",
+                              "w1": "ffn.shared_experts.w1", "w3": "ffn.shared_experts.w3"}.get(shard, f"attn.{shard}")
+
     for fused, shards in stacked.items():
         for shard in shards:
-            stored = {"gate_proj": "ffn.shared_experts.w1", "up_proj": "ffn.shared_experts.w3", "w1": "ffn.shared_experts.w1",
-                      "w3": "ffn.shared_experts.w3"}.get(shard, f"attn.{shard}")
-            built = _built_name(rules, "layers.1." + stored)
+            siblings = [] if "." in shard else [stored(s) for s in shards if s != shard]  # as a layer stores them
+            built = _built_name(rules, stored(shard), *siblings)
             assert built.endswith("." + fused.rpartition(".")[2]), (shard, built)
     # the indexer's compressor is fused the same way, the attention's wkv with wq_a
     assert _built_name(rules, "layers.1.attn.indexer.compressor.wgate").endswith(".indexer.compressor." +
                                                                                  ("wkv_gate" if rules.engine == "sglang" else "fused_wkv_wgate"))
-    assert _built_name(rules, "layers.1.attn.wkv").endswith("wqkv_a" if rules.engine == "sglang" else "fused_wqa_wkv")
+    wkv = _built_name(rules, "layers.1.attn.wkv", "layers.1.attn.wq_a")
+    assert wkv.endswith("wqkv_a" if rules.engine == "sglang" else "fused_wqa_wkv")
 
 
 def _quant_config_of(builds) -> set[str]:
