@@ -302,8 +302,10 @@ def _engine_modules(ctx: ReplayContext, whole_draft_bf16: bool, indexer_bf16: fr
             # an indexer module joins a dotted shard's fused module only, never an attention's by its leaf
             indexer = info.role == "indexer"
             fused = False if indexer else stored_fused(module, rules["built_fused"], ctx.modules)
-            name = (fused_into(name, fused_of, dotted_only=indexer) or name) if fused is False else \
-                _rename_leaf(name, fused) if fused else name
+            if fused is False:  # the layer's stored shards do not decide: the fused names do
+                name = fused_into(name, fused_of, dotted_only=indexer) or name
+            elif fused:  # the fused module whose other shards the layer stores
+                name = _rename_leaf(name, fused)
         entry = built.get(name)
         if entry is None:
             entry = built[name] = EngineModule(name, draft=draft, moe=moe, role=info.role,
