@@ -8,6 +8,9 @@ from quant.formats.constants import BLOCK, ScaleRule
 
 QUARK_VERSION = "0.13"
 CONFIG_KINDS = ("quark", "fp8", "mxfp4")
+# formats quantgate reads and decodes but does not write (quant.third_party); config_kind leaves them out, so
+# every path that writes or converts sees no config it could mistake for its own
+THIRD_PARTY = ("compressed-tensors", "modelopt")
 
 
 def config_kind(qconfig) -> str | None:
@@ -16,6 +19,22 @@ def config_kind(qconfig) -> str | None:
     config, another method or a config that is not a mapping."""
     method = qconfig.get("quant_method") if isinstance(qconfig, dict) else None
     return method if method in CONFIG_KINDS else None
+
+
+def format_kind(qconfig) -> str | None:
+    """``compressed-tensors`` or ``modelopt`` for a third-party quantization config (config.json's
+    ``quantization_config``, or hf_quant_config.json's content, whose ``producer.name`` says modelopt); None
+    otherwise. ModelOpt's quant_method is ``modelopt`` (FP8) or ``modelopt_fp4`` (NVFP4) as the engines name it."""
+    if not isinstance(qconfig, dict):
+        return None
+    method = qconfig.get("quant_method")
+    if method == "compressed-tensors":
+        return method
+    producer = qconfig.get("producer")
+    if (isinstance(method, str) and method.startswith("modelopt")) or \
+            (isinstance(producer, dict) and producer.get("name") == "modelopt"):
+        return "modelopt"
+    return None
 
 
 def mx_spec(dtype: str, scale_rule: ScaleRule, is_dynamic: bool) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, 
 from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay
 from quant.engines.block_partition import block_findings, check_heads, tp_summary
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
+from quant.engines.format_rules import cut
 from quant.engines.fusion import main_model_fusion
 from quant.engines.replay import exclude_entries, is_draft, loads_under
 from quant.engines.serving import DEFAULT, Serving
@@ -25,7 +26,7 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
-from quant.quark_config import config_kind
+from quant.quark_config import THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
 from quant.safe_files import open_regular_fd
@@ -376,17 +377,24 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         asked = targets(engine, family)  # each release asked for, with the rules read for this family's class
     except (CheckpointError, UnknownFamilyError, UnknownEngine) as exc:
         raise UnreadableCheckpoint(str(exc)) from None
-    rule_sets = list({t.rules.id: t.rules for t in asked if t.rules}.values())  # each replayed once
     config = checkpoint.config
     text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
     check_heads(text, serving, checkpoint.config_path)
-    report = Report(str(folder), [r.id for r in rule_sets], serving=serving, family=family.name)
     qconfig = config.get("quantization_config")
     malformed = _malformed_qconfig(qconfig)
+    third_party = None if malformed else format_kind(qconfig)  # compressed-tensors, modelopt: schemes per module
+    if third_party:  # each release replayed with its own format rules: a family rule set cut where they change
+        try:
+            asked = [replace(t, rules=cut(t.rules, third_party, t.state.release)) if t.rules else t for t in asked]
+        except UnknownEngine as exc:  # a format rule file that breaks its schema
+            raise UnreadableCheckpoint(str(exc)) from None
+    rule_sets = list({t.rules.id: t.rules for t in asked if t.rules}.values())  # each replayed once
+    report = Report(str(folder), [r.id for r in rule_sets], serving=serving, family=family.name)
     report.findings += malformed
     native = config_kind(qconfig) == "mxfp4"  # a release's own MXFP4 (gpt-oss)
     try:
-        fmt = get_codec("mxfp4") if native else codec_for_config(config) if qconfig and not malformed else None
+        fmt = get_codec("mxfp4") if native else codec_for_config(config) \
+            if qconfig and not malformed and not third_party else None
     except ValueError as exc:
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
@@ -425,12 +433,12 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     report.findings += [] if malformed else _config_findings(qconfig, has_quantized)
     exclude, exclude_findings = (None, []) if malformed else _exclude_list(qconfig or {})
     report.findings += exclude_findings
-    kind = None if malformed else config_kind(qconfig)
+    kind = None if malformed else config_kind(qconfig) or third_party
     routers = router_tensors(tensors, family, num_hidden_layers)
     # the quantization_config as the engines match it; None where they cannot read its exclude list
     usable = None if malformed or (kind == "quark" and exclude is None) else \
         dict(qconfig, exclude=exclude) if kind == "quark" else qconfig or {}
-    replayable = kind in ("fp8", "mxfp4") or (kind == "quark" and exclude is not None)
+    replayable = kind in ("fp8", "mxfp4", *THIRD_PARTY) or (kind == "quark" and exclude is not None)
 
     def rules_findings(rules, modules: dict[str, Module], mtp_layers: set[int], text: dict):
         """What one rule set finds for these modules and MTP layers, and the replay's context (None: the

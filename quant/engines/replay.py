@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from quant.engines import format_rules
 from quant.engines.fusion import cite as fusion_cite
 from quant.engines.fusion import loader_mapped, map_61, no_fusion_reason
 from quant.engines.match import (
@@ -21,6 +22,7 @@ from quant.engines.match import (
 )
 from quant.engines.rules import RuleSet, rule_sets
 from quant.engines.serving import DEFAULT, Serving, loads_under_archs
+from quant.quark_config import THIRD_PARTY
 
 # a decoder layer: model.layers.N, or model.language_model.layers.N where a vision-language release stores
 # its text layers (GLM-5.3-Flash's draft layer N is such a layer; both engines' loaders drop language_model.)
@@ -34,6 +36,7 @@ class Module:
     quantized: bool
     shape: tuple[int, int]
     role: str
+    scheme: str = ""  # a third-party checkpoint's scheme label on disk (quant.third_party.scheme_label); "": bf16
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ class ReplayContext:
     qconfig: dict  # its quantization_config
     family: str
     num_hidden_layers: int
-    kind: str  # the quantization_config's kind (quant.quark_config.config_kind): quark | fp8 | mxfp4
+    # the quantization_config's kind: quark | fp8 | mxfp4 (quant.quark_config.config_kind) or a third-party
+    # format, compressed-tensors | modelopt (format_kind), whose rules ``rules`` holds (format_rules.cut)
+    kind: str
     fmt_name: str = ""  # the format as findings name it (MXFP4, FP8)
     config: dict = field(default_factory=dict)  # config.json's text model: architecture, expert counts, indexer rope
     serving: Serving = DEFAULT
@@ -462,11 +467,14 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
     slots: dict[str, bool] = {}  # FusedMoE name -> whether its expert slots are quantized
     built = engine_modules(ctx, whole_draft_bf16)
     for name, em in sorted(built.items()):
-        on_disk = {modules[m].quantized for m in em.members}
+        # a third-party checkpoint's parts by their scheme label ("": bf16), the others by quantized or not
+        on_disk = {modules[m].scheme if kind in THIRD_PARTY else modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
         if len(on_disk) > 1:
-            finding(name, f"its checkpoint parts are partly {fmt_name}, partly bf16 ({', '.join(sorted(em.members))}); "
-                          f"the {what} loads all of them with one scheme", "quantize all of them or none")
+            parts = ", ".join(sorted(s or "bf16" for s in on_disk)) if kind in THIRD_PARTY else f"{fmt_name}, bf16"
+            finding(name, f"its checkpoint parts are partly {parts.replace(', ', ', partly ')} "
+                          f"({', '.join(sorted(em.members))}); the {what} loads all of them with one scheme",
+                    "quantize all of them or none" if kind not in THIRD_PARTY else "store all of them in one scheme")
             continue
         quantized_on_disk = on_disk.pop()
         if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
@@ -518,6 +526,33 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
     return findings, slots, entries
+
+
+def _third_party(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_disk: str, finding,
+                 slots: dict[str, bool]) -> None:
+    """A module of a third-party checkpoint: the scheme this release builds it with (the format module's
+    ``decide`` under the cut rule set's format rules) against the scheme its tensors are stored in."""
+    rules, kind = ctx.rules, ctx.kind
+    if rules.values.get(format_rules.key(kind)) is None:
+        finding(name, f"how {rules.engine} {rules.release or rules.first} loads {kind} checkpoints was not read: "
+                      "whether it loads is unknown", f"read it into {format_rules.rules_path(kind, rules.engine).name}")
+        return
+    decision = format_rules.format_module(kind).decide(name, moe=em.moe, draft=em.draft, qconfig=ctx.qconfig,
+                                                       rules=rules)
+    if em.moe:
+        slots[name] = decision.scheme is not None
+    stored = on_disk or "bf16"
+    if decision.raises:
+        finding(name, f"{rules.engine} raises building this {what} ({stored} on disk): {decision.raises} "
+                      f"({decision.why})", decision.fix or "re-export the checkpoint")
+    elif decision.scheme is None and on_disk:
+        finding(name, f"{stored} on disk, but {rules.engine} builds this {what} unquantized ({decision.why}): its "
+                      "packed weights and scales load as garbage or have no parameter to load into",
+                decision.fix or "store it bf16 or make the config quantize it")
+    elif decision.scheme is not None and decision.scheme != on_disk:
+        finding(name, f"{stored} on disk, but {rules.engine} builds this {what} as {decision.scheme} "
+                      f"({decision.why}): the loader asks for tensors the checkpoint does not hold",
+                decision.fix or f"make the config's scheme for {name} match its tensors")
 
 
 def _forced_quantized(ctx: ReplayContext, em: EngineModule, name: str, quantized_on_disk: bool, exclude: Exclude,

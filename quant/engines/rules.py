@@ -76,7 +76,9 @@ class RuleSet:
         return self.values[rule]
 
     def fused(self, kind: str) -> dict[str, list[str]]:
-        return self["quark_fused"] if kind == "quark" else self["fp8_skip"]["fused"]
+        """The fused modules the quantization layer expands into shards for ``kind``: Quark's and the
+        third-party formats' are the class's packed_modules_mapping (``quark_fused``), block FP8's its own."""
+        return self["fp8_skip"]["fused"] if kind == "fp8" else self["quark_fused"]
 
 
 def rules_path(name: str) -> Path:
