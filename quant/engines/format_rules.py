@@ -79,7 +79,7 @@ def rules_path(kind: str, engine: str):
 @cache
 def format_spans(kind: str, engine: str) -> tuple[FormatSpan, ...] | None:
     """The format's rule spans in ``engine``, oldest first; None where no rule file was written (its
-    loading was not read: nothing is replayed for it)."""
+    loading was not read: the replay says so for every module)."""
     path = rules_path(kind, engine)
     if not path.is_file():
         return None
@@ -103,16 +103,20 @@ def format_spans(kind: str, engine: str) -> tuple[FormatSpan, ...] | None:
 
 
 def _check_cover(path, engine: str, spans: list[FormatSpan]) -> None:
-    """Every window release in exactly one span, spans oldest first: a release no span covers would be
-    replayed with no rules at all, one two spans cover with whichever came first."""
-    for release in window(engine):
-        covering = [s for s in spans if s.covers(release)]
-        if len(covering) != 1:
-            raise RuleFileError(f"{path}: {engine} {release} is covered by {len(covering)} rule sets; each window "
-                                "release (manifests/engines/releases.yaml) belongs to exactly one: read it in "
-                                "its wheel and extend or split a span")
+    """Spans oldest first, no window release in two of them (it would be replayed with whichever came first).
+    A release in none (one the window gained since the file was read) is replayed as not read."""
     if [Version(s.first) for s in spans] != sorted(Version(s.first) for s in spans):
         raise RuleFileError(f"{path}: rule sets must be oldest first")
+    for release in window(engine):
+        if len([s for s in spans if s.covers(release)]) > 1:
+            raise RuleFileError(f"{path}: {engine} {release} is covered by more than one rule set; each release "
+                                "belongs to one: fix the spans")
+
+
+def unread(kind: str, engine: str) -> list[str]:
+    """The window releases of ``engine`` no span of the format's rule file covers (all where there is no file)."""
+    spans = format_spans(kind, engine) or ()
+    return [r for r in window(engine) if not any(s.covers(r) for s in spans)]
 
 
 _CUTS: dict[tuple, RuleSet] = {}  # one object per cut: the replay memoizes on the identity of its values
@@ -144,4 +148,4 @@ def clear_caches() -> None:
 
 
 __all__ = ["Decision", "FORMAT_MODULES", "FormatSpan", "clear_caches", "cut", "format_module",
-           "format_spans", "key"]
+           "format_spans", "key", "unread"]
