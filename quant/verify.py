@@ -32,6 +32,8 @@ from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
+from quant.third_party import Config, parse
+from quant.third_party_scales import missing_scale_findings, scale_findings, scale_suffix
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 GLOB_CHARS = set("*?[")
@@ -312,7 +314,9 @@ def _decode_findings(fmt: Codec, reader: _TensorReader, weight: TensorInfo, scal
     return []
 
 
-def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
+def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None, third_party: Config | None = None) -> list[Finding]:
+    """``third_party``: a compressed-tensors or ModelOpt checkpoint's config, whose scales are checked as the
+    engines use them (``quant.third_party_scales``)."""
     from quant.source import first_non_finite
 
     findings = []
@@ -337,13 +341,15 @@ def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]:
                     if zero_rows:
                         findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
                                                 "written?)", "re-export this shard"))
+                elif third_party and scale_suffix(name):  # its own finding says what the engines make of it
+                    findings += scale_findings(info, reader.read)
                 elif info.dtype in FLOAT_DTYPES:  # element by element: a chunk needs no whole rows
                     item = DTYPE_BYTES[info.dtype]
                     elements = info.nbytes // item
                     if any(first_non_finite(chunk.data, info.dtype) is not None
                            for _, chunk in reader.rows(info, elements, reader.step(item))):
                         findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
-    return findings
+    return findings + (missing_scale_findings(tensors, third_party) if third_party else [])
 
 
 def _malformed_qconfig(qconfig) -> list[Finding]:
@@ -494,7 +500,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.block_fp8_tp = tp_summary(modules, text, usable, sorted({r.engine for r in rule_sets}), serving.ep,
                                          serving.platform, fusing)
     if deep:
-        report.findings += _deep_findings(checkpoint, fmt)
+        report.findings += _deep_findings(checkpoint, fmt, parse(third_party, qconfig) if third_party else None)
         report.findings += expert_id_findings(checkpoint, family, declared)
         if native and family.fused_experts:
             report.findings += _deep_blocks_findings(checkpoint, fmt)
