@@ -1,0 +1,299 @@
+"""ModelOpt checkpoints as an engine release builds them: which scheme each module gets, from the config
+the engine reads (config.json's ``quantization_config``, else hf_quant_config.json's whole content).
+
+The decision is the engine's quantization layer, the same for every model class, so its rules are a
+format rule file per engine (``manifests/engines/modelopt.<engine>.yaml``, schema ``RULES``, loaded by
+``quant.engines.format_rules``). In vLLM (``layers/quantization/modelopt.py``):
+
+- the config: ``ModelOptQuantConfigBase.from_config`` reads ``{"quantization": {"quant_algo", "exclude_modules",
+  ...}}`` (hf_quant_config.json's shape) or a flat ``{"quant_algo", "ignore", ...}`` (config.json's); a
+  ``quant_algo`` outside ``QUANT_ALGOS`` raises. A config naming its producer (``producer.name: modelopt``)
+  is first given a quant_method by the architecture-config convertor, which raises on algos it does not map.
+- the exclude list: ``apply_vllm_mapper`` turns each ``path*`` into ``path`` and ``path.*`` and runs the list
+  through the model class's weight-name mapper; ``is_layer_excluded`` then matches the engine's module name
+  exactly (``is_layer_skipped``: a fused module by its shards, which must agree; a FusedMoE when an entry
+  containing "experts" contains its name), as a substring, and with ``fnmatch``.
+- ``get_quant_method``: an excluded module unquantized, modules whose name holds a vision marker unquantized,
+  the rest quantized with the config's algo (``lm_head`` only in releases whose ParallelLMHead takes it).
+- MIXED_PRECISION: each module's algo from ``quantized_layers`` (``_resolve_quant_algo``: the name, its
+  shards, entries under it), after the same exclusion; modules it does not find stay unquantized.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Literal
+
+from quant.engines.format_rules import Decision, key
+from quant.engines.match import MixedShards, fp8_skipped
+from quant.engines.replay import mapped_entry
+from quant.engines.rule_kinds import Rule
+from quant.engines.rules import RuleSet
+from quant.schema import Schema
+
+MIXED = "MIXED_PRECISION"
+MatchStep = Literal["exact", "substring", "fnmatch"]
+LookupStep = Literal["direct", "packed", "children", "experts_parent", "shards"]
+
+
+class Mixed(Schema):
+    """``ModelOptMixedPrecisionConfig``: how ``_resolve_quant_algo`` finds a module's algo in ``quantized_layers``
+    (``lookup``, in order: ``direct`` the name; ``packed`` the class's packed shards, which must agree; ``children``
+    any entry under the name; ``experts_parent`` for a ``.experts`` FusedMoE any entry under its parent; ``shards``
+    q/k/v or gate/up entries beside a fused name), ``candidates`` (the name also as ``lm_head`` and with
+    ``language_model.model.`` / ``model.language_model.`` swapped), and the algos it builds a Linear / a FusedMoE
+    with, each with the scheme label it builds (any other algo: unquantized)."""
+    lookup: list[LookupStep]
+    candidates: bool
+    linear: dict[str, str]
+    moe: dict[str, str]
+
+
+class ModelOptRules(Schema):
+    """A release's ModelOpt loading, each a ``Rule`` (value and citation); a rule set states what changed."""
+    # quant_algo (upper-cased) -> the scheme label (quant.third_party) the release builds; others raise
+    algos: Rule[dict[str, str]] | None = None
+    moe_schemes: Rule[dict[str, str]] | None = None  # algo -> the label its FusedMoE method builds (others raise)
+    # a config with producer.name modelopt: the nested quant_algos the convertor gives a quant_method (others raise)
+    producer_algos: Rule[list[str] | None] | None = None
+    nested_required: Rule[dict[str, list[str]]] | None = None  # algo -> keys its nested config must hold
+    flat_exclude_keys: Rule[list[str]] | None = None  # the flat config's exclude keys, the first present read
+    star_split: Rule[bool] | None = None  # apply_vllm_mapper: ``path*`` -> ``path``, ``path.*``
+    class_mapper: Rule[bool] | None = None  # the exclude list goes through the class's weight-name mapper
+    match: Rule[list[MatchStep]] | None = None  # is_layer_excluded's tests, in order
+    fused_first: Rule[bool] | None = None  # a listed fused name is honoured before its shards are asked
+    lm_head: Rule[bool] | None = None  # ParallelLMHead takes the quant method (else always unquantized)
+    unquantized_markers: Rule[list[str]] | None = None  # a name holding one is built unquantized
+    mixed: Rule[Mixed | None] | None = None
+
+
+RULES = ModelOptRules
+KEY = key("modelopt")
+
+
+def _cite(rules: RuleSet, rule: str) -> str:
+    return rules.cites.get(f"{KEY}.{rule}", "").split(" (", 1)[0]
+
+
+def _nested(qconfig: dict) -> dict | None:
+    inner = qconfig.get("quantization")
+    return inner if "quantization" in qconfig else None
+
+
+def quant_algo(qconfig: dict) -> str:
+    """The config's quant_algo as ``from_config`` reads it (upper-cased; "" when absent)."""
+    inner = _nested(qconfig)
+    algo = (inner if isinstance(inner, dict) else qconfig).get("quant_algo")
+    return str(algo).upper() if algo else ""
+
+
+def exclude_list(qconfig: dict, values: dict):
+    """The exclude list ``from_config`` keeps: nested ``exclude_modules``, or the first flat key present."""
+    inner = _nested(qconfig)
+    if isinstance(inner, dict):
+        return inner.get("exclude_modules", [])
+    for name in values["flat_exclude_keys"]:
+        if name in qconfig:
+            return qconfig[name]
+    return []
+
+
+def _int_like(value) -> bool:
+    """``from_config``'s group_size: None, an int, or anything ``int()`` takes."""
+    try:
+        return value is None or isinstance(value, int) or int(value) is not None
+    except (ValueError, TypeError):
+        return False
+
+
+def config_error(qconfig: dict, rules: RuleSet) -> tuple[str, str] | None:
+    """(the release's message, its citation) where it refuses the config before building any module."""
+    values = rules.values[KEY]
+    inner = _nested(qconfig)
+    algo = quant_algo(qconfig)
+    producer = qconfig.get("producer")
+    if isinstance(producer, dict) and producer.get("name") == "modelopt" and isinstance(inner, dict) \
+            and inner.get("quant_algo") is not None and values["producer_algos"] is not None \
+            and algo not in values["producer_algos"]:
+        return f"ValueError: Unknown ModelOpt quant algo: {inner['quant_algo']}", _cite(rules, "producer_algos")
+    if inner is not None and not isinstance(inner, dict):
+        return "ValueError: Expected 'quantization' to be a dictionary in config", _cite(rules, "algos")
+    if not algo:
+        return "ValueError: Missing 'quant_algo' in quantization config", _cite(rules, "algos")
+    kv_cache = inner.get("kv_cache_quant_algo") if isinstance(inner, dict) else None
+    if kv_cache is not None and not isinstance(kv_cache, str):
+        return f"ValueError: kv_cache_quant_algo must be a string, got {type(kv_cache)}", _cite(rules, "algos")
+    if not isinstance(exclude_list(qconfig, values), list):
+        return "ValueError: exclude_modules must be a list", _cite(rules, "flat_exclude_keys")
+    if not _int_like((inner if isinstance(inner, dict) else qconfig).get("group_size")):
+        return "ValueError: group_size must be an integer", _cite(rules, "algos")
+    if algo not in values["algos"]:
+        return (f"ValueError: ModelOpt currently only supports: {list(values['algos'])} quantizations in vLLM",
+                _cite(rules, "algos"))
+    missing = [k for k in values["nested_required"].get(algo, []) if isinstance(inner, dict) and k not in inner]
+    if missing:
+        message = f"ValueError: {algo} quantization requires the following fields in hf_quant_config.json: {missing}"
+        return message, _cite(rules, "nested_required")
+    return None
+
+
+def exclude_entries(qconfig: dict, rules: RuleSet) -> list[str]:
+    """The exclude list as ``is_layer_excluded`` matches it: ``apply_vllm_mapper``'s ``path*`` split and the
+    class's weight-name mapper applied."""
+    values = rules.values[KEY]
+    entries = [e for e in exclude_list(qconfig, values) if isinstance(e, str)]
+    mapper = class_mapper(rules)
+    if mapper is None:  # the loader calls apply_vllm_mapper only for a class with a weight-name mapper
+        return entries
+    if values["star_split"]:
+        entries = [part for e in entries
+                   for part in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "." else (e,))]
+    return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
+
+
+def class_mapper(rules: RuleSet) -> dict | None:
+    """The model class's weight-name mapper (the family rule ``exclude_mapper``) where the release hands it to
+    the ModelOpt config (``class_mapper``), else None."""
+    mapper = rules.values.get("exclude_mapper")
+    return mapper if rules.values[KEY]["class_mapper"] and mapper and mapper.get("style") == rules.engine else None
+
+
+def excluded_by(module: str, entries: list[str], rules: RuleSet) -> str | None:
+    """How ``is_layer_excluded`` excludes ``module`` (None: it does not); raises ``MixedShards`` where the
+    engine raises (a fused module whose shards the list names only in part)."""
+    values = rules.values[KEY]
+    if not entries:
+        return None
+    for step in values["match"]:
+        if step == "exact" and fp8_skipped(module, entries, rules.fused("modelopt"), match="exact",
+                                           experts="contained", fallback_fused={},
+                                           fused_first=values["fused_first"]):
+            return _exact_hit(module, entries, rules.fused("modelopt"))
+        if step == "substring" and (hit := next((e for e in entries if e != module and e in module), None)):
+            return f"entry {hit!r} is a substring of it"
+        if step == "fnmatch" and (hit := next((e for e in entries if fnmatch(module, e)), None)):
+            return f"entry {hit!r} matches it as a wildcard (fnmatch)"
+    return None
+
+
+def _exact_hit(module: str, entries: list[str], fused: dict) -> str:
+    """Which entries ``is_layer_skipped`` matched: the name, its shards, or an experts entry holding it."""
+    leaf = module.rsplit(".", 1)[-1]
+    if module in entries:
+        return f"entry {module!r} names it"
+    shards = [name for s in fused.get(leaf, []) if (name := module.replace(leaf, s)) in entries]
+    if shards:
+        return f"entries {', '.join(map(repr, shards))} name its shards"
+    holder = next(e for e in entries if "experts" in e and module in e)
+    return f"entry {holder!r} holds its name (is_layer_skipped's experts test)"
+
+
+def _candidates(name: str, mixed: dict) -> list[str]:
+    out = [name]
+    if mixed["candidates"]:
+        if name.endswith(".lm_head"):
+            out.append("lm_head")
+        for a, b in (("language_model.model.", "model.language_model."),
+                     ("model.language_model.", "language_model.model.")):
+            if name.startswith(a):
+                out.append(b + name[len(a):])
+                break
+    return list(dict.fromkeys(out))
+
+
+def mixed_algo(module: str, layers: dict, mixed: dict, fused: dict) -> str | None:
+    """``_resolve_quant_algo``: the algo ``quantized_layers`` gives ``module`` (None: not found)."""
+    def algo(entry: str) -> str:
+        return str(layers[entry].get("quant_algo", "")).upper() if isinstance(layers[entry], dict) else ""
+
+    def agreed(names: list[str]) -> str | None:
+        found = {algo(n) for n in names if n in layers}
+        if len(found) > 1:
+            raise MixedShards(f"ValueError: Mixed quant_algo within fused layer {module}: {found}. All shards must "
+                              "use the same quantization.")
+        return found.pop() if found else None
+
+    base, _, leaf = module.rpartition(".")
+    for step in mixed["lookup"]:
+        if step == "direct" and (hit := next((c for c in _candidates(module, mixed) if c in layers), None)):
+            return algo(hit)
+        if step == "packed" and leaf in fused and (
+                found := agreed([f"{b}.{s}" for b in _candidates(base, mixed) for s in fused[leaf]])):
+            return found
+        if step == "children":
+            for candidate in _candidates(module, mixed):
+                if hit := next((k for k in layers if k.startswith(candidate + ".")), None):
+                    return algo(hit)
+        if step == "experts_parent" and module.endswith(".experts") and (
+                hit := next((k for k in layers if k.startswith(module.rsplit(".experts", 1)[0] + ".")), None)):
+            return algo(hit)
+        if step == "shards" and leaf in ("qkv_proj", "gate_up_proj"):
+            shards = ("q_proj", "k_proj", "v_proj") if leaf == "qkv_proj" else ("gate_proj", "up_proj")
+            for candidate in _candidates(module, mixed):
+                if found := agreed([f"{candidate.rsplit('.', 1)[0]}.{s}" for s in shards]):
+                    return found
+    return None
+
+
+def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet) -> Decision:
+    """The scheme ``rules``' release builds ``module`` (the engine's name) with, and why."""
+    values = rules.values[KEY]
+    where = "MTP draft " if draft else ""
+    if error := config_error(qconfig, rules):
+        message, cite = error
+        return Decision(None, f"the ModelOpt config is refused ({cite})", "fix the quantization config", message)
+    algo = quant_algo(qconfig)
+    if moe and algo != MIXED and algo not in values["moe_schemes"]:  # raised for every FusedMoE, excluded or not
+        return Decision(None, f"{algo} builds no FusedMoE method ({_cite(rules, 'moe_schemes')})",
+                        "serve a release that builds it, or store the model's experts in another scheme",
+                        f"NotImplementedError: {algo} quantization does not yet support MoE models")
+    entries = exclude_entries(qconfig, rules)
+    cite = _cite(rules, "match")
+    try:
+        how = excluded_by(module, entries, rules)
+    except MixedShards as exc:
+        return Decision(None, f"the exclude list names some of its shards only ({cite})",
+                        f"list all shards of {module} or none", str(exc))
+    if how:
+        return Decision(None, f"{where}excluded: {how} ({cite})",
+                        f"remove the exclude entries matching {module!r}, or store it bf16")
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf == "lm_head" and not values["lm_head"]:
+        return Decision(None, f"ParallelLMHead takes no ModelOpt quant method ({_cite(rules, 'lm_head')})",
+                        "store lm_head bf16 and list it in exclude_modules")
+    if algo == MIXED:
+        return _mixed(module, moe, qconfig, rules)
+    if marker := next((m for m in values["unquantized_markers"] if m in module), None):
+        return Decision(None, f"a name holding {marker!r} is built unquantized ({_cite(rules, 'unquantized_markers')})",
+                        "store it bf16")
+    if moe:
+        return Decision(values["moe_schemes"][algo], f"{where}not excluded: its FusedMoE method for {algo} "
+                                                     f"({_cite(rules, 'moe_schemes')})",
+                        f"list {module!r} in the exclude list if it is stored bf16")
+    return Decision(values["algos"][algo], f"{where}not excluded: built {algo} ({_cite(rules, 'algos')})",
+                    f"list {module!r} in the exclude list if it is stored bf16")
+
+
+def _mixed(module: str, moe: bool, qconfig: dict, rules: RuleSet) -> Decision:
+    values = rules.values[KEY]
+    mixed = values["mixed"]
+    cite = _cite(rules, "mixed")
+    inner = _nested(qconfig)
+    layers = (inner if isinstance(inner, dict) else qconfig).get("quantized_layers")
+    if mixed is None or not isinstance(layers, dict) or not layers:
+        return Decision(None, f"MIXED_PRECISION needs quantized_layers ({cite})", "fix the quantization config",
+                        "ValueError: MIXED_PRECISION quant_algo requires a non-empty 'quantized_layers' mapping")
+    if mapper := class_mapper(rules):  # apply_vllm_mapper maps quantized_layers' keys too
+        layers = {m: v for k, v in layers.items() if (m := mapped_entry(k, mapper)) is not None}
+    try:
+        algo = mixed_algo(module, layers, mixed, rules.fused("modelopt"))
+    except MixedShards as exc:
+        return Decision(None, f"quantized_layers gives its shards different algos ({cite})",
+                        f"give all shards of {module} one quant_algo", str(exc))
+    built = mixed["moe" if moe else "linear"]
+    if algo is None or algo not in built:
+        found = "no quantized_layers entry" if algo is None else f"quantized_layers' {algo}, which it does not build"
+        return Decision(None, f"{found}: built unquantized ({cite})",
+                        f"add {module!r} to quantized_layers if it is stored quantized")
+    return Decision(built[algo], f"quantized_layers gives it {algo} ({cite})",
+                    f"set {module!r}'s quant_algo in quantized_layers to the scheme it is stored in")
