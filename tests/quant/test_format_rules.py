@@ -1,0 +1,74 @@
+"""The third-party formats' rule files (quant.engines.format_rules): every window release covered once,
+family rule sets cut where a format's loading changes, a broken file refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from quant.engines import format_rules
+from quant.engines.rules import ENGINES, RuleFileError, rule_sets, window
+
+WRITTEN = [(kind, engine) for kind in format_rules.FORMAT_MODULES for engine in ENGINES
+           if format_rules.rules_path(kind, engine).is_file()]
+
+
+@pytest.fixture
+def fresh_rules():
+    format_rules.clear_caches()
+    yield
+    format_rules.clear_caches()
+
+
+@pytest.mark.parametrize("kind, engine", WRITTEN)
+def test_every_window_release_is_read(kind, engine):
+    spans = format_rules.format_spans(kind, engine)
+    assert spans and format_rules.unread(kind, engine) == []
+    for span in spans:  # each span states every rule its format module defines (carried over from the sets before)
+        assert set(span.values) == set(format_rules.format_module(kind).RULES.model_fields), (span.first, kind)
+
+
+def test_a_family_rule_set_is_cut_where_the_format_changes():
+    kind, engine = "compressed-tensors", "vllm"
+    spans = format_rules.format_spans(kind, engine)
+    family = next(r for r in rule_sets(engine, "glm_moe_dsa")
+                  if sum(r.covers(s.first) for s in spans) >= 1 and any(
+                      Version(r.first) < Version(s.first) <= Version(r.last) for s in spans))
+    inside = [v for v in window(engine) if family.covers(v)]
+    cuts = {v: format_rules.cut(family, kind, v) for v in inside}
+    assert len({c.id for c in cuts.values()}) > 1  # two format spans inside one family set: two rule sets
+    for release, cut in cuts.items():
+        span = next(s for s in spans if s.covers(release))
+        assert cut.covers(release) and cut.values[format_rules.key(kind)] == span.values
+        assert all(span.covers(v) for v in inside if cut.covers(v))  # a cut never mixes two format spans
+        assert {k: v for k, v in cut.values.items() if k != "compressed_tensors"} == family.values
+    assert cuts[inside[0]] is format_rules.cut(family, kind, inside[0])  # one object per cut (the replay's memo)
+
+
+def _write(tmp_path, monkeypatch, text: str):
+    path = tmp_path / "compressed_tensors.vllm.yaml"
+    path.write_text(text)
+    monkeypatch.setattr(format_rules, "rules_path", lambda kind, engine: path)
+    return path
+
+
+def test_a_window_release_without_rules_is_unread_not_refused(tmp_path, monkeypatch, fresh_rules):
+    real = format_rules.rules_path("compressed-tensors", "vllm").read_text()
+    last = window("vllm")[-1]
+    _write(tmp_path, monkeypatch, real.replace(f", {last}]", f", {window('vllm')[-2]}]"))
+    assert format_rules.unread("compressed-tensors", "vllm") == [last]
+    family = next(r for r in rule_sets("vllm", "glm_moe_dsa") if r.covers(last))
+    assert format_rules.cut(family, "compressed-tensors", last).values["compressed_tensors"] is None
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda text: text.replace("format: compressed-tensors", "format: modelopt"), "says format 'modelopt'"),
+    (lambda text: text.replace("ignore_match:", "ignore_matcher:", 1), "ignore_matcher"),
+    (lambda text: text + "  - versions: [0.34.0, 0.34.0]\n    rules: {}\n", "more than one rule set"),
+])
+def test_a_broken_rule_file_is_refused_in_one_line(tmp_path, monkeypatch, fresh_rules, edit, said):
+    real = format_rules.rules_path("compressed-tensors", "vllm").read_text()
+    path = _write(tmp_path, monkeypatch, edit(real))
+    with pytest.raises(RuleFileError) as exc:
+        format_rules.format_spans("compressed-tensors", "vllm")
+    assert str(path) in str(exc.value) and said in str(exc.value) and "\n" not in str(exc.value)
