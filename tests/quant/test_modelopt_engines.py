@@ -114,6 +114,8 @@ EXCLUDES = [
     ["model.layers.1.mlp.shared_experts*"], ["model.layers.2.self_attn.q_a_proj"],
     ["model.language_model.layers.0.self_attn.o_proj"], ["mtp.mlp.experts*"], ["layers.1"], ["*experts"],
     ["model.layers.1.mlp.shared_experts.gate_proj", "model.layers.1.mlp.shared_experts.up_proj"],
+    ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.q_proj"],
+    ["model.layers.0.self_attn", "model.layers.0.self_attn.q_proj"], ["model.layers.1.mlp.*"],
 ]
 
 
@@ -195,6 +197,11 @@ CONFIGS = [
     {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "sixteen"},
     {"quant_method": "modelopt"},
     {"quantization": {"quant_algo": "NVFP4", "exclude_modules": []}},
+    {"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "exclude_modules": []}},
+    {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}},
+    {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None}},
+    {"quantization": {"quant_algo": "MXFP8", "exclude_modules": []}},
+    {"quant_method": "modelopt", "quantization": "FP8", "quant_algo": "FP8"},
     {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8", "exclude_modules": []}},
     {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": 8, "exclude_modules": []}},
     {"quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None}},
@@ -401,3 +408,54 @@ def test_labels_are_the_formats_own():
         for built in (values["mixed"] or {}).get("linear", {}), (values["mixed"] or {}).get("moe", {}):
             for algo, label in built.items():
                 assert label in LABELS or label == algo.lower() and algo.startswith(("IQ", "Q8")), (span.first, algo)
+
+
+# the methods the mixed-precision config builds, and the scheme each builds (ModelOptFp8MoEMethod: per-tensor scales;
+# Fp8MoEMethod: the block FP8 MoE of the fp8 quantization)
+MIXED_METHODS = {"ModelOptFp8LinearMethod": "fp8", "ModelOptFp8PcPtLinearMethod": "fp8-channel",
+                 "ModelOptFp8PbWoLinearMethod": "fp8-block", "ModelOptNvFp4LinearMethod": "nvfp4",
+                 "ModelOptNvFp4W4A16LinearMethod": "nvfp4", "ModelOptMxFp8LinearMethod": "mxfp8",
+                 "ModelOptFp8MoEMethod": "fp8", "ModelOptNvFp4FusedMoE": "nvfp4", "ModelOptMxFp8FusedMoE": "mxfp8",
+                 "Fp8MoEMethod": "fp8-block"}
+SUBCONFIGS = ("fp8_config", "fp8_block_config", "nvfp4_config", "w4a16_nvfp4_config", "mxfp8_config",
+              "fp8_pcpt_config", "fp8_pb_wo_config")  # the sub-configs the mixed config hands its methods
+MIXED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "FP8_BLOCK_SCALES", "NVFP4", "W4A16_NVFP4", "MXFP8",
+               "W4A8_AWQ", "INT4_AWQ")
+
+
+def _their_mixed_method(whl):
+    """(layer, algo) -> the scheme label ModelOptMixedPrecisionConfig.get_quant_method builds, None: unquantized."""
+    from quant.third_party import MODELOPT as FORMAT
+    from quant.third_party import scheme_label
+
+    made = {name: type(name, (), {"__init__": lambda self, *a, **k: None, "label": label})
+            for name, label in MIXED_METHODS.items()}
+    built = type("Built", (), {"__init__": lambda self, label: setattr(self, "label", label)})
+    extra = {**made, **_quant_algos(whl), "LinearBase": Linear, "FusedMoE": Moe, "RoutedExperts": Moe,
+             "ParallelLMHead": LmHead, "VocabParallelEmbedding": LmHead, "Attention": Attention,
+             "UnquantizedLinearMethod": type("UnquantizedLinearMethod", (), {}), "B12X_BLOCK_CODECS": {},
+             "build_linear_method": lambda config, algo, prefix: built(scheme_label(FORMAT, algo))}
+    cls = methods(whl, MODELOPT, "ModelOptMixedPrecisionConfig", ["get_quant_method"], extra=extra)["cls"]
+
+    def run(layer, algo: str):
+        config = types.SimpleNamespace(is_layer_excluded=lambda p: False, _resolve_quant_algo=lambda p: algo,
+                                       kv_cache_quant_method=None, **dict.fromkeys(SUBCONFIGS))
+        return getattr(cls.get_quant_method(config, layer, "model.layers.0.x"), "label", None)
+    return run
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_mixed_methods_match_each_release(release):
+    """MIXED_PRECISION: the scheme a Linear, lm_head and a FusedMoE are built with for each algo quantized_layers
+    gives (an algo the release does not build: unquantized). 0.32.0's GGUF-style codecs are not run here (their
+    methods are imported inside the function)."""
+    whl = _wheel(release)
+    mixed = _rules(release).values["modelopt"]["mixed"]
+    if mixed is None:
+        return
+    theirs = _their_mixed_method(whl)
+    lm_head = _rules(release).values["modelopt"]["lm_head"]
+    for algo in MIXED_ALGOS:
+        for layer, built in ((Linear, mixed["linear"]), (Moe, mixed["moe"]), (LmHead, mixed["linear"])):
+            ours = built.get(algo) if layer is not LmHead or lm_head else None
+            assert ours == theirs(layer(), algo), (release, algo, layer)
