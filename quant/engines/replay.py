@@ -350,7 +350,9 @@ def quantized_leaves(rules: RuleSet, kind: str, qconfig: dict) -> frozenset[tupl
 
 def _build(role: str, leaf: str, rules: RuleSet, kind: str, draft_bf16: bool, indexer_bf16: frozenset[str],
            quantized: frozenset[tuple[str, str]] = frozenset()) -> str:
-    if draft_bf16 or role in rules["unquantized_roles"]:
+    # lm_head is in unquantized_roles because Quark's and block FP8's get_quant_method build no method for a
+    # ParallelLMHead; the third-party formats' may (their decide says, per release)
+    if draft_bf16 or (role in rules["unquantized_roles"] and not (role == "lm_head" and kind in THIRD_PARTY)):
         return "bf16"
     if (role, leaf) in quantized:
         return "quantized"
