@@ -16,8 +16,10 @@ nibble, bit 3 the sign, E2M1 magnitudes 0 0.5 1 1.5 2 3 4 6) and the block scale
 
 So each 16-value block has one fp32 effective scale (``effective_scales``: the quotient or the
 product, rounded once to fp32 as those libraries round it) and every value is
-``bf16(fp32(code value * effective scale))``, round to nearest even. The kernel builds the 16
-possible results of a block once and writes each packed byte's two values as one uint32.
+``bf16(fp32(code value * effective scale))``, round to nearest even. A tensor's block scales are
+e4m3 bytes and its tensor scale is one number, so there are 256 effective scales at most: the
+results of every (scale byte, packed byte) pair are computed once per tensor (``decode_table``, with
+the same fp32 operations) and the kernel is one table load per packed byte, as Quark MXFP4's.
 """
 
 from __future__ import annotations
@@ -48,29 +50,43 @@ def effective_scales(block_scales: np.ndarray, tensor_scale: float | np.floating
         return scales / tensor if applies == DIVIDE else scales * tensor
 
 
+@numba.njit(cache=True, nogil=True)
+def _fill_table(scales, values, table):  # pragma: no cover
+    for s in range(256):
+        for byte in range(256):
+            low = np.uint32(_bf16(values[byte & 15] * scales[s]))
+            high = np.uint32(_bf16(values[byte >> 4] * scales[s]))
+            table[s * 256 + byte] = low | (high << np.uint32(16))
+
+
+def decode_table(tensor_scale: float | np.floating, applies: str) -> np.ndarray:
+    """bf16 bits of both values of every (block scale byte, packed byte) pair of one tensor, one uint32
+    per pair (low half: the low nibble's value): ``table[scale << 8 | byte]``. A tensor has one tensor
+    scale, so its blocks have at most 256 effective scales, and every value is one of 256 x 16 products."""
+    table = np.empty(256 * 256, dtype=np.uint32)
+    _fill_table(effective_scales(np.arange(256, dtype=np.uint8), tensor_scale, applies), _CODE_VALUES[applies],
+                table)
+    return table
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _decode_rows(packed, scales, values, out):  # pragma: no cover
+def _decode_rows(packed, scales, table, out):  # pragma: no cover
+    """One table load per packed byte writes both of its bf16 values (``out`` is uint32 pairs)."""
     rows, half = packed.shape
     for r in numba.prange(rows):
-        table = np.empty(16, dtype=np.uint32)
         for b in range(half // (GROUP // 2)):
-            scale = scales[r, b]
-            for k in range(16):
-                table[k] = np.uint32(_bf16(values[k] * scale))
+            base = np.int32(scales[r, b]) << 8
             for j in range(b * (GROUP // 2), (b + 1) * (GROUP // 2)):
-                byte = packed[r, j]
-                out[r, j] = table[byte & 15] | (table[byte >> 4] << np.uint32(16))
+                out[r, j] = table[base + np.int32(packed[r, j])]
 
 
-def decode_bf16(packed: np.ndarray, scales: np.ndarray, applies: str, threads: int | None = None) -> np.ndarray:
-    """bf16 bit patterns (uint16 ``[rows, in]``) of NVFP4 ``packed`` codes (uint8 ``[rows, in / 2]``)
-    whose blocks' fp32 scales are ``scales`` (``[rows, in / 16]``, from ``effective_scales`` with the
-    same ``applies``, which also picks the producer's value of code 8: -0.0 or +0.0)."""
+def decode_bf16(packed: np.ndarray, scales: np.ndarray, table: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """bf16 bit patterns (uint16 ``[rows, in]``) of NVFP4 ``packed`` codes (uint8 ``[rows, in / 2]``) whose
+    blocks' e4m3 scales are ``scales`` (their bytes, uint8 ``[rows, in / 16]``), by the tensor's ``decode_table``."""
     if packed.shape[1] % (GROUP // 2) or scales.shape != (packed.shape[0], packed.shape[1] // (GROUP // 2)):
         raise ValueError(f"NVFP4 {list(packed.shape)} bytes with {list(scales.shape)} scales: not whole 16-value "
                          "blocks, one scale each (the kernel would leave columns unwritten)")
     out = np.empty(packed.shape, dtype=np.uint32)
     with numba_threads(threads):
-        _decode_rows(np.ascontiguousarray(packed), np.ascontiguousarray(scales, dtype=np.float32),
-                     _CODE_VALUES[applies], out)
+        _decode_rows(np.ascontiguousarray(packed), np.ascontiguousarray(scales, dtype=np.uint8), table, out)
     return out.view(np.uint16)

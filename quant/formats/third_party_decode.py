@@ -28,18 +28,20 @@ _E4M3 = e4m3_values()
 _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
 
 
-def typed(raw: bytes | np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The values of a stored tensor's bytes: floats (bf16 and e4m3 too) as float32, integers as they are."""
+def stored(raw: bytes | np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A stored tensor's bytes as an array of its element type without a copy: bf16 as its uint16 bit
+    patterns, e4m3 as its uint8 bytes (``as_float`` gives their values, a slice at a time)."""
     data = np.frombuffer(raw, np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else raw.reshape(-1)
+    return data.view(_NUMPY.get(dtype, "<u2" if dtype == "BF16" else "u1")).reshape(shape)
+
+
+def as_float(dtype: str, values: np.ndarray) -> np.ndarray:
+    """float32 values (exact) of a ``stored`` array (or a slice of one) of safetensors ``dtype``."""
     if dtype == "BF16":
-        values = (data.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    elif dtype == "F8_E4M3":
-        values = _E4M3[data]
-    else:
-        values = data.view(_NUMPY[dtype])
-        if values.dtype.kind == "f":
-            values = values.astype(np.float32)
-    return values.reshape(shape)
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E4M3":
+        return _E4M3[values]
+    return values.astype(np.float32)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -59,26 +61,26 @@ def _round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return x
 
 
-def _scale_rows(scheme, scale: np.ndarray, start: int, count: int, cols: int) -> np.ndarray:
-    """The scale of every value of rows ``start .. start + count`` (float32, broadcastable to ``[count, cols]``)."""
+def _per_value(scheme, array: np.ndarray, start: int, count: int, cols: int) -> np.ndarray:
+    """What ``array`` (a scale or zero point, as stored) gives every value of rows ``start .. start + count``:
+    an array broadcastable to ``[count, cols]``."""
     if scheme.strategy == "tensor":
-        return scale.reshape(1, 1)
+        return array.reshape(1, 1)
     if scheme.strategy == "channel":
-        return scale.reshape(-1, 1)[start:start + count]
+        return array.reshape(-1, 1)[start:start + count]
     if scheme.strategy == "block":
         rows, columns = scheme.block
-        grid = scale.reshape(scale.shape[-2], scale.shape[-1])
+        grid = array.reshape(array.shape[-2], array.shape[-1])
         return grid[(start + np.arange(count)) // rows][:, np.arange(cols) // columns]
-    group = scheme.group
-    return np.repeat(scale.reshape(scale.shape[0], -1)[start:start + count], group, axis=1)[:, :cols]
+    return np.repeat(array.reshape(array.shape[0], -1)[start:start + count], scheme.group, axis=1)[:, :cols]
 
 
-def load_params(scheme, stored: dict[str, tuple[str, tuple[int, ...], bytes]], out: int, cols: int
+def load_params(scheme, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], out: int, cols: int
                 ) -> dict[str, tuple[str, np.ndarray]]:
     """The module's tensors beside its weight (suffix -> (dtype, shape, bytes)) as ``decode_rows`` takes
-    them: values ``typed``, packed zero points unpacked; ValueError says why they do not fit
+    them: ``stored`` arrays, packed zero points unpacked; ValueError says why they do not fit
     (``weight_shape`` holding another shape than the one decoded)."""
-    params = {suffix: (dtype, typed(raw, dtype, shape)) for suffix, (dtype, shape, raw) in stored.items()}
+    params = {suffix: (dtype, stored(raw, dtype, shape)) for suffix, (dtype, shape, raw) in tensors.items()}
     if "weight_shape" in params:
         found = [int(v) for v in params["weight_shape"][1].reshape(-1)]
         if found != [out, cols]:
@@ -91,20 +93,27 @@ def load_params(scheme, stored: dict[str, tuple[str, tuple[int, ...], bytes]], o
     return params
 
 
+def _not_finite(dtype: str, values: np.ndarray) -> np.ndarray:
+    """Flat indices of the NaN/Inf values of a ``stored`` array (E8M0's NaN is 0xFF, e4m3's 0x7F/0xFF)."""
+    flat = values.reshape(-1)
+    if dtype == "U8":
+        return np.flatnonzero(flat == 0xFF)
+    if dtype == "F8_E4M3":
+        return np.flatnonzero(flat & 0x7F == 0x7F)
+    if dtype == "BF16":
+        return np.flatnonzero(flat & 0x7F80 == 0x7F80)
+    return np.flatnonzero(~np.isfinite(flat))
+
+
 def param_problem(scheme, params: dict[str, tuple[str, np.ndarray]]) -> str | None:
     """Why the module's scales (``params``: suffix -> (dtype, values)) cannot be decoded: a NaN or Inf
-    scale, a zero or negative tensor scale (NVFP4's is divided or multiplied by every block)."""
+    scale, a zero or negative tensor scale (NVFP4's divides or multiplies every block's)."""
     for suffix, (dtype, values) in params.items():
         if not suffix.endswith(("scale", "scale_2")):
             continue
-        if dtype == "U8":  # E8M0: 0xFF is NaN
-            bad = np.flatnonzero(values.reshape(-1) == 0xFF)
-            what = "E8M0 NaN (0xFF)"
-        else:
-            bad = np.flatnonzero(~np.isfinite(values.reshape(-1)))
-            what = "NaN/Inf"
-            if not bad.size and suffix in ("weight_global_scale", "weight_scale_2"):
-                bad, what = np.flatnonzero(values.reshape(-1) <= 0), "zero or negative"
+        bad, what = _not_finite(dtype, values), "NaN/Inf"
+        if not bad.size and suffix in ("weight_global_scale", "weight_scale_2"):
+            bad, what = np.flatnonzero(as_float(dtype, values.reshape(-1)) <= 0), "zero or negative"
         if bad.size:
             return (f"{suffix} holds {what} values ({bad.size} of {values.size}, the first at flat index "
                     f"{int(bad[0])}): it would decode to NaN/Inf or garbage")
@@ -112,22 +121,24 @@ def param_problem(scheme, params: dict[str, tuple[str, np.ndarray]]) -> str | No
 
 
 def _tensor_scale(params, suffix: str) -> np.float32:
-    return np.float32(params[suffix][1].reshape(-1)[0])
+    dtype, values = params[suffix]
+    return np.float32(as_float(dtype, values.reshape(-1)[:1])[0])
 
 
 def decode_rows(scheme, codes: np.ndarray, start: int, cols: int, params: dict[str, tuple[str, np.ndarray]],
                 threads: int | None = None) -> np.ndarray:
     """bf16 bit patterns (uint16 ``[count, cols]``) of the stored rows ``codes`` (uint8
     ``[count, stored bytes]``) from row ``start`` of a module stored in ``scheme``; ``params``: the
-    module's other tensors (suffix -> (stored dtype, ``typed`` values), whole)."""
+    module's other tensors (suffix -> (stored dtype, ``stored`` array), whole; only this chunk's rows of
+    them are turned into float32)."""
     count = codes.shape[0]
     label = scheme.label
     if label == "nvfp4":
         applies = nvfp4.DIVIDE if scheme.fmt == "compressed-tensors" else nvfp4.MULTIPLY
         tensor_suffix = "weight_global_scale" if applies == nvfp4.DIVIDE else "weight_scale_2"
-        blocks = params["weight_scale"][1].reshape(-1, cols // nvfp4.GROUP)[start:start + count]
-        return nvfp4.decode_bf16(codes, nvfp4.effective_scales(blocks, _tensor_scale(params, tensor_suffix), applies),
-                                 applies, threads)
+        blocks = params["weight_scale"][1].reshape(-1, cols // nvfp4.GROUP)[start:start + count]  # e4m3 bytes
+        return nvfp4.decode_bf16(codes, blocks, nvfp4.decode_table(_tensor_scale(params, tensor_suffix), applies),
+                                 threads)
     if label == "mxfp4":
         from quant.formats import mxfp4_fast
 
@@ -141,12 +152,11 @@ def decode_rows(scheme, codes: np.ndarray, start: int, cols: int, params: dict[s
     else:
         values = _E4M3[codes]
     if "weight_zero_point" in params:
-        zero = params["weight_zero_point"][1]
-        if scheme.strategy != "tensor":
-            zero = _scale_rows(scheme, zero.astype(np.float32), start, count, cols)
-        values = values - zero.astype(np.float32)  # integers: exact
+        dtype, zero = params["weight_zero_point"]
+        values = values - as_float(dtype, _per_value(scheme, zero, start, count, cols))  # integers: exact
+    scale = as_float(scale_dtype, _per_value(scheme, scale, start, count, cols))
     if scheme.fmt == "modelopt":  # FP8QTensor.dequantize: the fp32 scale cast to the output dtype first
-        scale, scale_dtype = _round_to(scale.astype(np.float32), "BF16"), "BF16"
-    product = values * _scale_rows(scheme, scale, start, count, cols)  # exact unless the scale is fp32
+        scale, scale_dtype = _round_to(scale, "BF16"), "BF16"
+    product = values * scale  # exact unless the scale is fp32
     return bf16_bits(_round_to(product.astype(np.float32), scale_dtype))
 

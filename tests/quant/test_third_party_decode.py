@@ -294,4 +294,5 @@ def test_equals_modelopt_own_dequantize():
 
 def test_nvfp4_kernel_refuses_partial_blocks():
     with pytest.raises(ValueError, match="not whole 16-value blocks"):
-        nvfp4.decode_bf16(np.zeros((2, 12), np.uint8), np.ones((2, 1), np.float32), nvfp4.DIVIDE)
+        nvfp4.decode_bf16(np.zeros((2, 12), np.uint8), np.ones((2, 1), np.uint8), nvfp4.decode_table(1.0, nvfp4.DIVIDE))
+
