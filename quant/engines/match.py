@@ -84,8 +84,9 @@ def fp8_ignored_layers(qconfig: dict, keys: list[str], keys_mode: str, model_pre
     return entries
 
 
-def _module_path_match(entry: str, module: str) -> bool:
-    entry, module = entry.rstrip("."), module.rstrip(".")
+def _module_path_match(entry: str, module: str, strip_dots: bool = True) -> bool:
+    if strip_dots:  # sglang >= 0.5.13: an entry "model.layers.1." names that layer's path
+        entry, module = entry.rstrip("."), module.rstrip(".")
     return entry == module or module.startswith(entry + ".") or f".{entry}." in f".{module}."
 
 
@@ -97,18 +98,20 @@ def fp8_fused_first(skip: Mapping) -> bool:
 
 
 def fp8_skipped(module: str, ignored: list[str], fused: Mapping[str, list[str]], *, match: str, experts: str,
-                fallback_fused: Mapping[str, list[str]], fused_first: bool | None = None) -> bool:
+                fallback_fused: Mapping[str, list[str]], fused_first: bool | None = None,
+                strip_dots: bool = True) -> bool:
     """FP8 ``is_layer_skipped``: True when ``module`` is built unquantized.
 
     ``match``: ``exact`` (vLLM), ``substring`` (sglang <= 0.5.10: ``entry in module``) or
     ``module_path`` (sglang >= 0.5.11: whole dotted components or a path prefix). ``experts``:
     how a name containing "experts" is decided outside the fused path (``contained``: vLLM returns
     whether an entry containing "experts" contains the name; ``replace`` / ``or``: sglang replaces /
-    ors its first answer with that test).
+    ors its first answer with that test). ``strip_dots``: ``module_path`` strips an entry's trailing dots
+    (sglang 0.5.11-0.5.12 does not: there ``model.layers.1.`` matches nothing).
     """
     hit = {"exact": lambda name: name in ignored,
            "substring": lambda name: any(e in name for e in ignored),
-           "module_path": lambda name: any(_module_path_match(e, name) for e in ignored)}[match]
+           "module_path": lambda name: any(_module_path_match(e, name, strip_dots) for e in ignored)}[match]
     leaf = module.rsplit(".", 1)[-1]
     if (match == "exact" if fused_first is None else fused_first) and leaf in fused and hit(module):
         return True  # vLLM >= 0.24.0: a listed fused name is honoured before expanding

@@ -21,18 +21,19 @@ format rule file per engine (``manifests/engines/modelopt.<engine>.yaml``, schem
 
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatch
 from typing import Literal
 
 from quant.engines.format_rules import Decision, key
 from quant.engines.match import MixedShards, fp8_skipped
 from quant.engines.replay import mapped_entry
-from quant.engines.rule_kinds import Rule
+from quant.engines.rule_kinds import FusedModules, Rule
 from quant.engines.rules import RuleSet
 from quant.schema import Schema
 
 MIXED = "MIXED_PRECISION"
-MatchStep = Literal["exact", "substring", "fnmatch"]
+MatchStep = Literal["exact", "substring", "fnmatch", "skipped", "glob"]
 LookupStep = Literal["direct", "packed", "children", "experts_parent", "shards"]
 
 
@@ -47,6 +48,31 @@ class Mixed(Schema):
     candidates: bool
     linear: dict[str, str]
     moe: dict[str, str]
+
+
+class Dispatch(Schema):
+    """sglang: the config a ModelOpt checkpoint is built with (configs/model_config.py ``_parse_quant_hf_config``,
+    ``_parse_modelopt_quant_config``; model_loader/weight_utils.py ``get_quant_config``) and what each ModelOpt
+    config's ``from_config`` takes. ``modelopt``: a flat config whose quant_method is ``modelopt`` is ``parsed``
+    by its quant_algo, as hf_quant_config.json is, or built with the ``fp8`` config (``QUANTIZATION_METHODS``).
+    ``parsed``: quant_algo -> the config it gets (``fp8``, ``fp4``, or the name of a config quantgate does not
+    replay); an algo not listed gets none: hf_quant_config.json's is not read (the checkpoint loads unquantized),
+    a flat ``modelopt`` one goes to the ``fp8`` config. ``takes``: config -> the quant_algos its ``from_config``
+    builds (any other raises). ``flat_exclude_keys``: config -> its flat config's exclude keys, the first present
+    read (nested: ``exclude_modules``)."""
+    modelopt: Literal["parsed", "fp8"]
+    parsed: dict[str, str]
+    takes: dict[Literal["fp8", "fp4"], list[str]]
+    flat_exclude_keys: dict[Literal["fp8", "fp4"], list[str]]
+
+
+class Skipped(Schema):
+    """sglang's ``is_layer_skipped`` (quant.engines.match.fp8_skipped), the ``skipped`` match step: asked for a
+    Linear (not a FusedMoE) before ``is_layer_excluded``."""
+    match: Literal["substring", "module_path"]
+    strip_dots: bool
+    experts: Literal["replace", "or"]
+    fallback_fused: FusedModules
 
 
 class ModelOptRules(Schema):
@@ -65,6 +91,10 @@ class ModelOptRules(Schema):
     lm_head: Rule[bool] | None = None  # ParallelLMHead takes the quant method (else always unquantized)
     unquantized_markers: Rule[list[str]] | None = None  # a name holding one is built unquantized
     mixed: Rule[Mixed | None] | None = None
+    dispatch: Rule[Dispatch | None] | None = None  # sglang: the config class first (None: vLLM's one config)
+    skipped: Rule[Skipped | None] | None = None  # sglang: is_layer_skipped's switches
+    # sglang apply_weight_name_mapper: a mapped entry starting with language_model. is also kept without it
+    mapper_strips_language_model: Rule[bool] | None = None
 
 
 RULES = ModelOptRules
@@ -92,10 +122,54 @@ def exclude_list(qconfig: dict, values: dict):
     inner = _nested(qconfig)
     if isinstance(inner, dict):
         return inner.get("exclude_modules", [])
-    for name in values["flat_exclude_keys"]:
+    keys = values["flat_exclude_keys"]
+    if dispatch := values.get("dispatch"):  # sglang: each config reads its own keys
+        keys = dispatch["flat_exclude_keys"].get(sglang_config(qconfig, dispatch), [])
+    for name in keys:
         if name in qconfig:
             return qconfig[name]
     return []
+
+
+def _sglang_algo(qconfig: dict):
+    """The quant_algo as sglang compares it: as written (vLLM upper-cases it)."""
+    inner = _nested(qconfig)
+    return (inner if isinstance(inner, dict) else {} if inner is not None else qconfig).get("quant_algo")
+
+
+def sglang_config(qconfig: dict, dispatch: dict) -> str | None:
+    """The config sglang builds a ModelOpt checkpoint with (``Dispatch``): ``fp8``, ``fp4``, the name of another
+    config, or None (none: hf_quant_config.json's quant_algo is not read as a quantization)."""
+    algo = _sglang_algo(qconfig)
+    method = qconfig.get("quant_method") if _nested(qconfig) is None else None
+    if method in ("modelopt_fp8", "modelopt_fp4"):  # a quant_method naming the config is taken as is
+        return method.removeprefix("modelopt_")
+    if method == "modelopt" and dispatch["modelopt"] == "fp8":
+        return "fp8"
+    parsed = dispatch["parsed"].get(algo) if isinstance(algo, str) else None
+    return parsed or ("fp8" if method == "modelopt" else None)
+
+
+def sglang_refused(qconfig: dict, rules: RuleSet) -> Decision | None:
+    """sglang's decision for every module where its config selection or ``from_config`` decides before any
+    module is built (None: a ModelOpt config is built and each module is decided on its own)."""
+    dispatch = rules.values[KEY]["dispatch"]
+    cite = _cite(rules, "dispatch")
+    algo = _sglang_algo(qconfig)
+    config = sglang_config(qconfig, dispatch)
+    if config is None:
+        return Decision(None, f"quant_algo {algo!r} is given no quantization method, so the checkpoint is built "
+                              f"unquantized ({cite})", "serve a release that reads this quant_algo")
+    if config not in dispatch["takes"]:
+        return Decision(None, f"quant_algo {algo!r} is built with sglang's {config} ({cite})",
+                        "check this release's loading by hand",
+                        f"(not replayed) quantgate has not read how sglang's {config} loads {algo!r}")
+    if algo not in dispatch["takes"][config]:
+        message = "ModelOptFp8Config only supports static FP8 quantization" if config == "fp8" else \
+            f"ModelOpt currently only supports: {', '.join(dispatch['takes'][config])} quantizations in sglang"
+        return Decision(None, f"the ModelOpt {config.upper()} config refuses quant_algo {algo!r} ({cite})",
+                        "fix the quantization config, or serve a release that takes it", f"ValueError: {message}")
+    return None
 
 
 def _int_like(value) -> bool:
@@ -148,7 +222,10 @@ def exclude_entries(qconfig: dict, rules: RuleSet) -> list[str]:
     if values["star_split"]:
         entries = [part for e in entries
                    for part in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "." else (e,))]
-    return [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
+    mapped = [m for e in entries if (m := mapped_entry(e, mapper)) is not None]
+    if values.get("mapper_strips_language_model"):
+        mapped = list(dict.fromkeys(n for m in mapped for n in (m, m.removeprefix("language_model."))))
+    return mapped
 
 
 def class_mapper(rules: RuleSet) -> dict | None:
@@ -158,13 +235,18 @@ def class_mapper(rules: RuleSet) -> dict | None:
     return mapper if rules.values[KEY]["class_mapper"] and mapper and mapper.get("style") == rules.engine else None
 
 
-def excluded_by(module: str, entries: list[str], rules: RuleSet) -> str | None:
+def excluded_by(module: str, entries: list[str], rules: RuleSet, moe: bool = False) -> str | None:
     """How ``is_layer_excluded`` excludes ``module`` (None: it does not); raises ``MixedShards`` where the
     engine raises (a fused module whose shards the list names only in part)."""
     values = rules.values[KEY]
     if not entries:
         return None
     for step in values["match"]:
+        if step == "skipped" and not moe and fp8_skipped(module, entries, rules.fused("modelopt"),
+                                                         **values["skipped"]):
+            return "is_layer_skipped matches it (a fused module by its shards)"
+        if step == "glob" and (hit := glob_hit(module, entries)):
+            return f"entry {hit!r} matches it or one of its dotted parts ('*' as any text)"
         if step == "exact" and fp8_skipped(module, entries, rules.fused("modelopt"), match="exact",
                                            experts="contained", fallback_fused={},
                                            fused_first=values["fused_first"]):
@@ -173,6 +255,24 @@ def excluded_by(module: str, entries: list[str], rules: RuleSet) -> str | None:
             return f"entry {hit!r} is a substring of it"
         if step == "fnmatch" and (hit := next((e for e in entries if fnmatch(module, e)), None)):
             return f"entry {hit!r} matches it as a wildcard (fnmatch)"
+    return None
+
+
+MLA_FUSED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # sglang's fused_patterns
+
+
+def glob_hit(module: str, entries: list[str]) -> str | None:
+    """sglang ``ModelOptQuantConfig.is_layer_excluded``: the entry that excludes ``module``. Its ``*`` reads as
+    any text, the rest literally, matching the whole name (and the name without ``language_model.``) or one
+    of its dotted parts; an entry whose leaf is an MLA shard excludes the fused module whose leaf holds it."""
+    names = [module, module.removeprefix("language_model.")] if module.startswith("language_model.") else [module]
+    for entry in entries:
+        pattern = re.compile(entry.replace(".", r"\.").replace("*", ".*"))
+        if any(pattern.fullmatch(n) or any(pattern.fullmatch(part) for part in n.split(".")) for n in names):
+            return entry
+        tail = entry.rsplit(".", 1)[-1]
+        if tail in MLA_FUSED and any(tail in n.rsplit(".", 1)[-1] for n in names):
+            return entry
     return None
 
 
@@ -239,7 +339,10 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     """The scheme ``rules``' release builds ``module`` (the engine's name) with, and why."""
     values = rules.values[KEY]
     where = "MTP draft " if draft else ""
-    if error := config_error(qconfig, rules):
+    if values.get("dispatch"):  # sglang: the config class is chosen first
+        if refused := sglang_refused(qconfig, rules):
+            return refused
+    elif error := config_error(qconfig, rules):
         message, cite = error
         return Decision(None, f"the ModelOpt config is refused ({cite})", "fix the quantization config", message)
     algo = quant_algo(qconfig)
@@ -250,7 +353,10 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     entries = exclude_entries(qconfig, rules)
     cite = _cite(rules, "match")
     try:
-        how = excluded_by(module, entries, rules)
+        how = excluded_by(module, entries, rules, moe)
+    except re.error as exc:  # sglang compiles each entry as a pattern
+        return Decision(None, f"an exclude entry is no valid pattern ({cite})", "fix the exclude list",
+                        f"re.error: {exc}")
     except MixedShards as exc:
         return Decision(None, f"the exclude list names some of its shards only ({cite})",
                         f"list all shards of {module} or none", str(exc))
