@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quant.engines import Finding
+from quant.formats.third_party_decode import typed
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.third_party import Config, read_modules
 
@@ -129,6 +130,7 @@ FIX = ("re-export the checkpoint (llm-compressor and ModelOpt write every scale 
        "if its publisher shipped it so, report it there")
 MISSING_FIX = ("re-export with calibration data that reaches every expert (or a weight-only scheme, whose config "
                "says so); copying another expert's scale only hides the gap")
+SCALE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")  # the float dtypes a scale is stored in (E8M0 aside)
 SCALE_CHUNK = 1 << 22  # scale values read at a time (a per-group weight scale is 1/8 of an NVFP4 weight's bytes)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -139,45 +141,19 @@ def scale_suffix(name: str) -> str | None:
     return suffix if suffix in SCALE_USES else None
 
 
-def as_float32(data: bytes, dtype: str) -> np.ndarray | None:
-    """Little-endian scale bytes as float32 values (None: not a float dtype a scale is stored in)."""
-    if dtype == "F32":
-        return np.frombuffer(data, "<f4")
-    if dtype == "F16":
-        return np.frombuffer(data, "<f2").astype(np.float32)
-    if dtype == "BF16":
-        return (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F8_E4M3":
-        return _E4M3[np.frombuffer(data, np.uint8)]
-    return None
-
-
-def _e4m3_table() -> np.ndarray:
-    """float8_e4m3fn's 256 codes as float32 (OCP 8-bit floating point, E4M3): sign, 4 exponent bits
-    (bias 7), 3 mantissa bits, no infinities, S.1111.111 NaN."""
-    codes = np.arange(256)
-    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
-    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
-    values = np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
-    values[(codes & 0x7F) == 0x7F] = np.nan
-    return values
-
-
-_E4M3 = _e4m3_table()
-
-
 def scale_findings(info: TensorInfo, read) -> list[Finding]:
     """What one scale tensor's NaN, Inf, negative or zero values do in the engines; ``read(info,
     offset, nbytes)`` gives its bytes, ``SCALE_CHUNK`` values at a time."""
     suffix = scale_suffix(info.name)
-    if suffix is None or as_float32(b"", info.dtype) is None:
+    if suffix is None or info.dtype not in SCALE_DTYPES:
         return []  # the layout findings name a scale of the wrong dtype
     item = DTYPE_BYTES[info.dtype]
     elements = info.nbytes // item
     counts: dict[str, int] = {}
     first: dict[str, int] = {}
     for start in range(0, elements, SCALE_CHUNK):
-        values = as_float32(read(info, start * item, min(SCALE_CHUNK, elements - start) * item), info.dtype)
+        count = min(SCALE_CHUNK, elements - start)
+        values = typed(read(info, start * item, count * item), info.dtype, (count,))
         for kind, bad in (("NaN", np.isnan(values)), ("Inf", np.isinf(values)), ("negative", values < 0),
                           ("zero", values == 0)):
             if (where := np.flatnonzero(bad)).size:

@@ -12,13 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from quant.engines import Finding
-from quant.third_party_scales import _E4M3, MISSING, SCALE_USES, Cite, as_float32
+from quant.third_party_scales import MISSING, SCALE_USES, Cite
 from quant.verify import verify
 from tests.quant.engine_sources import WheelUnavailable, class_def, method_def, parsed, wheel
 from tests.quant.family_checkpoints import write_shards
@@ -173,13 +172,6 @@ def test_gate_checkpoint_deep_in_a_real_process(bf16, tmp_path):
     assert run.returncode == 1, run.stderr
     findings = [f for engine in json.loads(run.stdout)["engines"].values() for f in engine["findings"]]
     assert [f for f in findings if f["module"] == tensor and "1.0 / a13_scale" in f["why"]]
-
-
-def test_e4m3_table_is_torchs():
-    codes = torch.arange(256, dtype=torch.uint8)
-    assert np.array_equal(_E4M3, codes.view(torch.float8_e4m3fn).float().numpy(), equal_nan=True)
-    assert as_float32(torch.tensor([1.5, -2.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes(),
-                      "BF16").tolist() == [1.5, -2.0]
 
 
 def _releases(cite: Cite) -> list[str]:
