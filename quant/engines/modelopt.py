@@ -95,6 +95,9 @@ class ModelOptRules(Schema):
     skipped: Rule[Skipped | None] | None = None  # sglang: is_layer_skipped's switches
     # sglang apply_weight_name_mapper: a mapped entry starting with language_model. is also kept without it
     mapper_strips_language_model: Rule[bool] | None = None
+    # sglang: the model classes (a rule set's model_class) whose MTP draft class is built with no quant config
+    # under the FP4 config: every draft module unquantized, whatever the exclude list says
+    bf16_drafts: Rule[list[str]] | None = None
 
 
 RULES = ModelOptRules
@@ -244,9 +247,9 @@ def excluded_by(module: str, entries: list[str], rules: RuleSet, moe: bool = Fal
     for step in values["match"]:
         if step == "skipped" and not moe and fp8_skipped(module, entries, rules.fused("modelopt"),
                                                          **values["skipped"]):
-            return "is_layer_skipped matches it (a fused module by its shards)"
+            return "is_layer_skipped: an entry names it or its path (a fused module by its shards)"
         if step == "glob" and (hit := glob_hit(module, entries)):
-            return f"entry {hit!r} matches it or one of its dotted parts ('*' as any text)"
+            return f"is_layer_excluded: entry {hit!r} matches it or one of its dotted parts ('*' as any text)"
         if step == "exact" and fp8_skipped(module, entries, rules.fused("modelopt"), match="exact",
                                            experts="contained", fallback_fused={},
                                            fused_first=values["fused_first"]):
@@ -342,6 +345,10 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     if values.get("dispatch"):  # sglang: the config class is chosen first
         if refused := sglang_refused(qconfig, rules):
             return refused
+        if draft and rules.model_class in values["bf16_drafts"] and \
+                sglang_config(qconfig, values["dispatch"]) == "fp4":
+            return Decision(None, f"the MTP draft of {rules.model_class} is built with no quant config under "
+                                  f"modelopt_fp4 ({_cite(rules, 'bf16_drafts')})", "store the MTP draft bf16")
     elif error := config_error(qconfig, rules):
         message, cite = error
         return Decision(None, f"the ModelOpt config is refused ({cite})", "fix the quantization config", message)

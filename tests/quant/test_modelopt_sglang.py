@@ -26,12 +26,21 @@ import random
 import types
 
 import pytest
-from packaging.version import Version
 
 from quant.engines import format_rules
 from quant.engines.modelopt import decide
 from quant.engines.rules import RuleSet, window
-from tests.quant.engine_sources import WheelUnavailable, _base_namespace, load, methods, parsed, served_modules, wheel
+from tests.quant.engine_sources import (
+    WheelUnavailable,
+    _base_namespace,
+    load,
+    methods,
+    parsed,
+    served_modules,
+    source,
+    source_files,
+    wheel,
+)
 
 MODELOPT = "sglang/srt/layers/quantization/modelopt_quant.py"
 UTILS = "sglang/srt/layers/quantization/utils.py"
@@ -304,3 +313,121 @@ def test_cited_code_changes_only_where_a_span_starts():
                 if name in previous and previous[name] != code:
                     assert release in firsts or (name, release) in SAME_DECISIONS, (name, release)
                 previous[name] = code
+
+
+# the MTP draft each family's sglang main class is served with, and whether it drops the quant config under
+# modelopt_fp4 (the rule bf16_drafts lists the main classes whose draft does)
+DRAFTS = {"DeepseekV2ForCausalLM": "deepseek_nextn.py", "Glm4MoeForCausalLM": "glm4_moe_nextn.py",
+          "Glm5NextForConditionalGeneration": "glm5_next_nextn.py",
+          "Qwen3_5MoeForConditionalGeneration": "qwen3_5_mtp.py",
+          "Qwen4ExpForConditionalGeneration": "qwen4_exp_mtp.py",
+          "ExaoneMoEForCausalLM": "exaone_moe_mtp.py", "LongcatFlashForCausalLM": "longcat_flash_nextn.py",
+          "Qwen3NextForCausalLM": "qwen3_next_mtp.py", "Qwen3MoeForCausalLM": "qwen3_moe_mtp.py",
+          "MiMoV2FlashForCausalLM": "mimo_v2_nextn.py", "DeepseekV4ForCausalLM": "deepseek_v4_nextn.py",
+          "HYV4ForCausalLM": "hunyuan_v4_nextn.py", "Step3p7ForConditionalGeneration": "step3p5_mtp.py"}
+# a draft that is another's class (or calls its helper) drops the quant config where that one does
+BUILT_BY = {"glm5_next_nextn.py": ("DeepseekV3ForCausalLMNextN", "deepseek_nextn.py"),
+            "qwen4_exp_mtp.py": ("_mtp_quant_config", "qwen3_5_mtp.py")}
+
+
+def _drops_fp4(source: str) -> bool:
+    """The draft's constructor sets quant_config None (or returns None) when the config is modelopt_fp4."""
+    return any(isinstance(node, ast.If) and '"modelopt_fp4"' in ast.unparse(node.test).replace("'", '"')
+               and any(ast.unparse(s) in ("return None", "quant_config = None") for s in node.body)
+               for node in ast.walk(ast.parse(source)))
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_bf16_drafts_are_the_drafts_that_drop_the_fp4_config(release):
+    """The main classes bf16_drafts lists are those whose MTP draft class drops the modelopt_fp4 config."""
+    whl = _wheel(release)
+    span = next(s for s in format_rules.format_spans("modelopt", "sglang") if s.covers(release))
+    for main, path in DRAFTS.items():
+        path = f"sglang/srt/models/{path}"
+        if path not in source_files(whl):
+            continue  # the release does not build this draft
+        text = source(whl, path)
+        if base := BUILT_BY.get(path.rsplit("/", 1)[1]):
+            assert base[0] in text, (release, path)
+            text = source(whl, f"sglang/srt/models/{base[1]}")
+        assert _drops_fp4(text) == (main in span.values["bf16_drafts"]), (release, main, path)
+
+
+def _rules(release: str, model_class: str = "Qwen3MoeForCausalLM") -> RuleSet:
+    span = next(s for s in format_rules.format_spans("modelopt", "sglang") if s.covers(release))
+    return RuleSet("sglang", span.first, span.last, {"modelopt": span.values, "quark_fused": PACKED,
+                                                     "exclude_mapper": None},
+                   {f"modelopt.{r}": c for r, c in span.cites.items()}, model_class=model_class)
+
+
+NVFP4_FLAT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+
+
+def test_an_fp4_draft_of_a_listed_class_is_built_unquantized():
+    """DeepSeek's NextN draft under modelopt_fp4: unquantized whatever the exclude list says; Qwen3-MoE's
+    draft keeps the config."""
+    deepseek = _rules("0.5.23", "DeepseekV2ForCausalLM")
+    found = decide("model.decoder.mlp.experts", moe=True, draft=True, qconfig=NVFP4_FLAT, rules=deepseek)
+    assert found.scheme is None and "deepseek_nextn.py: DeepseekModelNextN.__init__" in found.why
+    assert decide("model.decoder.mlp.experts", moe=True, draft=False, qconfig=NVFP4_FLAT, rules=deepseek).scheme \
+        == "nvfp4"
+    qwen = _rules("0.5.23", "Qwen3MoeForCausalLM")
+    assert decide("model.layers.48.mlp.experts", moe=True, draft=True, qconfig=NVFP4_FLAT, rules=qwen).scheme == \
+        "nvfp4"
+
+
+def test_per_expert_exclude_entries_do_not_exclude_the_fused_moe():
+    """Every expert's projections listed but not the FusedMoE's own name: sglang's is_layer_excluded
+    fullmatches the FusedMoE's prefix, so it is built NVFP4 in every release (stored bf16: a finding)."""
+    entries = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    qconfig = {"producer": {"name": "modelopt"},
+               "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": entries}}
+    for span in format_rules.format_spans("modelopt", "sglang"):
+        found = decide("model.layers.1.mlp.experts", moe=True, draft=False, qconfig=qconfig, rules=_rules(span.first))
+        assert found.scheme == "nvfp4", span.first
+        listed = decide("model.layers.1.mlp.experts", moe=True, draft=False, rules=_rules(span.first),
+                        qconfig={**qconfig, "quantization": {**qconfig["quantization"],
+                                                            "exclude_modules": ["model.layers.1.mlp.experts*"]}})
+        assert listed.scheme is None and "is_layer_excluded" in listed.why, span.first
+
+
+def test_quantized_lm_head_is_taken_from_0_5_15():
+    """A NVFP4 lm_head not excluded: built unquantized (ParallelLMHead gets no method) until 0.5.14.x,
+    NVFP4 from 0.5.15."""
+    qconfig = {**NVFP4_FLAT, "ignore": []}
+    assert decide("lm_head", moe=False, draft=False, qconfig=qconfig, rules=_rules("0.5.14")).scheme is None
+    assert decide("lm_head", moe=False, draft=False, qconfig=qconfig, rules=_rules("0.5.15")).scheme == "nvfp4"
+
+
+def test_a_flat_exclude_modules_key_is_read_from_0_5_23():
+    """config.json's ModelOpt config naming its exclude list exclude_modules (not ignore): sglang before 0.5.23
+    builds every module NVFP4; 0.5.23's FP4 config reads it. The FP8 config reads ignore only."""
+    qconfig = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+               "exclude_modules": ["model.layers.0.self_attn*"]}
+    module = "model.layers.0.self_attn.qkv_proj"
+    assert decide(module, moe=False, draft=False, qconfig=qconfig, rules=_rules("0.5.22")).scheme == "nvfp4"
+    assert decide(module, moe=False, draft=False, qconfig=qconfig, rules=_rules("0.5.23")).scheme is None
+    fp8 = {**qconfig, "quant_algo": "FP8"}
+    assert decide(module, moe=False, draft=False, qconfig=fp8, rules=_rules("0.5.23")).scheme == "fp8"
+
+
+def test_fp8_variants_per_release():
+    """FP8_PER_CHANNEL_PER_TOKEN: built per-tensor FP8 until 0.5.17; from 0.5.18 hf_quant_config.json's is not
+    read as a quantization and config.json's (quant_method modelopt) is refused by the FP8 config."""
+    nested = {"producer": {"name": "modelopt"},
+              "quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": []}}
+    flat = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": []}
+    module = "model.layers.0.mlp.down_proj"
+    assert decide(module, moe=False, draft=False, qconfig=nested, rules=_rules("0.5.17")).scheme == "fp8"
+    late = decide(module, moe=False, draft=False, qconfig=nested, rules=_rules("0.5.18"))
+    assert late.scheme is None and late.raises is None and "no quantization method" in late.why
+    refused = decide(module, moe=False, draft=False, qconfig=flat, rules=_rules("0.5.18"))
+    assert refused.raises and "ModelOptFp8Config" in refused.raises
+
+
+def test_nvfp4_in_config_json_is_refused_by_0_5_9():
+    """0.5.9 builds config.json's quant_method modelopt with the FP8 config, which refuses NVFP4."""
+    found = decide("model.layers.0.mlp.down_proj", moe=False, draft=False, qconfig=NVFP4_FLAT, rules=_rules("0.5.9"))
+    assert found.raises and "only supports static FP8" in found.raises
+    assert decide("model.layers.0.mlp.down_proj", moe=False, draft=False, qconfig=NVFP4_FLAT,
+                  rules=_rules("0.5.10")).scheme == "nvfp4"
