@@ -9,9 +9,11 @@ asked with come from the class (its packed_modules_mapping as ``quark_fused``, i
 (schema ``RULES``); ``decide`` replays them for one engine module:
 
 1. The config as the engine holds it: config groups whose only target is an ``...Attention`` class are
-   dropped (``attention_groups``); each group's targets map to its args (a target in two groups: the later
-   wins); ``ignore`` entries and targets that are layer paths (a dot, no ``re:``) go through the class's
-   weight-name mapper (vLLM ``apply_vllm_mapper``).
+   dropped (``attention_groups``), another group without weights args raises (``weightless_group``), as
+   do weights args of a refused activation ordering (``actorder_refused``); each
+   group's targets map to its args (a target in two groups: the later wins); ``ignore`` entries and targets
+   that are layer paths (a dot, no ``re:``) go through the class's weight-name mapper (vLLM
+   ``apply_vllm_mapper``).
 2. ``ignore`` (``ignore_match``): an entry matches a name exactly or by ``re:`` (re.match); a fused module
    (qkv_proj, gate_up_proj) is asked through its shards, which must agree (else the engine raises), unless
    the fused name itself is listed (``fused_first``: ``exact``, listed exactly; ``any``, matched by any entry).
@@ -27,8 +29,8 @@ asked with come from the class (its packed_modules_mapping as ``quark_fused``, i
    a scheme like a Linear, a ValueError while matching meaning unquantized (``scheme``).
 6. The scheme the group names: the compressed-tensors preset its args are (``PRESETS``, the library's
    PRESET_SCHEMES), built when the rule lists it for the module's kind (``linear_schemes`` /
-   ``moe_schemes``), else the release raises. Args of no preset are not judged (the label on disk is
-   taken as built, and ``why`` says so).
+   ``moe_schemes``), else the release raises (its exception and words vary by preset and release). Args of
+   no preset are not judged (the label on disk is taken as built, and ``why`` says so).
 """
 
 from __future__ import annotations
@@ -80,17 +82,25 @@ class MoeMatch(Schema):
     mixed_error: str
 
 
+class ActorderRefused(Schema):
+    """Weights args whose ``actorder`` (activation ordering, GPTQ's; ``true`` is ``group``) the release
+    refuses when it reads the config, every module with them: ``orders``, and its message (``{actorder}``)."""
+    orders: list[str]
+    error: str
+
+
 class CompressedTensorsRules(Schema):
     """A compressed-tensors rule set: each rule ``{value, cite}`` (``rule_kinds.Rule``), stating only what
     changed since the previous set."""
     attention_groups: Rule[Literal["dropped", "kept"]] | None = None
+    weightless_group: Rule[Literal["raise", "skipped"]] | None = None  # a group without weights args
+    actorder_refused: Rule[ActorderRefused] | None = None
     ignore_match: Rule[IgnoreMatch] | None = None
     target_match: Rule[TargetMatch] | None = None
     moe_match: Rule[MoeMatch] | None = None
     lm_head: Rule[Literal["unquantized", "scheme"]] | None = None
     linear_schemes: Rule[list[str]] | None = None  # the PRESETS a Linear is built with
     moe_schemes: Rule[list[str]] | None = None  # the PRESETS a FusedMoE is built with
-    scheme_error: Rule[dict[Literal["linear", "moe"], str]] | None = None  # raised for another ({module}, {preset})
 
 
 RULES = CompressedTensorsRules
@@ -221,7 +231,14 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
         if rule["attention_groups"] == "dropped" and len(listed) == 1 and listed[0].endswith("Attention"):
             continue  # attention quantization is the KV cache's: its group builds no module
         if group.get("weights") is None:
+            if rule["weightless_group"] == "raise":
+                raise ValueError(f"config group {name!r} has no weights args: the release validates them as "
+                                 "QuantizationArgs, and None is none")
             continue  # activations only: nothing a module's weights are built with
+        order = group["weights"].get("actorder")
+        order = "group" if order is True else order.lower() if isinstance(order, str) else None
+        if order in rule["actorder_refused"]["orders"]:
+            raise ValueError(rule["actorder_refused"]["error"].format(actorder=repr(order)))
         for target in listed:
             if (key := mapped(target)) is not None:
                 targets[key] = {"name": name, "weights": group["weights"],
@@ -237,6 +254,8 @@ def _scheme_dict(name: str, cls: str, targets: dict[str, dict], ignore: list[str
     skip, entry = ignored(name, ignore, fused, rule["ignore_match"])
     if skip:
         return None, f"{name} matches ignore entry {entry!r}" if entry else f"{name} is ignored"
+    if not targets:  # no group quantizes weights (attention or sparsity only): nothing to match
+        return None, "no config group quantizes weights"
     match = rule["target_match"]
     target, way = matched_target(name, cls, list(targets), fused, match["order"])
     if target is None:
@@ -258,7 +277,8 @@ def _built(group: dict, kind: str, module: str, rule: dict, cite: str) -> Decisi
         return Decision(label, f"group {group['name']!r} is preset {name}, which this release builds no "
                                f"{'FusedMoE' if kind == 'moe' else 'Linear'} with ({cite})",
                         "serve with a release that builds it, or quantize with a preset it builds",
-                        raises=rule["scheme_error"][kind].format(module=module, preset=name))
+                        raises=f"no {'FusedMoE' if kind == 'moe' else 'Linear'} scheme for {name} args: the cited "
+                               "function raises (NotImplementedError, ValueError or RuntimeError by release)")
     return Decision(label, f"preset {name}")
 
 
@@ -272,8 +292,8 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     rule, cites = rules.values[KEY], {k.split(".", 1)[1]: v.split(" (")[0] for k, v in rules.cites.items()
                                       if k.startswith(KEY + ".")}
     fused = rules.fused(CT) or {}
-    targets, ignore = engine_config(qconfig, rules)
     try:
+        targets, ignore = engine_config(qconfig, rules)
         if moe:
             return _decide_moe(module, targets, ignore, fused, rule, cites, expert_leaves)
         if module.rsplit(".", 1)[-1] == "lm_head":
@@ -286,9 +306,13 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
                 return Decision(None, f"{exc} (caught: unquantized; {cites.get('lm_head', '')})")
         else:
             group, why = _scheme_dict(module, linear_class(module), targets, ignore, fused, rule)
-    except ValueError as exc:
-        return Decision(None, f"{cites.get('ignore_match', '')}; {cites.get('target_match', '')}",
-                        "make ignore and the config groups' targets name every shard alike", raises=str(exc))
+    except ValueError as exc:  # a group without weights, shards listed unevenly in ignore, no target
+        cited = "; ".join(cites.get(r, "") for r in ("weightless_group", "actorder_refused", "ignore_match",
+                                                     "target_match"))
+        return Decision(None, cited, "give every config group weights args (and an activation ordering the "
+                        "release reads), list every shard of a fused module in ignore or none, and give every "
+                        "quantized module a target (or list it in ignore)",
+                        raises=str(exc))
     if group is None:
         return Decision(None, f"{why} ({cites.get('target_match', '')})")
     built = _built(group, "linear", module, rule, cites.get("linear_schemes", ""))

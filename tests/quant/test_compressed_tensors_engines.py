@@ -87,8 +87,7 @@ def same(release: str, config: dict, module: str, kind: str, layer_class: str = 
     where = f"vllm {release}, {module}: theirs {theirs}, ours {ours}"
     if theirs[0] == "raises":
         assert ours.raises is not None, where
-        if theirs[1] in ("ValueError",) and ("shard" in theirs[2] or "matching target" in theirs[2]
-                                             or "MoE projections" in theirs[2]):
+        if any(words in theirs[2] for words in ("quantization schemes for", "matching target", "MoE projections")):
             assert ours.raises == theirs[2], where  # the matching errors' words are rule values
     elif theirs[0] == "unquantized":
         assert ours.raises is None and ours.scheme is None, where
@@ -103,6 +102,17 @@ ATTN_FP8_MLP_INT4 = qconfig({"attn": ("FP8_DYNAMIC", ["re:.*self_attn.*"]), "mlp
 SHARDS_BY_NAME = qconfig({"g": ("W4A16", [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
                                 + ["model.layers.0.self_attn.o_proj"])})
 MOE_CLASS = qconfig({"g": ("NVFP4", ["FusedMoE"])})
+QKV_0 = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+SHARDS_OR_CLASS = qconfig({"a": ("W4A16", QKV_0), "b": ("FP8_DYNAMIC", ["Linear"])})  # the fused match or the class
+TWO_SHARDS = qconfig({"a": ("W4A16", QKV_0[:2]), "b": ("FP8_DYNAMIC", ["re:.*o_proj$"])})
+ATTENTION_ONLY = qconfig({"attn": ("FP8", ["LlamaAttention"])})  # dropped: no group left to match
+LOWER_CLASS = qconfig({"g": ("W4A16", ["linear"])})
+LATER_GROUP_WINS = qconfig({"a": ("W4A16", ["Linear"]), "b": ("FP8_DYNAMIC", ["Linear"])})
+CLASS_BY_NAME = qconfig({"c": ("FP8_DYNAMIC", ["ColumnParallelLinear"]), "l": ("W4A16", ["Linear"])})
+SUFFIX_FUSED = qconfig({"g": ("W4A16", [f"model.layers.0.self_attn.w_{p}_proj" for p in "qkv"])})
+WEIGHTLESS = qconfig({"g": ("W4A16", ["Linear"])})
+WEIGHTLESS["config_groups"]["kv"] = {"targets": ["re:.*self_attn$"], "input_activations": {
+    "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 
 LINEAR_CASES = [
     # (config, module, class)
@@ -116,6 +126,15 @@ LINEAR_CASES = [
     (SHARDS_BY_NAME, "model.layers.0.self_attn.o_proj", "RowParallelLinear"),
     (SHARDS_BY_NAME, "model.layers.1.self_attn.qkv_proj", "QKVParallelLinear"),
     (MOE_CLASS, "model.layers.0.self_attn.o_proj", "RowParallelLinear"),
+    (SHARDS_OR_CLASS, "model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+    (TWO_SHARDS, "model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+    (ATTENTION_ONLY, "model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+    (LOWER_CLASS, "model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+    (LATER_GROUP_WINS, "model.layers.0.self_attn.o_proj", "RowParallelLinear"),
+    (CLASS_BY_NAME, "model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
+    (CLASS_BY_NAME, "model.layers.0.self_attn.kv_b_proj", "ColumnParallelLinear"),
+    (SUFFIX_FUSED, "model.layers.0.self_attn.w_qkv_proj", "QKVParallelLinear"),  # a fused key the name ends with
+    (WEIGHTLESS, "model.layers.0.self_attn.o_proj", "RowParallelLinear"),
 ]
 IGNORES = [
     ["model.layers.0.self_attn.q_proj"],  # one shard only: the shards disagree
@@ -125,6 +144,9 @@ IGNORES = [
     ["re:.*self_attn.q_proj$"],
     ["re:model.layers.0.*"],
     ["model.layers.*.self_attn.qkv_proj"],  # a shell pattern: never (fnmatch off)
+    ["re:self_attn"],  # re.match: anchored at the start, so never
+    ["re:.*qkv"],  # re.match needs no full match
+    ["model.layers.*.self_attn.o_proj"],
 ]
 MOE_IGNORES = [
     [],
@@ -172,15 +194,17 @@ def test_each_preset_builds_as_each_release_builds_it(release):
         config = qconfig({"g": (preset, ["Linear"])})
         same(release, config, "model.layers.0.self_attn.o_proj", "linear", "RowParallelLinear")
         same(release, config, "model.layers.0.mlp.experts", "moe")
+        del config["config_groups"]["g"]["format"]  # the format stated once for all groups
+        same(release, config, "model.layers.0.mlp.experts", "moe")
 
 
 @pytest.mark.parametrize("release", [WINDOW[0], WINDOW[-1]])
 def test_the_class_mapper_renames_ignore_and_targets(release):
     """apply_vllm_mapper: layer paths in ignore and targets renamed by the class's hf_to_vllm_mapper, regexes
     and class names kept: a legacy language_model.layers.N entry only matches once renamed."""
-    mapper = {"kinds": ["quark"], "style": "vllm", "prefix": {"language_model.model.": "model."}}
+    mapper = {"kinds": ["quark"], "style": "vllm", "substr": {"language_model.model.": "model."}}
     config = qconfig({"g": ("NVFP4", ["Linear"]), "h": ("W4A16", ["language_model.model.layers.0.self_attn.o_proj"])},
-                     ["language_model.model.layers.1.self_attn.o_proj", "re:language_model.*mlp.gate$"])
+                     ["language_model.model.layers.1.self_attn.o_proj", "re:language_model.model.layers.1.mlp.gate$"])
     for module in ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate"):
         same(release, config, module, "linear", "RowParallelLinear", mapper)
 
@@ -194,9 +218,124 @@ def test_presets_are_the_librarys():
         assert ct.preset(group["weights"], group.get("input_activations")) in (name, "W8A8" if name == "INT8" else name)
         scheme_label(CT, {**group["weights"], "format": fmt})  # a scheme quantgate reads
     assert set(ct.PRESETS) <= set(PRESET_SCHEMES)
+    nvfp4_by_32 = {**PRESET_SCHEMES["NVFP4A16"]["weights"].model_dump(mode="json"), "group_size": 32}
+    assert ct.preset(nvfp4_by_32, None) is None  # a scheme's fixed group size tells it apart
 
 
 def test_every_window_release_is_covered_once():
     spans = format_spans(CT, "vllm")
     for release in WINDOW:
         assert len([s for s in spans if s.covers(release)]) == 1, release
+
+
+# Every change of a cited function inside a span, and why it changes no rule (docstrings aside). A change not
+# listed here and not at a span's first release is code nobody read.
+CITED = {
+    "utils.py": ["should_ignore_layer", "find_matched_target", "_find_first_match", "_match_fused_layer",
+                 "_is_equal_or_regex_match", "check_equal_or_regex_match"],
+    "compressed_tensors.py": [f"CompressedTensorsConfig.{m}" for m in (
+        "from_config", "_quantization_scheme_map_from_config", "apply_vllm_mapper", "get_quant_method",
+        "get_scheme_dict", "get_scheme", "_get_scheme_from_parts", "_add_fused_moe_to_target_scheme_map")],
+    "moe": ["CompressedTensorsMoEMethod.get_moe_method"],
+}
+READ_CHANGES = {
+    ("CompressedTensorsConfig.from_config", "0.17.0"): "a config without config_groups no longer KeyErrors",
+    ("CompressedTensorsConfig.from_config", "0.22.0"): "sparsity_config only checked as deprecated (sparse "
+                                                       "formats are refused when the checkpoint is read)",
+    ("CompressedTensorsConfig._quantization_scheme_map_from_config", "0.23.0"): "output_activations kept for the "
+                                                                                 "new W*A8O8 int scheme: int weights",
+    ("CompressedTensorsConfig.apply_vllm_mapper", "0.22.0"): "the sparsity maps are gone",
+    ("CompressedTensorsConfig.get_quant_method", "0.22.0"): "a quantized VocabParallelEmbedding branch "
+                                                            "(embeddings are not replayed)",
+    ("CompressedTensorsConfig.get_quant_method", "0.23.0"): "isinstance RoutedExperts, an alias of FusedMoE "
+                                                            "until 0.24.0",
+    ("CompressedTensorsConfig.get_scheme", "0.22.0"): "the 2:4 sparse scheme removed (sparse formats refused)",
+    ("CompressedTensorsConfig.get_scheme", "0.23.0"): "output_activations handed on",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.22.0"): "MXFP4 with activations: W4A4Mxfp4 (mxfp4 "
+                                                                   "weights either way)",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.23.0"): "NVFP4 weights with other activations raise "
+                                                                   "ValueError (no preset); W*A8O8 int",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.25.0"): "the WNA16 bit check moved (bits other than 4 "
+                                                                   "and 8 are refused when read); an XPU branch",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.26.0"): "W*A8 / W*A4 int on pack-quantized (int "
+                                                                   "weights; the W4A8 preset is int-quantized)",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.28.0"): "the XPU branch only",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.29.0"): "an error message's wording",
+    ("CompressedTensorsConfig._get_scheme_from_parts", "0.31.0"): "the schemes' constructor arguments",
+    ("CompressedTensorsMoEMethod.get_moe_method", "0.23.0"): "ROCm's native WNA16 MoE kernels (ROCm only)",
+    ("CompressedTensorsMoEMethod.get_moe_method", "0.25.0"): "Marlin's tile padding with actorder (the kernel)",
+    ("CompressedTensorsMoEMethod.get_moe_method", "0.26.0"): "an emulation MoE backend (the kernel)",
+    ("CompressedTensorsMoEMethod.get_moe_method", "0.29.0"): "error messages' wording",
+    ("CompressedTensorsMoEMethod.get_moe_method", "0.31.0"): "W4AFP8 experts on any GPU, not only sm90 (rules "
+                                                             "are judged on sm90)",
+}
+
+
+def _hash(node) -> str:
+    import ast
+    import hashlib
+
+    node = ast.parse(ast.unparse(node)).body[0]
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.ClassDef)) and inner.body and isinstance(inner.body[0], ast.Expr) \
+                and isinstance(inner.body[0].value, ast.Constant) and isinstance(inner.body[0].value.value, str):
+            inner.body = inner.body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(node).encode()).hexdigest()
+
+
+def _cited_hashes(release: str) -> dict[str, str]:
+    from tests.quant.ct_vllm_wheel import CT_DIR
+    from tests.quant.engine_sources import parsed, source_files, wheel
+
+    try:
+        whl = wheel("vllm", release)
+    except WheelUnavailable as exc:
+        pytest.skip(f"cannot obtain vllm=={release}: {exc}")
+    moe = "compressed_tensors_moe/compressed_tensors_moe.py"
+    out = {}
+    for file, names in CITED.items():
+        path = CT_DIR + (file if file != "moe" else moe if CT_DIR + moe in source_files(whl)
+                         else "compressed_tensors_moe.py")
+        tree = parsed(whl, path)
+        for name in names:
+            cls, _, fn = name.rpartition(".")
+            body = next((n.body for n in tree.body if getattr(n, "name", None) == cls), []) if cls else tree.body
+            node = next((n for n in body if getattr(n, "name", None) == fn), None)
+            out[name] = _hash(node) if node is not None else "absent"
+    return out
+
+
+def test_cited_code_changes_only_where_read():
+    """Each cited function's code (docstrings aside) changes only at a span's first release, or where the
+    change was read and changes no rule (``READ_CHANGES``)."""
+    starts = {s.first for s in format_spans(CT, "vllm")}
+    before = None
+    unread = []
+    for release in WINDOW:
+        now = _cited_hashes(release)
+        if before is not None and release not in starts:
+            unread += [(name, release) for name in now if now[name] != before[name]
+                       and (name, release) not in READ_CHANGES]
+        before = now
+    assert not unread, f"cited code changed inside a span, not read: {unread}"
+
+
+@pytest.mark.parametrize("release", WINDOW)
+def test_refused_activation_ordering_is_each_releases(release):
+    """From 0.30.0 a group's actorder group / dynamic refuses the config (compressed-tensors 0.20.1, the
+    oracle here, refuses it itself, so the release's source is checked instead of run)."""
+    from tests.quant.ct_vllm_wheel import CT_DIR
+    from tests.quant.engine_sources import source, wheel
+
+    text = source(wheel("vllm", release), CT_DIR + "compressed_tensors.py")
+    config = qconfig({"g": ("W4A16", ["Linear"])})
+    config["config_groups"]["g"]["weights"]["actorder"] = "group"
+    decided = ct.decide("model.layers.0.self_attn.o_proj", moe=False, draft=False, qconfig=config,
+                        rules=rule_set(release))
+    refused = "group/dynamic activation ordering" in text and "is no longer supported" in text
+    assert (decided.raises is not None) == refused, release
+    if refused:
+        assert decided.raises.startswith("Compressed-tensors group/dynamic activation ordering (actorder='group')")
+    for order in ("weight", "static"):
+        config["config_groups"]["g"]["weights"]["actorder"] = order
+        same(release, config, "model.layers.0.self_attn.o_proj", "linear", "RowParallelLinear")
