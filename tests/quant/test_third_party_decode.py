@@ -296,3 +296,15 @@ def test_nvfp4_kernel_refuses_partial_blocks():
     with pytest.raises(ValueError, match="not whole 16-value blocks"):
         nvfp4.decode_bf16(np.zeros((2, 12), np.uint8), np.ones((2, 1), np.uint8), nvfp4.decode_table(1.0, nvfp4.DIVIDE))
 
+
+
+def test_typed_gives_the_values_of_stored_bytes():
+    """``typed`` (what ``gate checkpoint --deep`` reads scales with): floats as float32, bytes and integers as
+    stored."""
+    for tensor in (torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+                   torch.tensor([0.875, 448.0]).to(torch.float8_e4m3fn),
+                   torch.tensor([3.0e-5, 7.0], dtype=torch.float16), torch.tensor([1e-30, 2.5])):
+        got = third_party_decode.typed(raw(tensor), DTYPES[tensor.dtype], (2,))
+        assert got.dtype == np.float32 and np.array_equal(got, tensor.float().numpy())
+    assert third_party_decode.typed(bytes([0xFF, 3]), "U8", (2,)).tolist() == [255, 3]
+    assert third_party_decode.typed(np.array([5, -6], "<i8").tobytes(), "I64", (2,)).tolist() == [5, -6]
