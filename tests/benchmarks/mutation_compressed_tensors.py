@@ -46,6 +46,8 @@ ALL = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "W4AFP8", "FP8", "FP8_DYN
 
 MUTATIONS = [
     data("vllm", "0.16.0", "attention_groups", None, "kept", "attention-only groups kept"),
+    data("vllm", "0.30.0", "actorder_refused", "orders", [], "0.30.0 reads actorder group"),
+    data("vllm", "0.16.0", "actorder_refused", "orders", ["group"], "0.16.0 refuses actorder group"),
     data("vllm", "0.16.0", "ignore_match", "fused_first", "any", "0.16.0 honours a pattern on the fused name"),
     data("vllm", "0.30.0", "ignore_match", "fused_first", "exact", "0.30.0 asks the shards unless listed exactly"),
     data("vllm", "0.16.0", "ignore_match", "fnmatch", True, "ignore entries as shell patterns"),
