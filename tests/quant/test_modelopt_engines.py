@@ -104,7 +104,8 @@ def _our_exclusion(prefix: str, entries: list[str], rules) -> bool | str:
 PREFIXES = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
             "model.layers.1.mlp.down_proj", "model.layers.1.mlp.experts", "model.layers.10.mlp.experts",
             "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.2.self_attn.fused_qkv_a_proj",
-            "lm_head", "language_model.model.layers.0.self_attn.o_proj", "model.layers.4.mlp.experts"]
+            "lm_head", "language_model.model.layers.0.self_attn.o_proj", "model.layers.4.mlp.experts",
+            "language_model.model.layers.1.mlp.down_proj"]
 EXCLUDES = [
     [], ["lm_head"], ["model.layers.0.self_attn.qkv_proj"], ["model.layers.0.self_attn.q_proj"],
     ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"],
@@ -423,8 +424,9 @@ MIXED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "FP8_BLOCK_SCALE
                "W4A8_AWQ", "INT4_AWQ")
 
 
-def _their_mixed_method(whl):
-    """(layer, algo) -> the scheme label ModelOptMixedPrecisionConfig.get_quant_method builds, None: unquantized."""
+def _their_mixed_method(whl, config_of=None):
+    """(layer, algo) -> the scheme label ModelOptMixedPrecisionConfig.get_quant_method builds, None: unquantized
+    (``config_of(algo)``: the config it runs on, default one whose every module resolves to ``algo``)."""
     from quant.third_party import MODELOPT as FORMAT
     from quant.third_party import scheme_label
 
@@ -437,10 +439,12 @@ def _their_mixed_method(whl):
              "build_linear_method": lambda config, algo, prefix: built(scheme_label(FORMAT, algo))}
     cls = methods(whl, MODELOPT, "ModelOptMixedPrecisionConfig", ["get_quant_method"], extra=extra)["cls"]
 
-    def run(layer, algo: str):
-        config = types.SimpleNamespace(is_layer_excluded=lambda p: False, _resolve_quant_algo=lambda p: algo,
-                                       kv_cache_quant_method=None, **dict.fromkeys(SUBCONFIGS))
-        return getattr(cls.get_quant_method(config, layer, "model.layers.0.x"), "label", None)
+    def run(layer, algo: str, prefix: str = "model.layers.0.x"):
+        config = config_of(algo) if config_of else types.SimpleNamespace(
+            is_layer_excluded=lambda p: False, _resolve_quant_algo=lambda p: algo)
+        config.kv_cache_quant_method = None
+        config.__dict__.update(dict.fromkeys(SUBCONFIGS))
+        return getattr(cls.get_quant_method(config, layer, prefix), "label", None)
     return run
 
 
@@ -459,3 +463,44 @@ def test_mixed_methods_match_each_release(release):
         for layer, built in ((Linear, mixed["linear"]), (Moe, mixed["moe"]), (LmHead, mixed["linear"])):
             ours = built.get(algo) if layer is not LmHead or lm_head else None
             assert ours == theirs(layer(), algo), (release, algo, layer)
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_mixed_decide_matches_each_release(release):
+    """decide on a MIXED_PRECISION config beside the release's whole chain: is_layer_excluded, then
+    _resolve_quant_algo on quantized_layers, then the mixed config's get_quant_method."""
+    whl = _wheel(release)
+    rules = _rules(release)
+    if rules.values["modelopt"]["mixed"] is None:
+        return
+    from fnmatch import fnmatch
+    skipped = load(whl, QUANT_UTILS, ["is_layer_skipped"])["is_layer_skipped"]
+    base = methods(whl, MODELOPT, "ModelOptQuantConfigBase", ["is_layer_excluded"],
+                   extra={"is_layer_skipped": skipped, "fnmatch": fnmatch})["cls"]
+    resolve = methods(whl, MODELOPT, "ModelOptMixedPrecisionConfig",
+                      ["_resolve_quant_algo", "_quantized_layer_prefix_candidates"])["cls"]
+    layers = {**MIXED_LAYERS[0], "model.layers.1.mlp.down_proj": {"quant_algo": "W4A16_NVFP4"},
+              "model.layers.2.self_attn.q_a_proj": {"quant_algo": "MXFP8"},
+              "model.layers.2.self_attn.kv_a_proj_with_mqa": {"quant_algo": "MXFP8"},
+              "model.layers.10.mlp.experts.3.up_proj": {"quant_algo": "FP8_PB_WO"}}
+    for exclude in ([], ["lm_head", "model.layers.1.mlp.experts*"], ["*self_attn*"]):
+        def config_of(algo, exclude=exclude):
+            config = types.SimpleNamespace(exclude_modules=exclude, packed_modules_mapping=FUSED,
+                                           quantized_layers=layers)
+            config.is_layer_excluded = lambda p: base.is_layer_excluded(config, p)
+            if hasattr(resolve, "_quantized_layer_prefix_candidates"):
+                config._quantized_layer_prefix_candidates = resolve._quantized_layer_prefix_candidates
+            config._resolve_quant_algo = lambda p: resolve._resolve_quant_algo(config, p)
+            return config
+        theirs = _their_mixed_method(whl, config_of)
+        qconfig = {"quantization": {"quant_algo": "MIXED_PRECISION", "exclude_modules": exclude,
+                                    "quantized_layers": layers}}
+        for prefix in PREFIXES + ["model.layers.0.self_attn.q_proj"]:
+            layer = Moe if prefix.endswith(".experts") else LmHead if prefix == "lm_head" else Linear
+            try:
+                their = theirs(layer(), "", prefix)
+            except ValueError:
+                their = "raises"
+            decision = modelopt.decide(prefix, moe=layer is Moe, draft=False, qconfig=qconfig, rules=rules)
+            ours = "raises" if decision.raises else decision.scheme
+            assert ours == their, (release, prefix, exclude)
