@@ -105,8 +105,8 @@ class CompressedTensorsRules(Schema):
 
 RULES = CompressedTensorsRules
 
-# compressed-tensors' preset schemes (quantization/quant_scheme.py PRESET_SCHEMES, 0.20.1), by the args
-# that tell them apart: weights and input activations as (type, num_bits, strategy, symmetric, dynamic,
+# compressed-tensors' preset schemes (quantization/quant_scheme.py PRESET_SCHEMES, 0.20.1) and weight-only
+# FP8, by the args that tell them apart: weights and input activations as (type, num_bits, strategy, symmetric, dynamic,
 # group_size: only where the scheme fixes it). The args llm-compressor writes for each preset name.
 _INT8_TOKEN = ("int", 8, "token", True, True, None)
 _FP8_TOKEN = ("float", 8, "token", True, True, None)
@@ -127,6 +127,10 @@ PRESETS: dict[str, tuple[tuple, tuple | None]] = {
     "MXFP4XFP8": (("float", 4, "group", True, False, 32), ("float", 8, "group", True, True, 128)),
     "MXFP8A16": (("float", 8, "group", True, False, 32), None),
     "MXFP8": (("float", 8, "group", True, False, 32), ("float", 8, "group", True, True, 32)),
+    # weight-only FP8: no library preset, a recipe's weights-only scheme (the library writes it naive-quantized)
+    "FP8A16": (("float", 8, "tensor", True, False, None), None),
+    "FP8A16_CHANNEL": (("float", 8, "channel", True, False, None), None),
+    "FP8A16_BLOCK": (("float", 8, "block", True, False, None), None),
 }
 
 

@@ -42,7 +42,8 @@ def code(function, old, new, why):
 
 
 ALL = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16",
-       "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8"]
+       "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8", "FP8A16", "FP8A16_CHANNEL", "FP8A16_BLOCK"]
+BUILT_MOE = [p for p in ALL if not p.startswith("FP8A16")]
 
 MUTATIONS = [
     data("vllm", "0.16.0", "attention_groups", None, "kept", "attention-only groups kept"),
@@ -68,8 +69,10 @@ MUTATIONS = [
     data("vllm", "0.20.0", "lm_head", None, "unquantized", "0.20.0 keeps lm_head bf16"),
     data("vllm", "0.16.0", "linear_schemes", None, ALL, "0.16.0 builds MXFP8 Linear"),
     data("vllm", "0.20.0", "linear_schemes", None, [p for p in ALL if p != "NVFP4"], "no NVFP4 Linear from 0.20.0"),
-    data("vllm", "0.16.0", "moe_schemes", None, ALL, "0.16.0 builds MXFP8 FusedMoE"),
-    data("vllm", "0.20.0", "moe_schemes", None, [p for p in ALL if p != "W4A16"], "no W4A16 FusedMoE from 0.20.0"),
+    data("vllm", "0.16.0", "moe_schemes", None, BUILT_MOE, "0.16.0 builds MXFP8 FusedMoE"),
+    data("vllm", "0.20.0", "moe_schemes", None, [p for p in BUILT_MOE if p != "W4A16"],
+         "no W4A16 FusedMoE from 0.20.0"),
+    data("vllm", "0.20.0", "moe_schemes", None, ALL, "weight-only FP8 experts built from 0.20.0"),
     versions("vllm", 1, ["0.19.1", "0.20.2"], "0.19.1 quantizes lm_head"),
     versions("vllm", 2, ["0.20.2", "0.23.0"], "0.20.2 builds an unmatched Linear bf16"),
     versions("vllm", 4, ["0.26.0", "0.29.0"], "0.26.0 matches the shards first"),
