@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quant.engines import Finding
-from quant.formats.third_party_decode import typed
+from quant.formats.third_party_decode import as_float, stored
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.third_party import Config, read_modules
 
@@ -153,7 +153,7 @@ def scale_findings(info: TensorInfo, read) -> list[Finding]:
     first: dict[str, int] = {}
     for start in range(0, elements, SCALE_CHUNK):
         count = min(SCALE_CHUNK, elements - start)
-        values = typed(read(info, start * item, count * item), info.dtype, (count,))
+        values = as_float(info.dtype, stored(read(info, start * item, count * item), info.dtype, (count,)))
         for kind, bad in (("NaN", np.isnan(values)), ("Inf", np.isinf(values)), ("negative", values < 0),
                           ("zero", values == 0)):
             if (where := np.flatnonzero(bad)).size:
