@@ -30,6 +30,10 @@ from quant.safe_files import check_source_file, read_json
 from quant.safetensors_io import ShardError, ShardHeader, TensorInfo, read_header
 
 SHARD_SUFFIX = ".safetensors"
+# NVIDIA ModelOpt's own file: its exports up to 0.29 write the quantization config only there, and both engines
+# read it when config.json has none (vLLM 0.16.0 transformers_utils/config.py get_config; sglang 0.5.9
+# configs/model_config.py ModelConfig._parse_quant_hf_config)
+HF_QUANT_CONFIG = "hf_quant_config.json"
 # What the engines and lm-eval load a tokenizer from (transformers' fast tokenizer, sentencepiece's, tiktoken's).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 TOKENIZER_FIX = ("copy in the tokenizer files of the model it was saved from (tokenizer.json and "
@@ -112,6 +116,7 @@ class Checkpoint:
     index: dict | None  # the parsed index (its metadata and weight_map), None for an index-less folder
     headers: dict[str, ShardHeader]  # shard file name -> header, in name order
     unlisted_files: tuple[str, ...]  # *.safetensors in the folder that the index does not name
+    hf_quant_config: dict | None = None  # hf_quant_config.json, read where config.json has no quantization_config
 
     @classmethod
     def open(cls, folder: Path) -> "Checkpoint":
@@ -159,11 +164,33 @@ class Checkpoint:
                                           "remove the stale copy (or regenerate the shards)")
                 seen[tensor] = file
         unlisted = tuple(f for f in on_disk if f not in headers)
-        return cls(folder, config, index, headers, unlisted)
+        hf_quant = None
+        if config.get("quantization_config") is None and (folder / HF_QUANT_CONFIG).exists():
+            hf_quant = read_json_object(folder / HF_QUANT_CONFIG, HF_QUANT_CONFIG)
+        return cls(folder, config, index, headers, unlisted, hf_quant)
 
     @property
     def config_path(self) -> Path:
         return self.folder / "config.json"
+
+    @property
+    def quantization_config(self):
+        """The quantization config the engines read: config.json's ``quantization_config``, else
+        ``hf_quant_config.json``'s content, else config.json's ``compression_config`` (compressed-tensors'
+        older key; vLLM 0.16.0 model_arch_config_convertor.py _normalize_quantization_config); None: none."""
+        for found in (self.config.get("quantization_config"), self.hf_quant_config,
+                      self.config.get("compression_config")):
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def quantization_config_source(self) -> str:
+        """Where ``quantization_config`` was read, for messages."""
+        if self.config.get("quantization_config") is None and self.hf_quant_config is not None:
+            return str(self.folder / HF_QUANT_CONFIG)
+        key = "compression_config" if self.config.get("quantization_config") is None else "quantization_config"
+        return f"{self.config_path} {key}"
 
     @property
     def weight_map(self) -> dict[str, str] | None:

@@ -175,7 +175,7 @@ class Family:
         routed = self.role_named("routed_expert")
         if role != "routed_expert" or routed is None or "expert" not in routed.pattern.groupindex:
             return None
-        match = routed.pattern.search(tensor_name)
+        match = routed.pattern.search(weight_named(tensor_name))
         return match if match is not None and match.group("expert") is not None else None
 
     def mtp_module_prefix(self, layer: int, num_hidden_layers: int) -> str:
@@ -189,6 +189,7 @@ class Family:
         return dict(self.engine_classes)
 
     def classify(self, tensor_name: str, num_hidden_layers: int) -> TensorRole:
+        tensor_name = weight_named(tensor_name)
         layer = self.layer_index(tensor_name)
         mtp = layer is not None and layer >= num_hidden_layers
         if layer is None and self.mtp_prefix and tensor_name.startswith(self.mtp_prefix + "."):
@@ -199,6 +200,11 @@ class Family:
             if role.pattern.search(tensor_name):
                 return TensorRole(role.name, role.linear, role.quantizable, layer, mtp)
         return TensorRole("other", False, False, layer, mtp)
+
+
+def weight_named(tensor_name: str) -> str:
+    """A tensor's name for its role: compressed-tensors' packed weight (``weight_packed``) plays the weight's."""
+    return tensor_name.removesuffix("_packed") if tensor_name.endswith(".weight_packed") else tensor_name
 
 
 class UnknownFamilyError(QuantgateError, ValueError):

@@ -357,15 +357,20 @@ class OnDisk:
     scheme: Scheme | None = None
 
 
-def _fits(scheme: Scheme, tensors: dict, module: str) -> bool:
-    """Whether ``module``'s stored weight and weight scale are this scheme's (its other tensors are
-    checked once it is chosen, so a missing one is named rather than turning the module into another)."""
+def _fits(scheme: Scheme, tensors: dict, module: str, by_scale: bool) -> bool:
+    """Whether ``module``'s stored weight is this scheme's (``by_scale``: and its weight scale's dtype,
+    which tells NVFP4 from MXFP4 codes). Its other tensors are checked once the scheme is chosen, so a
+    wrong one is named rather than turning the module into another scheme."""
     weight = tensors.get(f"{module}.{scheme.weight}")
     if weight is None or len(weight.shape) != 2 or weight.dtype != scheme.weight_dtype():
         return False
     scale = tensors.get(f"{module}.weight_scale")
     expected = scheme.tensors(*scheme.logical_shape(weight.shape))[1]
-    return scale is None or scale.dtype in expected.dtypes
+    return not by_scale or scale is None or scale.dtype in expected.dtypes
+
+
+def _described(info) -> str:
+    return "absent" if info is None else f"{info.dtype}{list(info.shape)}"
 
 
 def read_modules(tensors: dict, config: Config) -> tuple[dict[str, OnDisk], list[tuple[str, str, str]]]:
@@ -379,20 +384,32 @@ def read_modules(tensors: dict, config: Config) -> tuple[dict[str, OnDisk], list
     for module in sorted(weights):
         resolved = config.resolve(module)
         candidates = ([resolved] if resolved else []) + [s for s in config.schemes if s != resolved]
-        scheme = next((s for s in candidates if _fits(s, tensors, module)), None)
+        scheme = next((s for by_scale in (True, False) for s in candidates if _fits(s, tensors, module, by_scale)),
+                      None)
         if scheme is None:
-            continue  # not stored quantized in any scheme the config names: the caller reads it as it reads bf16
+            weight = tensors.get(f"{module}.weight")
+            if weight is not None and weight.dtype in FLOATS:
+                continue  # stored unquantized: the caller reads it as it reads any bf16 module
+            weight = weight or tensors[f"{module}.weight_packed"]
+            labels = ", ".join(f"{s.label} ({s.storage})" for s in config.schemes) or "none"
+            why = (f"{weight.dtype}{list(weight.shape)} with weight_scale "
+                   f"{_described(tensors.get(module + '.weight_scale'))}: no scheme of the config stores a weight "
+                   f"so (its schemes: {labels})")
+            problems.append((weight.name, why, "re-export the checkpoint, or restore the config it was exported with"))
+            label = resolved.label if resolved else candidates[0].label if candidates else "unknown"
+            modules[module] = OnDisk(label, tuple(weight.shape))
+            continue
         out, inner = scheme.logical_shape(tensors[f"{module}.{scheme.weight}"].shape)
         for row in scheme.tensors(out, inner):
             name = f"{module}.{row.suffix}"
             info = tensors.get(name)
             if info is None:
                 if not row.activation:  # --deep says what a missing activation scale does
-                    problems.append((name, f"missing: a {scheme.label} module ({scheme.fmt} {scheme.storage}) "
-                                     f"stores {row.suffix} beside {scheme.weight}; the engines cannot load it",
-                                     "re-export the checkpoint (the tensor was dropped or renamed)"))
+                    why = (f"missing: a {scheme.label} module ({scheme.fmt} {scheme.storage}) stores {row.suffix} "
+                           f"beside {scheme.weight}; the engines cannot load it")
+                    problems.append((name, why, "re-export the checkpoint (the tensor was dropped or renamed)"))
             elif why := row.problem(info.dtype, tuple(info.shape)):
-                problems.append((name, f"{why} for a {scheme.label} module of [{out}, {inner}] "
-                                 f"({scheme.fmt} {scheme.storage})", "re-export the checkpoint"))
+                why = f"{why} for a {scheme.label} module of [{out}, {inner}] ({scheme.fmt} {scheme.storage})"
+                problems.append((name, why, "re-export the checkpoint"))
         modules[module] = OnDisk(scheme.label, (out, inner), scheme)
     return modules, problems

@@ -26,13 +26,13 @@ from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.layout import UnknownFamilyError, family_for
-from quant.quark_config import THIRD_PARTY, config_kind, format_kind
+from quant.quark_config import CONFIG_KINDS, THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
-from quant.third_party import Config, parse
+from quant.third_party import Config, UnsupportedScheme, parse, read_modules
 from quant.third_party_scales import missing_scale_findings, scale_findings, scale_suffix
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -386,9 +386,13 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     config = checkpoint.config
     text = family.text_config(config)  # what the engines' text model reads (config.json itself unless nested)
     check_heads(text, serving, checkpoint.config_path)
-    qconfig = config.get("quantization_config")
+    qconfig = checkpoint.quantization_config  # config.json's, or hf_quant_config.json where a ModelOpt export has it
     malformed = _malformed_qconfig(qconfig)
     third_party = None if malformed else format_kind(qconfig)  # compressed-tensors, modelopt: schemes per module
+    try:
+        read_as = parse(third_party, qconfig) if third_party else None
+    except UnsupportedScheme as exc:
+        raise UnreadableCheckpoint(f"{checkpoint.quantization_config_source}: {exc}") from None
     if third_party:  # each release replayed with its own format rules: a family rule set cut where they change
         try:
             asked = [replace(t, rules=cut(t.rules, third_party, t.state.release)) if t.rules else t for t in asked]
@@ -402,14 +406,22 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         fmt = get_codec("mxfp4") if native else codec_for_config(config) \
             if qconfig and not malformed and not third_party else None
     except ValueError as exc:
+        if config_kind(qconfig) is None:  # a method no checker reads: say so, not what the decoder would say
+            raise UnreadableCheckpoint(f"{checkpoint.quantization_config_source}: quant_method "
+                                       f"{qconfig.get('quant_method')!r} is not a format gate checkpoint reads "
+                                       f"({', '.join(CONFIG_KINDS + THIRD_PARTY)}); it cannot be checked") from None
         raise UnreadableCheckpoint(f"{checkpoint.config_path}: {exc}") from None
     tensors = checkpoint.tensors()
+    # a third-party checkpoint's quantized modules, each with the scheme its tensors show
+    stored, stored_problems = read_modules(tensors, read_as) if read_as else ({}, [])
     modules: dict[str, Module] = {}
     mtp_layers: set[int] = set()
     moe_layers: set[int] = set()  # the decoder layers holding routed experts
     kind_roles = {role for _, role in family.layer_kinds}
     roles_by_layer: dict[int, set[str]] = {}  # decoder layer -> its attention roles (hybrid families)
     for name, info in tensors.items():
+        if name.endswith(".weight_packed"):  # compressed-tensors' packed weight: the module's weight
+            name = name.removesuffix("_packed")
         role = family.classify(name, num_hidden_layers)
         if role.mtp:
             mtp_layers.add(role.layer)
@@ -419,6 +431,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
             roles_by_layer.setdefault(role.layer, set()).add(role.role)
         if family.fused_experts and (fused := _fused_module(name, info, family, num_hidden_layers, fmt)):
             modules[fused[0]] = fused[1]
+        elif role.linear and name.endswith(".weight") and (on_disk := stored.get(name.removesuffix(".weight"))):
+            modules[name.removesuffix(".weight")] = Module(bool(on_disk.label), on_disk.shape, role.role,
+                                                           on_disk.label)
         elif role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
             shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)
@@ -432,6 +447,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     report.findings += _missing_layers(tensors, num_hidden_layers, family.layers_prefix)
     report.findings += structure_findings(checkpoint, family, declared)
     report.findings += _layout_findings(checkpoint, fmt)
+    report.findings += [Finding("layout", None, tensor, why, fix) for tensor, why, fix in stored_problems]
     if family.fused_experts:
         report.findings += _blocks_findings(tensors, family, text)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
@@ -500,7 +516,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.block_fp8_tp = tp_summary(modules, text, usable, sorted({r.engine for r in rule_sets}), serving.ep,
                                          serving.platform, fusing)
     if deep:
-        report.findings += _deep_findings(checkpoint, fmt, parse(third_party, qconfig) if third_party else None)
+        report.findings += _deep_findings(checkpoint, fmt, read_as)
         report.findings += expert_id_findings(checkpoint, family, declared)
         if native and family.fused_experts:
             report.findings += _deep_blocks_findings(checkpoint, fmt)

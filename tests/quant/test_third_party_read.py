@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-from quant.third_party import CT, LABELS, MODELOPT, UnsupportedScheme, parse, scheme_label
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quant.checkpoint import Checkpoint
+from quant.quark_config import format_kind
+from quant.third_party import CT, LABELS, MODELOPT, UnsupportedScheme, parse, read_modules, scheme_label
+from quant.verify import UnreadableCheckpoint, verify
+from tests.quant.family_checkpoints import write_shards
+from tests.quant.third_party_checkpoints import fp8_ct, int4_ct, modelopt_config, nvfp4_ct, quantized, write_third_party
+
+ST_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.int8: "I8", torch.float32: "F32",
+             torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
 
 NVFP4_CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
             "ignore": ["lm_head", "re:.*mlp\\.gate$"],
@@ -105,3 +121,194 @@ def test_modelopt_exclude_wildcards_and_mixed_precision():
     assert mixed.resolve("model.layers.0.self_attn.q_proj").label == "fp8"
     assert mixed.resolve("model.layers.1.mlp.experts.0.up_proj").label == "nvfp4"
     assert mixed.resolve("model.layers.1.self_attn.q_proj") is None
+
+
+# --- the tensor table against compressed-tensors' own compressors ---------------------------------------
+
+CT_SCHEMES = {
+    "nvfp4": nvfp4_ct(),
+    "int4-group-asym": int4_ct(symmetric=False),
+    "int4-group": int4_ct(),
+    "fp8-channel": fp8_ct("channel"),
+    "fp8-block": fp8_ct("block"),
+    "int8-channel": {"format": "pack-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}},
+    "fp8-tensor-static": {"format": "float-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "tensor"}, "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+    "mxfp4": {"format": "mxfp4-pack-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}},
+}
+
+
+@pytest.mark.parametrize("name", CT_SCHEMES)
+def test_tensor_table_is_what_compressed_tensors_writes(name):
+    """Every tensor the library's compressor (and its scale initialisation) writes for a [96, 128] Linear,
+    named, typed and shaped as ``Scheme.tensors`` says, and nothing else."""
+    scheme = parse(CT, CT_SCHEMES[name]).schemes[0]
+    weight = (torch.randn(96, 128, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+    written = {suffix: (ST_DTYPES[t.dtype], tuple(t.shape)) for suffix, t in quantized(scheme, weight).items()}
+    rows = scheme.tensors(96, 128)
+    assert set(written) == {row.suffix for row in rows}
+    for row in rows:
+        dtype, shape = written[row.suffix]
+        assert row.problem(dtype, shape) is None, (row.suffix, dtype, shape)
+    assert scheme.logical_shape(written[scheme.weight][1]) == (96, 128)
+
+
+# --- checkpoints read from their headers ----------------------------------------------------------------
+
+QWEN_MODULES, QWEN_QUANTIZED = 52, 48  # 3 layers of 4 attention + 4 experts x 3; routers and lm_head ignored
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("third_party")
+    return {
+        "ct-nvfp4": write_third_party(root / "ct-nvfp4", "qwen3_moe", nvfp4_ct()),
+        "ct-int4": write_third_party(root / "ct-int4", "qwen3_moe", int4_ct(symmetric=False)),
+        "ct-fp8-block": write_third_party(root / "ct-fp8-block", "qwen3_moe", fp8_ct("block")),
+        "mo-nvfp4-hf-only": write_third_party(root / "mo-nvfp4", "qwen3_moe", modelopt_config("NVFP4"),
+                                              hf_quant_config_only=True),
+        "mo-fp8": write_third_party(root / "mo-fp8", "qwen3_moe",
+                                    {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head",
+                                                                                                 "*.mlp.gate"]}),
+    }
+
+
+def modules_of(folder) -> dict:
+    checkpoint = Checkpoint.open(folder)
+    qconfig = checkpoint.quantization_config
+    return read_modules(checkpoint.tensors(), parse(format_kind(qconfig), qconfig))
+
+
+@pytest.mark.parametrize("name, label", [("ct-nvfp4", "nvfp4"), ("ct-int4", "int4"), ("ct-fp8-block", "fp8-block"),
+                                         ("mo-nvfp4-hf-only", "nvfp4"), ("mo-fp8", "fp8")])
+def test_each_module_read_with_its_scheme(checkpoints, name, label):
+    modules, problems = modules_of(checkpoints[name])
+    assert problems == []
+    assert len(modules) == QWEN_QUANTIZED
+    assert {m.label for m in modules.values()} == {label}
+    assert modules["model.layers.1.mlp.experts.3.down_proj"].shape == (64, 32)  # [hidden, moe_intermediate]
+    assert modules["model.layers.0.self_attn.q_proj"].shape == (64, 64)
+
+
+@pytest.mark.parametrize("name", ["ct-nvfp4", "ct-int4", "mo-nvfp4-hf-only", "mo-fp8"])
+def test_gate_checkpoint_reads_them(checkpoints, name, capsys):
+    """A compressed-tensors or ModelOpt checkpoint is checked, not refused as something to dequantize; an
+    hf_quant_config.json-only ModelOpt export is read as ModelOpt (not 'U8 weights but no quantization_config')."""
+    report = verify(checkpoints[name], "vllm==0.34.0")
+    assert (report.modules_checked, report.modules_quantized) == (QWEN_MODULES, QWEN_QUANTIZED)
+    assert [f for f in report.findings if f.check in ("layout", "config")] == []
+
+
+def test_newcomer_errors_in_real_processes(checkpoints):
+    for name in ("ct-nvfp4", "mo-nvfp4-hf-only"):
+        done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(checkpoints[name]), "--engine",
+                               "vllm==0.34.0", "--json"], capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert done.returncode in (0, 1), done.stderr  # checked: pass or findings, never refused
+        assert "nothing to dequantize" not in done.stdout + done.stderr
+        assert "no quantization_config" not in done.stdout + done.stderr
+        report = json.loads(done.stdout)
+        assert report["modules_quantized"] == QWEN_QUANTIZED
+
+
+def test_quantization_config_precedence(tmp_path, checkpoints):
+    """config.json's quantization_config wins over hf_quant_config.json (which is then not even read: the
+    engines read it only without one); an older compressed-tensors export's compression_config is read too."""
+    folder = tmp_path / "c"
+    shutil.copytree(checkpoints["mo-fp8"], folder)
+    (folder / "hf_quant_config.json").write_text("not json")
+    checkpoint = Checkpoint.open(folder)
+    assert checkpoint.quantization_config["quant_algo"] == "FP8"
+    config = json.loads((folder / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "hf_quant_config.json").unlink()
+    checkpoint = Checkpoint.open(folder)
+    assert checkpoint.quantization_config["quant_algo"] == "FP8"
+    assert checkpoint.quantization_config_source.endswith("config.json compression_config")
+
+
+def edited(source, dst, change) -> Path:
+    """A copy of checkpoint ``source`` whose tensors ``change`` edits (a dict of name -> tensor)."""
+    shutil.copytree(source, dst)
+    tensors = {}
+    for file in sorted(dst.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+        file.unlink()
+    change(tensors)
+    write_shards(tensors, dst)
+    return dst
+
+
+EXPERT = "model.layers.1.mlp.experts.2.up_proj"
+
+
+@pytest.mark.parametrize("name, change, tensor, why", [
+    ("ct-nvfp4", lambda t: t.pop(f"{EXPERT}.weight_global_scale"), f"{EXPERT}.weight_global_scale", "missing"),
+    ("ct-nvfp4", lambda t: t.update({f"{EXPERT}.weight_scale": t[f"{EXPERT}.weight_scale"].float()}),
+     f"{EXPERT}.weight_scale", "F32[32, 4], expected F8_E4M3[32, 4]"),
+    ("ct-int4", lambda t: t.update({f"{EXPERT}.weight_scale": t[f"{EXPERT}.weight_scale"][:, :1].contiguous()}),
+     f"{EXPERT}.weight_scale", "BF16[32, 1], expected BF16/F16/F32[32, 2]"),
+    ("ct-int4", lambda t: t.pop(f"{EXPERT}.weight_zero_point"), f"{EXPERT}.weight_zero_point", "missing"),
+    ("mo-nvfp4-hf-only", lambda t: t.update({f"{EXPERT}.weight_scale_2": torch.ones(2)}),
+     f"{EXPERT}.weight_scale_2", "F32[2], expected F32[] or [1]"),
+    ("mo-fp8", lambda t: t.update({f"{EXPERT}.weight": t[f"{EXPERT}.weight"].to(torch.int8)}), f"{EXPERT}.weight",
+     "I8[32, 64] with weight_scale F32[]: no scheme of the config stores a weight so"),
+])
+def test_layout_findings_name_the_tensor(tmp_path, checkpoints, name, change, tensor, why):
+    folder = edited(checkpoints[name], tmp_path / "bad", change)
+    report = verify(folder, "vllm==0.34.0")
+    layout = [f for f in report.findings if f.check == "layout"]
+    assert [f.module for f in layout] == [tensor], layout
+    assert why in layout[0].why
+
+
+def test_an_activation_scale_missing_is_left_to_deep(tmp_path, checkpoints):
+    folder = edited(checkpoints["mo-fp8"], tmp_path / "no-input", lambda t: t.pop(f"{EXPERT}.input_scale"))
+    assert [f for f in verify(folder, "vllm==0.34.0").findings if f.check == "layout"] == []
+
+
+def test_mixed_groups_read_per_module(tmp_path):
+    config = nvfp4_ct(scheme_targets=["re:.*mlp\\.experts.*"])
+    config["config_groups"]["attention"] = {"targets": ["re:.*self_attn.*"], "format": "float-quantized",
+                                            "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    config["format"] = "mixed-precision"
+    folder = write_third_party(tmp_path / "mixed", "qwen3_moe", config)
+    modules, problems = modules_of(folder)
+    assert problems == []
+    assert modules["model.layers.0.self_attn.o_proj"].label == "fp8-channel"
+    assert modules[EXPERT].label == "nvfp4"
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda q: q["config_groups"]["group_0"].update(format="sparse-24-bitmask"), "'sparse-24-bitmask'"),
+    (lambda q: q.update(format="marlin-24") or q["config_groups"]["group_0"].pop("format"), "'marlin-24'"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-bitmask", "targets": ["Linear"]}), "'sparse-bitmask'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2), "2-bit"),
+    (lambda q: q.update(config_groups="all"), "config_groups"),
+])
+def test_configs_not_read_are_refused_in_one_line(tmp_path, checkpoints, edit, named):
+    folder = tmp_path / "refused"
+    shutil.copytree(checkpoints["ct-nvfp4"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "config.json" in lines[0], lines
+
+
+def test_a_method_no_checker_reads_is_named_as_such(tmp_path, checkpoints):
+    folder = tmp_path / "gptq"
+    shutil.copytree(checkpoints["ct-int4"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnreadableCheckpoint, match="quant_method 'gptq' is not a format gate checkpoint reads") as info:
+        verify(folder, "vllm==0.34.0")
+    assert info.value.exit_code == 2
