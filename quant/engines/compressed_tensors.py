@@ -26,11 +26,19 @@ asked with come from the class (its packed_modules_mapping as ``quark_fused``, i
    projection makes the whole FusedMoE unquantized. A FusedMoE prefix in ``ignore`` (``...mlp.experts``)
    matches none of those names.
 5. ``lm_head`` (ParallelLMHead): built unquantized whatever the config says (``unquantized``), or given
-   a scheme like a Linear, a ValueError while matching meaning unquantized (``scheme``).
+   a scheme like a Linear, a ValueError while matching meaning unquantized (``scheme``), or quantized only
+   where a target names it and ignore does not, class targets not counting (``by_name``, sglang).
 6. The scheme the group names: the compressed-tensors preset its args are (``PRESETS``, the library's
    PRESET_SCHEMES), built when the rule lists it for the module's kind (``linear_schemes`` /
    ``moe_schemes``), else the release raises (its exception and words vary by preset and release). Args of
    no preset are not judged (the label on disk is taken as built, and ``why`` says so).
+
+sglang (``compressed_tensors.sglang.yaml``) differs by rule values: a plain ignore entry matched as a
+substring, later as a dotted suffix (``ignore_match.plain``); before 0.5.17 only the top-level ``format``
+read (``group_format``) and before 0.5.16 a pack-quantized group's activations not read
+(``activation_formats``); a Linear preset built only from the formats it lists (``linear_formats``); MXFP4
+experts built by Mxfp4MoEMethod before ignore is asked from 0.5.17 (``mxfp4_moe``); MX weight-only experts
+built by the integer WNA16 kernel (``built_as``).
 """
 
 from __future__ import annotations
@@ -56,10 +64,13 @@ class IgnoreMatch(Schema):
     """How ``ignore`` decides a module. ``fused_first``: a fused module's own name decides before its
     shards when listed ``exact`` (vLLM < 0.30.0: ``layer_name not in ignore``) or matched by ``any`` entry
     (vLLM >= 0.30.0: quantization/utils/config_utils.py find_matching_patterns). ``fnmatch``: entries also
-    match as shell patterns. ``mixed_shards_error``: the message raised when some shards only are listed
-    (``{module}``, ``{shards}``: the fused module and its shard leaves)."""
+    match as shell patterns. ``plain``: how an entry without ``re:`` matches a name: ``exact``; ``contains``
+    (sglang < 0.5.17: a case-insensitive substring, so a parent module's entry takes its children); ``suffix``
+    (sglang >= 0.5.17: the name or a dotted suffix of it). ``mixed_shards_error``: the message raised when
+    some shards only are listed (``{module}``, ``{shards}``: the fused module and its shard leaves)."""
     fused_first: Literal["exact", "any"]
     fnmatch: bool
+    plain: Literal["exact", "contains", "suffix"] = "exact"
     mixed_shards_error: str
 
 
@@ -98,7 +109,15 @@ class CompressedTensorsRules(Schema):
     ignore_match: Rule[IgnoreMatch] | None = None
     target_match: Rule[TargetMatch] | None = None
     moe_match: Rule[MoeMatch] | None = None
-    lm_head: Rule[Literal["unquantized", "scheme"]] | None = None
+    lm_head: Rule[Literal["unquantized", "scheme", "by_name"]] | None = None
+    # sglang's differences (a rule not stated is vLLM's way): a group's own ``format`` read or only the
+    # top-level one; the formats whose groups' input_activations are read (None: every format); MXFP4 experts
+    # through the scheme path or given Mxfp4MoEMethod before ignore is asked; a preset built as another label
+    group_format: Rule[bool] | None = None
+    activation_formats: Rule[list[str] | None] | None = None
+    mxfp4_moe: Rule[Literal["scheme", "before_ignore"]] | None = None
+    built_as: Rule[dict[Literal["linear", "moe"], dict[str, str]]] | None = None
+    linear_formats: Rule[dict[str, list[str]] | None] | None = None  # preset ("*": any) -> formats it builds from
     linear_schemes: Rule[list[str]] | None = None  # the PRESETS a Linear is built with
     moe_schemes: Rule[list[str]] | None = None  # the PRESETS a FusedMoE is built with
 
@@ -157,22 +176,25 @@ def preset(weights: dict | None, activations: dict | None) -> str | None:
     return next((name for name, (w, a) in PRESETS.items() if _same(ours[0], w) and _same(ours[1], a)), None)
 
 
-def _hit(value: str, target: str, contains: bool = False, shell: bool = False) -> bool:
-    """utils.py _is_equal_or_regex_match (later quantization/utils/config_utils.py is_equal_or_regex_match)."""
+def _hit(value: str, target: str, contains: bool = False, shell: bool = False, plain: str = "exact") -> bool:
+    """utils.py _is_equal_or_regex_match (later quantization/utils/config_utils.py is_equal_or_regex_match);
+    ``plain``: how an entry without ``re:`` matches (``IgnoreMatch.plain``)."""
     if target.startswith("re:"):
         return re.match(target[3:], value) is not None
-    if contains:
+    if contains or plain == "contains":
         return target.lower() in value.lower()
+    if plain == "suffix" and value.endswith("." + target):
+        return True
     return target == value or (shell and fnmatchcase(value, target))
 
 
 def ignored(name: str, ignore: list[str], fused: dict[str, list[str]], rule: dict) -> tuple[bool, str | None]:
     """utils.py should_ignore_layer: whether ``name`` is ignored, and the entry that decided (a ValueError
     with the release's message where its shards disagree)."""
-    shell = rule["fnmatch"]
+    shell, plain = rule["fnmatch"], rule.get("plain", "exact")
 
     def entry(value: str) -> str | None:
-        return next((e for e in ignore if _hit(value, e, shell=shell)), None)
+        return next((e for e in ignore if _hit(value, e, shell=shell, plain=plain)), None)
 
     leaf = name.split(".")[-1]
     if rule["fused_first"] == "any" and (hit := entry(name)):
@@ -245,9 +267,13 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
             raise ValueError(rule["actorder_refused"]["error"].format(actorder=repr(order)))
         for target in listed:
             if (key := mapped(target)) is not None:
-                targets[key] = {"name": name, "weights": group["weights"],
-                                "input_activations": group.get("input_activations"),
-                                "format": group.get("format") or qconfig.get("format")}
+                fmt = group.get("format") if rule.get("group_format", True) and group.get("format") \
+                    else qconfig.get("format")
+                read = rule.get("activation_formats")  # sglang: other formats' groups are weight-only
+                targets[key] = {"name": name, "weights": group["weights"], "format": fmt,
+                                "stored_format": group.get("format") or qconfig.get("format"),
+                                "input_activations": group.get("input_activations") if read is None or fmt in read
+                                else None}
     ignore = [m for e in qconfig.get("ignore") or [] if (m := mapped(str(e))) is not None]
     return targets, ignore
 
@@ -270,10 +296,21 @@ def _scheme_dict(name: str, cls: str, targets: dict[str, dict], ignore: list[str
     return targets[target], f"{name} matches target {target!r} of config group {targets[target]['name']!r} by {how}"
 
 
+def _no_scheme(kind: str, name: str | None) -> str:
+    return (f"no {'FusedMoE' if kind == 'moe' else 'Linear'} scheme for {name} args: the cited function raises "
+            "(NotImplementedError, ImportError, ValueError or RuntimeError by release)")
+
+
 def _built(group: dict, kind: str, module: str, rule: dict, cite: str) -> Decision:
     """The scheme a release builds from ``group`` for a module of ``kind`` (linear | moe), or its error."""
-    label = scheme_label(CT, {**group["weights"], "format": group.get("format")})
+    label = scheme_label(CT, {**group["weights"], "format": group.get("stored_format", group.get("format"))})
     name = preset(group["weights"], group.get("input_activations"))
+    formats = rule.get(f"{kind}_formats") or {}
+    formats = formats.get(name, formats.get("*"))
+    if formats is not None and group.get("format") not in formats:
+        return Decision(label, f"group {group['name']!r} (preset {name}) is read as format {group.get('format')!r}, "
+                               f"which this release builds no {kind} module from ({cite})",
+                        "serve with a release that reads the group's own format", raises=_no_scheme(kind, name))
     if name is None:
         return Decision(label, f"group {group['name']!r} is no compressed-tensors preset: the scheme it builds "
                                "was not read, taken as stored")
@@ -281,8 +318,10 @@ def _built(group: dict, kind: str, module: str, rule: dict, cite: str) -> Decisi
         return Decision(label, f"group {group['name']!r} is preset {name}, which this release builds no "
                                f"{'FusedMoE' if kind == 'moe' else 'Linear'} with ({cite})",
                         "serve with a release that builds it, or quantize with a preset it builds",
-                        raises=f"no {'FusedMoE' if kind == 'moe' else 'Linear'} scheme for {name} args: the cited "
-                               "function raises (NotImplementedError, ValueError or RuntimeError by release)")
+                        raises=_no_scheme(kind, name))
+    if (other := (rule.get("built_as") or {}).get(kind, {}).get(name)) and other != label:
+        return Decision(other, f"group {group['name']!r} is preset {name}, which this release builds with its "
+                               f"{other} kernel ({cite})", "serve with a release that builds it as stored")
     return Decision(label, f"preset {name}")
 
 
@@ -299,11 +338,13 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     try:
         targets, ignore = engine_config(qconfig, rules)
         if moe:
-            return _decide_moe(module, targets, ignore, fused, rule, cites, expert_leaves)
+            return _decide_moe(module, targets, ignore, fused, rule, cites, expert_leaves, qconfig.get("format"))
         if module.rsplit(".", 1)[-1] == "lm_head":
             if rule["lm_head"] == "unquantized":
                 return Decision(None, f"ParallelLMHead is built unquantized whatever the config says "
                                       f"({cites.get('lm_head', '')})", "keep lm_head bf16 (list it in ignore)")
+            if rule["lm_head"] == "by_name":
+                return _lm_head_by_name(module, targets, ignore, fused, rule, cites)
             try:
                 group, why = _scheme_dict(module, "ParallelLMHead", targets, ignore, fused, rule)
             except ValueError as exc:  # get_quant_method: a ValueError while matching builds it unquantized
@@ -323,13 +364,46 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     return Decision(built.scheme, f"{why}: {built.why}", built.fix, built.raises)
 
 
+def _lm_head_by_name(module: str, targets: dict, ignore: list[str], fused: dict, rule: dict, cites: dict) \
+        -> Decision:
+    """sglang get_lm_head_scheme: the head is quantized only where a target names it (exactly, ``re:`` or as
+    ignore's plain entries match) and ignore does not; class targets such as ``Linear`` do not count."""
+    skip, entry = ignored(module, ignore, fused, rule["ignore_match"])
+    plain = rule["ignore_match"].get("plain", "exact")
+    target = None if skip else next((t for t in targets if _hit(module, t, plain=plain)), None)
+    if target is None:
+        why = f"ignore entry {entry!r}" if skip else "no config group target names it"
+        return Decision(None, f"ParallelLMHead unquantized: {why} ({cites.get('lm_head', '')})")
+    group = targets[target]
+    if (group["weights"] or {}).get("block_structure"):
+        return Decision(None, f"target {target!r} names {module} with block-quantized weights "
+                              f"({cites.get('lm_head', '')})", "quantize lm_head per channel or per tensor, or keep "
+                              "it bf16", raises="Block-quantized lm_head is not supported; use channel or tensor "
+                                                "weight scales for the head.")
+    built = _built(group, "linear", module, rule, cites.get("linear_schemes", ""))
+    return Decision(built.scheme, f"target {target!r} names {module}: {built.why}", built.fix, built.raises)
+
+
+def _mxfp4_experts(targets: dict, top_format: str | None) -> bool:
+    """sglang _is_mxfp4_moe: the top-level format names mxfp4, or the FusedMoE / Linear target's weights are
+    symmetric float4 in groups of 32."""
+    if "mxfp4" in (top_format or ""):
+        return True
+    return any(_args(targets[key]["weights"])[:4] == ("float", 4, "group", True) and
+               targets[key]["weights"].get("group_size") == 32 for key in ("FusedMoE", "Linear") if key in targets)
+
+
 def _decide_moe(module: str, targets: dict, ignore: list[str], fused: dict, rule: dict, cites: dict,
-                expert_leaves: tuple[str, str, str]) -> Decision:
+                expert_leaves: tuple[str, str, str], top_format: str | None = None) -> Decision:
     """CompressedTensorsMoEMethod.get_moe_method: expert 0's three projections asked one by one."""
     how = rule["moe_match"]
     cls = how["class_name"]
     if "Linear" in targets and cls not in targets:  # _add_fused_moe_to_target_scheme_map
         targets = {**targets, cls: targets["Linear"]}
+    if rule.get("mxfp4_moe") == "before_ignore" and _mxfp4_experts(targets, top_format):
+        return Decision("mxfp4", f"an MXFP4 config: every FusedMoE is built MXFP4 before ignore is asked "
+                                 f"({cites.get('mxfp4_moe', '')})", "list no MXFP4 FusedMoE in ignore, or store "
+                                 "it MXFP4")
     leaves = expert_leaves if how["expert_leaves"] == "checkpoint" else EXPERT_LEAVES
     asked = [_scheme_dict(f"{module}.0.{leaf}", cls, targets, ignore, fused, rule) for leaf in leaves]
     groups = [_group_args(g) for g, _ in asked]
