@@ -26,9 +26,10 @@ import random
 import types
 
 import pytest
+from packaging.version import Version
 
 from quant.engines import format_rules
-from quant.engines.modelopt import decide
+from quant.engines.modelopt import decide, exclude_entries
 from quant.engines.rules import RuleSet, window
 from tests.quant.engine_sources import (
     WheelUnavailable,
@@ -174,19 +175,19 @@ def _dispatch(whl):
 
 @functools.cache
 def own_code(release: str):
-    """(qconfig, layer kind, module) -> what the release builds: a scheme label, None (unquantized), "raises",
-    or "other" (a config that is not ModelOpt's FP8 / FP4 one)."""
+    """(qconfig, layer kind, module, the class's packed_modules_mapping) -> what the release builds: a scheme
+    label, None (unquantized), "raises", or "other" (a config that is not ModelOpt's FP8 / FP4 one)."""
     whl = _wheel(release)
     ns, dispatch = _configs(whl), _dispatch(whl)
 
-    def built(qconfig: dict, kind: str, module: str):
+    def built(qconfig: dict, kind: str, module: str, packed: dict):
         cls = dispatch(qconfig)
         if cls is None:
             return None
         if cls not in ("ModelOptFp8Config", "ModelOptFp4Config"):
             return "other"
         try:
-            config = ns[cls].from_config({**copy.deepcopy(qconfig), "packed_modules_mapping": PACKED})
+            config = ns[cls].from_config({**copy.deepcopy(qconfig), "packed_modules_mapping": packed})
             with served_modules(LAYER_MODULES):
                 method = config.get_quant_method(LAYERS[kind](), module)
         except ValueError:
@@ -196,12 +197,16 @@ def own_code(release: str):
     return built
 
 
-def ours(release: str, qconfig: dict, kind: str, module: str, mapper: dict | None = None):
-    """The same question put to the replay, in the same words."""
+def _rules(release: str, model_class: str = "Qwen3MoeForCausalLM", packed: dict = PACKED) -> RuleSet:
     span = next(s for s in format_rules.format_spans("modelopt", "sglang") if s.covers(release))
-    rules = RuleSet("sglang", span.first, span.last, {"modelopt": span.values, "quark_fused": PACKED,
-                                                      "exclude_mapper": mapper},
-                    {f"modelopt.{r}": c for r, c in span.cites.items()})
+    return RuleSet("sglang", span.first, span.last, {"modelopt": span.values, "quark_fused": packed,
+                                                     "exclude_mapper": None},
+                   {f"modelopt.{r}": c for r, c in span.cites.items()}, model_class=model_class)
+
+
+def ours(release: str, qconfig: dict, kind: str, module: str, packed: dict):
+    """The same question put to the replay, in the same words."""
+    rules = _rules(release, packed=packed)
     decision = decide(module, moe=kind == "moe", draft=False, qconfig=qconfig, rules=rules)
     if decision.raises:
         return "other" if decision.raises.startswith("(not replayed)") else "raises"
@@ -223,6 +228,7 @@ ENTRIES = ["lm_head", "model.layers.{i}.self_attn", "model.layers.{i}.mlp.expert
            "*self_attn*", "mtp*", "mtp.*", "*.mlp.gate", "model.layers.{i}.", "model.layers.{i}", "model.layers.1",
            "*shared_experts*", "model.layers.{i}.mlp.shared_experts", "model.layers.{i}.self_attn.q_proj",
            "model.layers.{i}.self_attn.k_proj", "q_a_proj", "kv_b_proj", "model.layers.{i}.self_attn.q_a_proj",
+           "kv_a_proj_with_mqa", "model.layers.{i}.self_attn.kv_a_proj_with_mqa",
            "language_model.model.layers.{i}.self_attn", "model.layers.{i}.mlp.gate_proj",
            "model.layers.{i}.mlp.up_proj", "o_proj", "down_proj", "*", "layers", "gate_up_proj", "mlp.gate",
            "language_model.lm_head", "model.layers.{i}.mlp.shared_experts.down_proj", "*experts.0*", "experts"]
@@ -259,9 +265,11 @@ def test_each_release_builds_what_its_own_code_builds(release):
         rng = random.Random(release)
         for _ in range(150):
             qconfig = _qconfig(rng)
+            packed = rng.choice([PACKED, {}])  # a class that maps no shards: the release's fallback, if any
             for kind, name in MODULES:
                 module = name.format(i=rng.choice([1, 10]))
-                assert ours(release, qconfig, kind, module) == built(qconfig, kind, module), (release, qconfig, module)
+                assert ours(release, qconfig, kind, module, packed) == built(qconfig, kind, module, packed), \
+                    (release, qconfig, module, packed)
     finally:
         logging.disable(logging.NOTSET)
 
@@ -353,13 +361,6 @@ def test_bf16_drafts_are_the_drafts_that_drop_the_fp4_config(release):
         assert _drops_fp4(text) == (main in span.values["bf16_drafts"]), (release, main, path)
 
 
-def _rules(release: str, model_class: str = "Qwen3MoeForCausalLM") -> RuleSet:
-    span = next(s for s in format_rules.format_spans("modelopt", "sglang") if s.covers(release))
-    return RuleSet("sglang", span.first, span.last, {"modelopt": span.values, "quark_fused": PACKED,
-                                                     "exclude_mapper": None},
-                   {f"modelopt.{r}": c for r, c in span.cites.items()}, model_class=model_class)
-
-
 NVFP4_FLAT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
 
 
@@ -431,3 +432,47 @@ def test_nvfp4_in_config_json_is_refused_by_0_5_9():
     assert found.raises and "only supports static FP8" in found.raises
     assert decide("model.layers.0.mlp.down_proj", moe=False, draft=False, qconfig=NVFP4_FLAT,
                   rules=_rules("0.5.10")).scheme == "nvfp4"
+
+
+MAPPER = {"style": "sglang", "kinds": [], "substr": {"model.layers.61": "model.decoder", "vision": None},
+          "prefix": {"model.language_model.": "language_model.model."}, "suffix": None}
+
+
+@pytest.mark.parametrize("release", _releases())
+def test_exclude_list_through_the_class_mapper(release):
+    """A class with a weight-name mapper: the exclude list as the release's own apply_weight_name_mapper leaves
+    it (its WeightsMapper, models/utils.py) is the list the replay matches."""
+    whl = _wheel(release)
+    import torch
+    mapper_cls = load(whl, "sglang/srt/models/utils.py", ["WeightsMapper"],
+                      extra={"torch": torch, "WeightsMapping": dict})["WeightsMapper"]
+    fp4_config = _configs(whl)["ModelOptFp4Config"]
+    mapper = mapper_cls(orig_to_new_substr=MAPPER["substr"], orig_to_new_prefix=MAPPER["prefix"])
+    rng = random.Random(release)
+    entries = ["model.layers.61.mlp.experts*", "model.language_model.layers.1.self_attn", "vision_tower*",
+               "language_model.lm_head", "model.language_model.layers.2.mlp", "lm_head", "language_model.model.x"]
+    for _ in range(40):
+        chosen = rng.sample(entries, rng.randint(1, len(entries)))
+        qconfig = {"producer": {"name": "modelopt"},
+                   "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": list(chosen)}}
+        config = fp4_config.from_config({**copy.deepcopy(qconfig), "packed_modules_mapping": {}})
+        config.apply_weight_name_mapper(mapper)
+        rules = RuleSet("sglang", release, release, {**_rules(release).values, "exclude_mapper": MAPPER}, {})
+        assert exclude_entries(qconfig, rules) == config.exclude_modules, (release, chosen)
+
+
+@pytest.mark.parametrize("release", ["0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13"])
+def test_fused_shards_without_the_class_mapping(release):
+    """A class that maps no shards: from 0.5.11 sglang still asks qkv_proj's and gate_up_proj's shards
+    (_FALLBACK_FUSED_SHARDS), so a list naming some of them raises; 0.5.10 matches the fused name as is (a
+    gate_up_proj whose gate and up are both listed is skipped in every release)."""
+    qconfig = {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16,
+        "exclude_modules": ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.gate_proj",
+                            "model.layers.1.mlp.up_proj"]}}
+    built = own_code(release)
+    for module in ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+        assert ours(release, qconfig, "linear", module, {}) == built(qconfig, "linear", module, {}), module
+    late = Version(release) >= Version("0.5.11")
+    assert ours(release, qconfig, "linear", "model.layers.1.self_attn.qkv_proj", {}) == ("raises" if late else "nvfp4")
+    assert ours(release, qconfig, "linear", "model.layers.1.mlp.gate_up_proj", {}) is None
