@@ -50,6 +50,10 @@ PRESETS = {
     "FP8_BLOCK": ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
                   {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True},
                   "float-quantized"),
+    "FP8A16": ({"num_bits": 8, "type": "float", "strategy": "tensor"}, None, "float-quantized"),
+    "FP8A16_CHANNEL": ({"num_bits": 8, "type": "float", "strategy": "channel"}, None, "float-quantized"),
+    "FP8A16_BLOCK": ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}, None,
+                     "float-quantized"),
     "NVFP4A16": ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, None,
                  "nvfp4-pack-quantized"),
     "NVFP4": ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
@@ -78,6 +82,7 @@ IGNORES = {
     "substring": ["lm_head", "layers.1.", "shared_experts"],
     "suffix": ["lm_head", "self_attn.o_proj", "mlp.experts.0.gate_proj"],
     "upper_case": ["LM_HEAD", "Model.Layers.0.Self_Attn.O_Proj"],
+    "partial_suffix": ["lm_head", "attn.o_proj"],
     "none": [],
 }
 
@@ -117,8 +122,18 @@ def _configs():
     block = PRESETS["FP8_BLOCK"]
     yield "lm_head_block", _config({"group_0": {"targets": ["Linear", "lm_head"], "weights": block[0],
                                                 "input_activations": block[1]}}, [], "float-quantized")
+    yield "lm_head_target_ignored", _config({"group_0": {"targets": ["Linear", "lm_head"], "weights": fp8[0],
+                                                         "input_activations": fp8[1]}}, ["lm_head"], "float-quantized")
     yield "lm_head_not_ignored", _preset_config("NVFP4", [])
     yield "mxfp4_ignored_experts", _preset_config("MXFP4A16", IGNORES["expert_projections"])
+    mxfp4 = PRESETS["MXFP4A16"]
+    yield "mxfp4_experts_by_regex", _config({"group_0": {"targets": ["re:.*mlp.experts.*"], "weights": mxfp4[0]}},
+                                            IGNORES["expert_projections"], mxfp4[2])
+    yield "mxfp4_in_mixed_precision", _config({  # the format said only by the group
+        "group_0": {"targets": ["Linear"], "weights": mxfp4[0], "format": mxfp4[2]}}, ["lm_head"], "mixed-precision")
+    yield "weightless_group", _config({  # an activations-only group beside the weights' (refused when read)
+        "group_0": {"targets": ["Linear"], "weights": fp8[0], "input_activations": fp8[1]},
+        "group_1": {"targets": ["re:.*self_attn.*"], "input_activations": fp8[1]}}, ["lm_head"], "float-quantized")
 
 
 def _label(built, qconfig: dict) -> str | None:
