@@ -308,7 +308,10 @@ def parse(fmt: str, qconfig: dict) -> Config:
         if not isinstance(algo, str):
             raise UnsupportedScheme(f"quantization_config.{where}quant_algo is {algo!r:.60}; a ModelOpt config names "
                                     "its quant_algo (FP8, NVFP4, ...): restore the exported config")
-        ignore = body.get("exclude_modules", body.get("ignore", [])) or []
+        # hf_quant_config.json's "quantization" names them exclude_modules; a flat config.json export writes
+        # "ignore" (vLLM 0.34.0 modelopt.py ModelOptQuantConfigBase.from_config reads it first)
+        nested = body is not qconfig
+        ignore = (body.get("exclude_modules") if nested else body.get("ignore", body.get("exclude_modules"))) or []
         if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
             raise UnsupportedScheme(f"quantization_config.{where}exclude_modules is {ignore!r:.60}, not a list of "
                                     "module patterns; restore the exported config")

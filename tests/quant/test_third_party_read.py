@@ -312,3 +312,13 @@ def test_a_method_no_checker_reads_is_named_as_such(tmp_path, checkpoints):
     with pytest.raises(UnreadableCheckpoint, match="quant_method 'gptq' is not a format gate checkpoint reads") as info:
         verify(folder, "vllm==0.34.0")
     assert info.value.exit_code == 2
+
+
+def test_modelopt_flat_config_reads_ignore_first():
+    flat = parse(MODELOPT, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+                            "exclude_modules": ["model.layers.0.self_attn.q_proj"]})
+    assert flat.resolve("lm_head") is None
+    assert flat.resolve("model.layers.0.self_attn.q_proj").label == "fp8"
+    nested = parse(MODELOPT, {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "FP8", "exclude_modules": ["model.layers.0.self_attn.q_proj"]}})
+    assert nested.resolve("model.layers.0.self_attn.q_proj") is None
