@@ -479,6 +479,9 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                     "quantize all of them or none" if kind not in THIRD_PARTY else "store all of them in one scheme")
             continue
         quantized_on_disk = on_disk.pop()
+        if kind in THIRD_PARTY and em.build != "bf16":  # the format's rules decide (quant.engines.format_rules)
+            _third_party(ctx, em, name, what, quantized_on_disk, finding, slots)
+            continue
         if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
             outcome = f"the packed {fmt_name} rows are permuted but not their scales: it loads wrong" \
                 if rules["qk_rotary_permute"].get("scales_left") else \
