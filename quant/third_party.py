@@ -49,8 +49,9 @@ NVFP4, MXFP4, INT4, INT8 = "nvfp4", "mxfp4", "int4", "int8"
 FP8, FP8_CHANNEL, FP8_BLOCK, MXFP8 = "fp8", "fp8-channel", "fp8-block", "mxfp8"
 LABELS = (NVFP4, MXFP4, INT4, INT8, FP8, FP8_CHANNEL, FP8_BLOCK, MXFP8)
 
-FLOATS = ("BF16", "F16", "F32")  # a compressed-tensors scale keeps the dtype of the weight it was observed on
-F32 = ("F32",)
+# a float scale: compressed-tensors keeps the dtype of the weight it was observed on, ModelOpt writes F32 (its
+# block FP8 scale in the weight's dtype), and the engines copy any of them into their float32 parameters
+FLOATS = ("BF16", "F16", "F32")
 E4M3 = ("F8_E4M3",)
 E8M0 = ("U8",)
 
@@ -144,11 +145,11 @@ class Scheme:
         scale = self.scale_shape(out, inner)
         if self.label == NVFP4:
             rows.append(Stored("weight_scale", E4M3, scale))
-            rows.append(Stored("weight_global_scale" if self.fmt == CT else "weight_scale_2", F32, None))
+            rows.append(Stored("weight_global_scale" if self.fmt == CT else "weight_scale_2", FLOATS, None))
         elif self.label in (MXFP4, MXFP8):
             rows.append(Stored("weight_scale", E8M0, scale))
         else:
-            rows.append(Stored("weight_scale", FLOATS if self.fmt == CT else F32, scale))
+            rows.append(Stored("weight_scale", FLOATS, scale))
         if self.packed_words:
             rows.append(Stored("weight_shape", ("I64", "I32"), (2,)))
         if not self.symmetric:
@@ -156,8 +157,7 @@ class Scheme:
             rows.append(Stored("weight_zero_point", ("I32",) if self.packed_words else ("I8", "I32", *FLOATS),
                                zero))
         if self.input_scale:
-            rows.append(Stored(self.input_scale, F32 if self.input_scale == "input_global_scale" else
-                               (FLOATS if self.fmt == CT else F32), None, activation=True))
+            rows.append(Stored(self.input_scale, FLOATS, None, activation=True))
         return rows
 
 

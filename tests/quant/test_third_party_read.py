@@ -32,6 +32,9 @@ NVFP4_CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantize
                                       "dynamic": "local"}}}}
 
 
+FLOATS = ("BF16", "F16", "F32")
+
+
 def table(scheme, out, inner):
     return {row.suffix: (row.dtypes, row.shape) for row in scheme.tensors(out, inner)}
 
@@ -71,12 +74,11 @@ def test_schemes_not_read_are_refused_by_name(fmt, spec, named):
 def test_nvfp4_tensors_from_the_logical_shape():
     scheme = parse(CT, NVFP4_CT).schemes[0]
     assert table(scheme, 64, 128) == {"weight_packed": (("U8",), (64, 64)), "weight_scale": (("F8_E4M3",), (64, 8)),
-                                      "weight_global_scale": (("F32",), None),
-                                      "input_global_scale": (("F32",), None)}
+                                      "weight_global_scale": (FLOATS, None), "input_global_scale": (FLOATS, None)}
     modelopt = parse(MODELOPT, {"producer": {"name": "modelopt"},
                                 "quantization": {"quant_algo": "NVFP4", "group_size": 16}}).schemes[0]
     assert table(modelopt, 64, 128) == {"weight": (("U8",), (64, 64)), "weight_scale": (("F8_E4M3",), (64, 8)),
-                                        "weight_scale_2": (("F32",), None), "input_scale": (("F32",), None)}
+                                        "weight_scale_2": (FLOATS, None), "input_scale": (FLOATS, None)}
 
 
 def test_pack_quantized_int4_asymmetric_tensors():
@@ -95,7 +97,7 @@ def test_fp8_block_and_channel_scales():
         "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}).schemes[0]
     assert table(block, 300, 256)["weight_scale"] == (("BF16", "F16", "F32"), (3, 2))
     channel = parse(MODELOPT, {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}).schemes[0]
-    assert table(channel, 300, 256) == {"weight": (("F8_E4M3",), (300, 256)), "weight_scale": (("F32",), (300,))}
+    assert table(channel, 300, 256) == {"weight": (("F8_E4M3",), (300, 256)), "weight_scale": (FLOATS, (300,))}
 
 
 def test_compressed_tensors_matching_ignore_then_exact_regex_class():
@@ -254,7 +256,7 @@ EXPERT = "model.layers.1.mlp.experts.2.up_proj"
      f"{EXPERT}.weight_scale", "BF16[32, 1], expected BF16/F16/F32[32, 2]"),
     ("ct-int4", lambda t: t.pop(f"{EXPERT}.weight_zero_point"), f"{EXPERT}.weight_zero_point", "missing"),
     ("mo-nvfp4-hf-only", lambda t: t.update({f"{EXPERT}.weight_scale_2": torch.ones(2)}),
-     f"{EXPERT}.weight_scale_2", "F32[2], expected F32[] or [1]"),
+     f"{EXPERT}.weight_scale_2", "F32[2], expected BF16/F16/F32[] or [1]"),
     ("mo-fp8", lambda t: t.update({f"{EXPERT}.weight": t[f"{EXPERT}.weight"].to(torch.int8)}), f"{EXPERT}.weight",
      "I8[32, 64] with weight_scale F32[]: no scheme of the config stores a weight so"),
 ])
@@ -322,3 +324,20 @@ def test_modelopt_flat_config_reads_ignore_first():
     nested = parse(MODELOPT, {"producer": {"name": "modelopt"}, "quantization": {
         "quant_algo": "FP8", "exclude_modules": ["model.layers.0.self_attn.q_proj"]}})
     assert nested.resolve("model.layers.0.self_attn.q_proj") is None
+
+
+MODELOPT_ALGOS = ["NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8"]
+
+
+@pytest.mark.parametrize("algo", MODELOPT_ALGOS)
+def test_tensor_table_is_what_modelopt_exports(algo):
+    """Every tensor nvidia-modelopt 0.47.0's own export functions make for a [384, 256] Linear
+    (third_party_checkpoints: torch/export/quant_utils.py to_quantized_weight and its QTensor classes), as
+    ``Scheme.tensors`` says; the per-tensor scales are scalars ([])."""
+    scheme = parse(MODELOPT, {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16}).schemes[0]
+    weight = torch.randn(384, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    written = {suffix: (ST_DTYPES[t.dtype], tuple(t.shape)) for suffix, t in quantized(scheme, weight).items()}
+    rows = scheme.tensors(384, 256)
+    assert set(written) == {row.suffix for row in rows}
+    for row in rows:
+        assert row.problem(*written[row.suffix]) is None, (row.suffix, written[row.suffix])

@@ -3,10 +3,8 @@ tiny bf16 checkpoint (``family_checkpoints``).
 
 compressed-tensors tensors are written by the compressed-tensors library itself (0.20.1: its
 ``calculate_qparams`` / ``generate_gparam`` for the scales, its registered compressor for the format).
-ModelOpt's are written from the format's definition (as vLLM's ModelOpt methods load them): NVFP4 as
-compressed-tensors NVFP4 with the global scale stored inverted (``weight_scale_2`` = 1 / global scale,
-dequant = e2m1 * weight_scale * weight_scale_2), FP8 per tensor / per channel / per 128x128 block as
-``weight`` E4M3 and an F32 ``weight_scale`` (dequant = fp8 * scale).
+ModelOpt's by nvidia-modelopt 0.47.0's own export functions (NVFP4: dequant = e2m1 * weight_scale *
+weight_scale_2; FP8 per tensor / per channel / per 128x128 block: dequant = fp8 * weight_scale; MXFP8).
 
 ``stored`` (module name -> Scheme or None) writes a module otherwise than the config says, as the
 incidents' checkpoints are.
@@ -22,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from quant.layout import family_named
-from quant.third_party import CT, FP8_BLOCK, FP8_CHANNEL, MODELOPT, NVFP4, Config, Scheme, parse
+from quant.third_party import CT, FP8_BLOCK, FP8_CHANNEL, MODELOPT, MXFP8, NVFP4, Config, Scheme, parse
 from tests.quant.family_checkpoints import write_family_checkpoint, write_shards
 
 FP8_MAX = 448.0
@@ -101,30 +99,36 @@ def quantized(scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors ``scheme`` stores for one bf16 ``weight`` [out, in]."""
     if scheme.fmt == CT:
         return _ct(scheme, weight)
+    return _modelopt(scheme, weight)
+
+
+def _modelopt(scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """nvidia-modelopt 0.47.0's own export of ``weight`` (torch/export/quant_utils.py ``to_quantized_weight``
+    and the QTensor classes it calls), scales as its export computes them from the weight's amax."""
+    from modelopt.torch.export.model_config import QUANTIZATION_FP8, QUANTIZATION_FP8_PC_PT
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+    from modelopt.torch.quantization.qtensor import FP8QTensor, MXFP8QTensor, NVFP4QTensor
+
     if scheme.label == NVFP4:
-        ct = _ct(Scheme(CT, NVFP4, "nvfp4-pack-quantized", 4, "tensor_group", scheme.group), weight)
-        out = {"weight": ct["weight_packed"], "weight_scale": ct["weight_scale"],
-               "weight_scale_2": (1 / ct["weight_global_scale"]).reshape(())}
-        if scheme.input_scale:
-            out["input_scale"] = torch.tensor(0.05, dtype=torch.float32)
-        return out
-    w = weight.float()
-    if scheme.label == FP8_CHANNEL:
-        scale = w.abs().amax(dim=1) / FP8_MAX
-        codes = w / scale[:, None]
+        scale_2 = NVFP4QTensor.get_weights_scaling_factor_2(weight)
+        scale, _ = NVFP4QTensor.get_weights_scaling_factor(weight, scheme.group, scale_2)
+        codes = NVFP4QTensor.quantize(weight, scheme.group, scale, scale_2)[0]._quantized_data
+        out = {"weight": codes, "weight_scale": scale, "weight_scale_2": scale_2.float().reshape(())}
     elif scheme.label == FP8_BLOCK:
-        rows, cols = scheme.block
-        pad = torch.nn.functional.pad(w, (0, -w.shape[1] % cols, 0, -w.shape[0] % rows))
-        blocks = pad.reshape(pad.shape[0] // rows, rows, pad.shape[1] // cols, cols)
-        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-        codes = w / scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:w.shape[0], :w.shape[1]]
+        codes, scale = FP8QTensor.quantize(weight, block_sizes={-1: scheme.block[1], -2: scheme.block[0]})
+        out = {"weight": codes._quantized_data, "weight_scale": scale.float()}
+    elif scheme.label == MXFP8:
+        codes, scale = MXFP8QTensor.quantize(weight)
+        out = {"weight": codes._quantized_data, "weight_scale": scale}
+    elif scheme.label == FP8_CHANNEL:
+        scale = weight.float().abs().amax(dim=1) / FP8_MAX
+        out = {"weight": to_quantized_weight(weight, scale, QUANTIZATION_FP8_PC_PT), "weight_scale": scale}
     else:
-        scale = (w.abs().amax() / FP8_MAX).reshape(())
-        codes = w / scale
-    out = {"weight": codes.to(torch.float8_e4m3fn), "weight_scale": scale.to(torch.float32)}
+        scale = (weight.float().abs().amax() / FP8_MAX).reshape(())
+        out = {"weight": to_quantized_weight(weight, scale, QUANTIZATION_FP8), "weight_scale": scale}
     if scheme.input_scale:
         out["input_scale"] = torch.tensor(0.05, dtype=torch.float32)
-    return out
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _ct(scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
