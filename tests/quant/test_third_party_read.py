@@ -341,3 +341,20 @@ def test_tensor_table_is_what_modelopt_exports(algo):
     assert set(written) == {row.suffix for row in rows}
     for row in rows:
         assert row.problem(*written[row.suffix]) is None, (row.suffix, written[row.suffix])
+
+
+@pytest.mark.parametrize("content, named", [
+    ("{not json", "hf_quant_config.json"),
+    (json.dumps({"producer": {"name": "someone-else"}, "quantization": {"quant_algo": "W4AFP8"}}),
+     "hf_quant_config.json: quant_method None is not a format gate checkpoint reads"),
+    (json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "W4A8_AWQ"}}),
+     "hf_quant_config.json: ModelOpt quant_algo 'W4A8_AWQ' is not read"),
+])
+def test_a_bad_hf_quant_config_is_one_line(tmp_path, checkpoints, content, named):
+    folder = tmp_path / "hf"
+    shutil.copytree(checkpoints["mo-nvfp4-hf-only"], folder)
+    (folder / "hf_quant_config.json").write_text(content)
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and named in lines[0], lines
