@@ -84,6 +84,10 @@ def write_third_party(dst: Path, family: str, qconfig: dict, *, hf_quant_config_
         if scheme is None:
             out[name] = tensor
         else:
+            step = scheme.block[1] if scheme.block else scheme.group or 1
+            if tensor.shape[1] % step:  # the producers refuse (or pad) it: a test ignores such a module
+                raise ValueError(f"{module} {list(tensor.shape)}: its columns are not a multiple of {step}; "
+                                 "ignore it in the config")
             out.update({f"{module}.{suffix}": t for suffix, t in quantized(scheme, tensor).items()})
     write_shards(out, dst)
     saved = json.loads((dst / "config.json").read_text())
