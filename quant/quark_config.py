@@ -34,6 +34,13 @@ def format_kind(qconfig) -> str | None:
     if (isinstance(method, str) and method.startswith("modelopt")) or \
             (isinstance(producer, dict) and producer.get("name") == "modelopt"):
         return "modelopt"
+    # ModelOpt's own layout without a method or producer: sglang reads {"quantization": {"quant_algo": ...}} as
+    # ModelOpt whoever wrote it (0.5.9 configs/model_config.py ModelConfig._parse_modelopt_quant_config), vLLM
+    # by its legacy key (0.26.0 model_arch_config_convertor.py _normalize_quantization_config:
+    # "modelopt_quant_config" in it)
+    nested = qconfig.get("quantization")
+    if method is None and isinstance(nested, dict) and "quant_algo" in nested:
+        return "modelopt"
     return None
 
 

@@ -345,8 +345,9 @@ def test_tensor_table_is_what_modelopt_exports(algo):
 
 @pytest.mark.parametrize("content, named", [
     ("{not json", "hf_quant_config.json"),
-    (json.dumps({"producer": {"name": "someone-else"}, "quantization": {"quant_algo": "W4AFP8"}}),
+    (json.dumps({"producer": {"name": "someone-else"}, "quantization": {"bits": 4}}),
      "hf_quant_config.json: quant_method None is not a format gate checkpoint reads"),
+    (json.dumps({"quantization": {"quant_algo": "W4AFP8"}}), "ModelOpt quant_algo 'W4AFP8' is not read"),
     (json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "W4A8_AWQ"}}),
      "hf_quant_config.json: ModelOpt quant_algo 'W4A8_AWQ' is not read"),
 ])
@@ -358,3 +359,14 @@ def test_a_bad_hf_quant_config_is_one_line(tmp_path, checkpoints, content, named
                           text=True, timeout=120, check=False)
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and named in lines[0], lines
+
+
+def test_modelopt_layout_without_producer_is_modelopt(tmp_path, checkpoints):
+    """sglang reads {"quantization": {"quant_algo": ...}} as ModelOpt whoever wrote it; so does the checker."""
+    folder = tmp_path / "anon"
+    shutil.copytree(checkpoints["mo-nvfp4-hf-only"], folder)
+    (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                                               "exclude_modules": ["lm_head",
+                                                                                                   "*.mlp.gate"]}}))
+    modules, problems = modules_of(folder)
+    assert problems == [] and {m.label for m in modules.values()} == {"nvfp4"} and len(modules) == QWEN_QUANTIZED
