@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant import blocks
-from quant.checkpoint import Checkpoint, config_int
+from quant import blocks, third_party
+from quant.checkpoint import HF_QUANT_CONFIG, Checkpoint, config_int
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
 from quant.fused import name_pattern, pieces
@@ -27,6 +27,7 @@ from quant.plan import (
     tokenizer_warnings,
     check_structure,
 )
+from quant.quark_config import format_kind
 from quant.safetensors_io import ShardHeader, TensorInfo, numel
 from quant.structure import declared_counts
 
@@ -168,11 +169,85 @@ def _blocks_back(checkpoint: Checkpoint, family: Family) -> dict[str, list[Tenso
     return by_file
 
 
+# The schemes ``quant.formats.third_party_decode`` decodes (MXFP8 is read by gate checkpoint, not decoded)
+DECODED_SCHEMES = (third_party.NVFP4, third_party.MXFP4, third_party.INT4, third_party.INT8, third_party.FP8,
+                   third_party.FP8_CHANNEL, third_party.FP8_BLOCK)
+QUANTIZED_DTYPES = ("U8", "I8", "I32", "F8_E4M3", "F8_E5M2")  # a weight stored so is not a bf16 one
+KV_CACHE_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")  # a quantized KV cache's; none in bf16
+
+
+def _third_party_shards(checkpoint: Checkpoint, fmt: str) -> tuple[ShardPlan, ...]:
+    """A compressed-tensors or ModelOpt checkpoint: each module it stores quantized (``third_party.read_modules``:
+    the format's own matching of its config to the modules) decoded to ``<module>.weight`` bf16 by its scheme,
+    the scales, zero points and ``weight_shape`` it reads consumed, its static activation scales and the KV
+    cache's scales dropped (a bf16 model quantizes neither); everything else copied. Refused, naming the
+    tensor: a layout problem (gate checkpoint lists them all), a scheme not decoded, a module's tensors split
+    across shards, and a weight stored quantized that no scheme of the config decodes."""
+    where = checkpoint.quantization_config_source
+    try:
+        config = third_party.parse(fmt, checkpoint.quantization_config)
+    except third_party.UnsupportedScheme as exc:
+        raise PlanError(f"{where}: {exc}") from None
+    tensors = checkpoint.tensors()
+    modules, problems = third_party.read_modules(tensors, config)
+    if problems:
+        name, why, fix = problems[0]
+        raise PlanError(f"{checkpoint.folder}: {name}: {why}; {fix} (gate checkpoint lists every problem: "
+                        f"{len(problems)} here)")
+    file_of = {name: file for file, header in checkpoint.headers.items() for name in header.tensors}
+    decoded: dict[str, TensorPlan] = {}  # stored weight -> its DECODE
+    consumed: set[str] = set()
+    for module, found in sorted(modules.items()):
+        scheme = found.scheme
+        weight = tensors[f"{module}.{scheme.weight}"]
+        if scheme.label not in DECODED_SCHEMES:
+            raise PlanError(f"{checkpoint.folder}: {weight.name}: {scheme.label} ({scheme.fmt} {scheme.storage}) is "
+                            f"read by gate checkpoint but not decoded; --to bf16 decodes {', '.join(DECODED_SCHEMES)}")
+        rows = [row for row in scheme.tensors(*found.shape)[1:] if f"{module}.{row.suffix}" in tensors]
+        for row in rows:
+            other = f"{module}.{row.suffix}"
+            if file_of[other] != file_of[weight.name]:
+                raise PlanError(f"{checkpoint.folder}: {other} is in {file_of[other]}, {weight.name} in "
+                                f"{file_of[weight.name]}: --to bf16 decodes a module from the tensors in its weight's "
+                                "shard; re-shard the checkpoint so each module's tensors share a file")
+            consumed.add(other)
+        params = tuple(tensors[f"{module}.{row.suffix}"] for row in rows if not row.activation)
+        decoded[weight.name] = TensorPlan(weight, DECODE, ((f"{module}.weight", "BF16", found.shape),),
+                                          scale=tensors.get(f"{module}.weight_scale"), scheme=scheme, params=params)
+    consumed.update(name for name in tensors if name.endswith(KV_CACHE_SCALES))
+    left = [info for name, info in sorted(tensors.items()) if name not in decoded and name not in consumed
+            and info.dtype in QUANTIZED_DTYPES and name.endswith((".weight", ".weight_packed"))]
+    if left:
+        raise PlanError(f"{checkpoint.folder}: {left[0].name} is {left[0].dtype}{list(left[0].shape)}: stored "
+                        f"quantized, but no {fmt} scheme of the config decodes it ({len(left)} such; a stacked 3-D "
+                        "expert tensor is not decoded): the output would not be a bf16 checkpoint")
+    shards = []
+    for file, header in checkpoint.headers.items():
+        plans = []
+        for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+            if info.name in decoded:
+                plans.append(decoded[info.name])
+            elif info.name in consumed:
+                plans.append(TensorPlan(info, CONSUMED, ()))
+            else:
+                plans.append(TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),)))
+        shards.append(ShardPlan(file, header.file_size, tuple(plans), header.identity, header.header_sha256))
+    return tuple(shards)
+
+
 def make_decode_plan(source: Path | Checkpoint, family: Family | None = None) -> Plan:
     """``--to bf16``: every weight stored in the checkpoint's declared format decoded exactly to bf16;
     a family whose release stores its experts fused (``family``, else the config's, if any) gets
     them back in that release's fused tensors."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
+    # hf_quant_config.json is ModelOpt's config: the engines would read the bf16 output as quantized by it
+    aux = tuple(name for name in aux_files(checkpoint.folder) if name != HF_QUANT_CONFIG)
+    if fmt := format_kind(checkpoint.quantization_config):  # each module by its own scheme; experts stay per expert
+        shards = _third_party_shards(checkpoint, fmt)
+        warnings = _index_warnings(checkpoint) + tokenizer_warnings(checkpoint)
+        if not any(t.action == DECODE for s in shards for t in s.tensors):
+            warnings.append(f"no {fmt} weight found: the output is a copy with the quantization config removed")
+        return Plan(checkpoint.folder, checkpoint.config, get_codec(fmt), "bf16", shards, aux, tuple(warnings))
     if family is None:
         try:
             family = family_for(checkpoint.config)
@@ -192,8 +267,7 @@ def make_decode_plan(source: Path | Checkpoint, family: Family | None = None) ->
                              header.identity, header.header_sha256) for file, header in checkpoint.headers.items())
     if not any(t.action in (DECODE, ASSEMBLE) for s in shards for t in s.tensors):
         warnings.append(f"no {codec.name} weight found: the output is a copy with the quantization_config removed")
-    return Plan(checkpoint.folder, checkpoint.config, codec, "bf16", shards, aux_files(checkpoint.folder),
-                tuple(warnings), family)
+    return Plan(checkpoint.folder, checkpoint.config, codec, "bf16", shards, aux, tuple(warnings), family)
 
 
 __all__ = ["make_decode_plan"]

@@ -70,6 +70,10 @@ class TensorPlan:
     # ``fused_experts.writes: stacked``: ENCODE writes the pieces, expert by expert, into the two
     # ``outputs`` as one stacked weight and one stacked scale under the fused tensor's name
     stacked: bool = False
+    # DECODE of a third-party checkpoint: the module's scheme (``quant.third_party.Scheme``) and every
+    # other tensor of it the decode reads (scales, zero points, weight_shape), all in this shard
+    scheme: object | None = None
+    params: tuple[TensorInfo, ...] = ()
 
     def linear_modules(self) -> list[tuple[str, tuple[int, int]]]:
         """The Linear modules this tensor holds, by the engines' per-expert names, with their [out, in]."""
@@ -140,6 +144,8 @@ class Plan:
 
     def output_config(self) -> dict:
         config = strip_quantization_config(self.config)
+        if self.decodes:  # compressed-tensors' older key, which the engines read as quantization_config
+            config.pop("compression_config", None)
         written = dict(self.family.config_keys) if self.family else {}
         for keys in written.values():  # a decode (or another format) leaves none of them behind
             for key, _ in keys:

@@ -172,6 +172,45 @@ def _decode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
             writer.write(name, (e * rows + start) * cols * 2, out.data)
 
 
+def _decode_scheme_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
+                          advance: Callable[[int], None], timing: dict, early: dict[str, bytes]) -> None:
+    """Decode one module of a third-party checkpoint by its scheme (``quant.formats.third_party_decode``),
+    in chunks of rows; its scales and zero points (``tensor.params``) are read whole first (from ``early``
+    where the file holds them before the weight). Scales the format forbids (NaN, Inf, a zero global
+    scale), a ``weight_shape`` other than the planned one and any value decoding to NaN/Inf are refused
+    naming the tensor, never written."""
+    from quant.formats import third_party_decode
+
+    info, scheme = tensor.source, tensor.scheme
+    name, _, (rows, cols) = tensor.outputs[0]
+    module = name.removesuffix(".weight")
+    where = f"{job.source_dir / job.shard.file}: tensor"
+    fix = "the checkpoint is corrupt: re-export it (gate checkpoint --deep lists every such tensor)"
+    stored = {p.name[len(module) + 1:]: (p.dtype, tuple(p.shape),
+                                         early.pop(p.name, None) or reader.peek(p.begin, p.nbytes))
+              for p in tensor.params}
+    try:
+        params = third_party_decode.load_params(scheme, stored, rows, cols)
+    except ValueError as exc:
+        raise SourceError(f"{where} {module}: {exc}; {fix}") from None
+    if problem := third_party_decode.param_problem(scheme, params):
+        raise SourceError(f"{where} {module}.{problem}; {fix}")
+    row_bytes = info.nbytes // rows
+    step = max(1, CHUNK_BYTES // (cols * 2))  # bounded by the bf16 written
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        codes = np.frombuffer(reader.read(info.begin + start * row_bytes, count * row_bytes), np.uint8)
+        started = time.perf_counter()
+        out = third_party_decode.decode_rows(scheme, codes.reshape(count, row_bytes), start, cols, params,
+                                             job.kernel_threads)
+        if (bad := first_non_finite(out.data, "BF16")) is not None:
+            raise SourceError(f"{where} {info.name}: decodes to NaN/Inf at row {start + bad // cols}, column "
+                              f"{bad % cols} (a NaN code, or a scale too large for bf16); {fix}")
+        timing["kernel"] += time.perf_counter() - started
+        writer.write(name, start * cols * 2, out.data)
+        advance(count * row_bytes)
+
+
 def _assemble_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter, job: ShardJob,
                      advance: Callable[[int], None], timing: dict) -> None:
     """Write one fused tensor (``--to bf16`` of a fused family) from its experts' weights, expert by
@@ -269,6 +308,10 @@ def convert_shard(job: ShardJob, advance: Callable[[int], None] = lambda n: None
         for tensor in shard.tensors:  # the plan decided each tensor's action; this only carries it out
             if tensor.action == ENCODE:
                 errors[tensor.source.name] = _encode_tensor(reader, tensor, writer, job, advance, timing)
+            elif tensor.action == DECODE and tensor.scheme is not None:
+                _decode_scheme_tensor(reader, tensor, writer, job, advance, timing, early_scales)
+                used_scales.update(p.name for p in tensor.params)
+                decoded.append(tensor.source.name)
             elif tensor.action == DECODE:
                 _decode_tensor(reader, tensor, writer, job, advance, timing, early_scales.pop(tensor.scale.name, None))
                 used_scales.add(tensor.scale.name)

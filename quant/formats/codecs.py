@@ -338,6 +338,17 @@ class BlockFP8Codec(Codec):
         return config_kind(qconfig) == "fp8"
 
 
+class ThirdPartyCodec(Codec):
+    """A checkpoint another tool wrote (compressed-tensors, ModelOpt), which quantgate decodes (``--to bf16``)
+    and never writes: each module by its own scheme (``TensorPlan.scheme``, ``quant.formats.third_party_decode``)."""
+
+    family = "third-party"
+    row_multiple = 1
+
+    def __init__(self, name: str):
+        self.name = name
+
+
 _MXFP6_WARNING = ("vLLM loads MXFP6 (emulated); sglang's Quark loader accepts only fp4 today and will refuse "
                   "this checkpoint")
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -348,9 +359,13 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
 )}
 
 
+DECODED_ONLY: dict[str, Codec] = {c.name: c for c in (ThirdPartyCodec("compressed-tensors"),
+                                                       ThirdPartyCodec("modelopt"))}
+
+
 def get_codec(name: str) -> Codec:
     try:
-        return CODECS[name]
+        return CODECS[name] if name in CODECS else DECODED_ONLY[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; known: {', '.join(CODECS)}") from None
 

@@ -44,12 +44,6 @@ def as_float(dtype: str, values: np.ndarray) -> np.ndarray:
     return values.astype(np.float32)
 
 
-def typed(raw: bytes | np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The values of a stored tensor's bytes: floats (bf16 and e4m3 too) as float32, integers as they are."""
-    values = stored(raw, dtype, shape)
-    return as_float(dtype, values) if dtype in ("BF16", "F8_E4M3") or values.dtype.kind == "f" else values
-
-
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, round to nearest even (torch's; NaN as 0xFFFF)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)

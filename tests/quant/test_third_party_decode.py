@@ -4,6 +4,10 @@ cited per reference), and, where the library installs, to the library itself."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -297,14 +301,201 @@ def test_nvfp4_kernel_refuses_partial_blocks():
         nvfp4.decode_bf16(np.zeros((2, 12), np.uint8), np.ones((2, 1), np.uint8), nvfp4.decode_table(1.0, nvfp4.DIVIDE))
 
 
-
-def test_typed_gives_the_values_of_stored_bytes():
-    """``typed`` (what ``gate checkpoint --deep`` reads scales with): floats as float32, bytes and integers as
-    stored."""
+def test_stored_and_as_float_give_the_values_of_stored_bytes():
+    """``stored`` (no copy) and ``as_float`` (what ``gate checkpoint --deep`` reads scales with too)."""
     for tensor in (torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
                    torch.tensor([0.875, 448.0]).to(torch.float8_e4m3fn),
                    torch.tensor([3.0e-5, 7.0], dtype=torch.float16), torch.tensor([1e-30, 2.5])):
-        got = third_party_decode.typed(raw(tensor), DTYPES[tensor.dtype], (2,))
+        dtype = DTYPES[tensor.dtype]
+        got = third_party_decode.as_float(dtype, third_party_decode.stored(raw(tensor), dtype, (2,)))
         assert got.dtype == np.float32 and np.array_equal(got, tensor.float().numpy())
-    assert third_party_decode.typed(bytes([0xFF, 3]), "U8", (2,)).tolist() == [255, 3]
-    assert third_party_decode.typed(np.array([5, -6], "<i8").tobytes(), "I64", (2,)).tolist() == [5, -6]
+    assert third_party_decode.stored(bytes([0xFF, 3]), "U8", (2,)).tolist() == [255, 3]
+    assert third_party_decode.stored(np.array([5, -6], "<i8").tobytes(), "I64", (2,)).tolist() == [5, -6]
+
+
+# --- quantize --to bf16 of whole checkpoints, in a real process ---------------------------------
+
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False}
+CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": NVFP4_WEIGHTS,
+                                          "input_activations": {**NVFP4_WEIGHTS, "dynamic": "local"}}},
+            "ignore": ["lm_head", "re:.*self_attn.*"]}
+CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+               "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}},
+           "ignore": ["lm_head", "re:.*self_attn.*"]}
+MODELOPT_NVFP4 = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                  "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                   "exclude_modules": ["lm_head", "*self_attn*"]}}
+EXPERT = "model.layers.0.mlp.experts.0.gate_proj"
+KEPT = ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
+
+
+def write_third_party(folder, qconfig: dict | None, module: dict[str, torch.Tensor], hf_quant: dict | None = None):
+    """A tiny checkpoint: one quantized expert projection (``module``: suffix -> tensor) beside bf16 ones."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(7)
+    tensors = {name: torch.randn(32, 64, generator=g).to(torch.bfloat16) for name in KEPT}
+    tensors.update({f"{EXPERT}.{suffix}": t for suffix, t in module.items()})
+    save_file({**tensors, "model.layers.0.self_attn.k_scale": torch.tensor(0.5)}, str(folder / "model.safetensors"))
+    config = {"model_type": "tiny_third_party", "architectures": ["TinyForCausalLM"]}
+    if qconfig is not None:
+        config["quantization_config"] = qconfig
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text("{}")
+    if hf_quant is not None:
+        (folder / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    return tensors
+
+
+def run_decode(src, dst) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quant.cli", "--to", "bf16", "-q", str(src), str(dst)],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def nvfp4_module(out: int, cols: int, fmt: str, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    stored = {"weight_packed" if fmt == CT else "weight":
+              torch.randint(0, 256, (out, cols // 2), dtype=torch.uint8, generator=g),
+              "weight_scale": VALID_E4M3[torch.randint(0, 126, (out, cols // 16), generator=g)].view(
+                  torch.float8_e4m3fn)}
+    if fmt == CT:
+        stored.update(weight_global_scale=torch.tensor([2688.0 / 3.5]), input_global_scale=torch.tensor([99.0]))
+    else:
+        stored.update(weight_scale_2=torch.tensor(3.5 / 2688.0), input_scale=torch.tensor(0.01))
+    return stored
+
+
+def assert_decoded(dst, src_tensors: dict, want: torch.Tensor) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert names == {*KEPT, f"{EXPERT}.weight"}  # scales consumed, activation and KV cache scales dropped
+        assert np.array_equal(bits(f.get_tensor(f"{EXPERT}.weight")), bits(want))
+        for name in KEPT:
+            assert torch.equal(f.get_tensor(name), src_tensors[name])
+    config = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in config and not (dst / "hf_quant_config.json").exists()
+
+
+@pytest.mark.parametrize("layout", ["ct", "modelopt-config", "modelopt-hf-quant-config-only"])
+def test_quantize_to_bf16_decodes_nvfp4_checkpoints(tmp_path, layout):
+    """compressed-tensors NVFP4, ModelOpt NVFP4 with its config in config.json, and a ModelOpt export whose
+    config sits only in hf_quant_config.json: the expert decoded exactly, the rest copied, no
+    quantization config left in the output (config.json nor hf_quant_config.json)."""
+    out, cols = 24, 64
+    fmt = CT if layout == "ct" else MODELOPT
+    module = nvfp4_module(out, cols, fmt)
+    qconfig = {"ct": CT_NVFP4, "modelopt-config": {"quant_method": "modelopt", **MODELOPT_NVFP4}}.get(layout)
+    hf_quant = MODELOPT_NVFP4 if layout == "modelopt-hf-quant-config-only" else None
+    src_tensors = write_third_party(tmp_path / "src", qconfig, module, hf_quant)
+    done = run_decode(tmp_path / "src", tmp_path / "deq")
+    assert done.returncode == 0, done.stderr
+    tensor_scale = module["weight_global_scale" if fmt == CT else "weight_scale_2"]
+    weight = module["weight_packed" if fmt == CT else "weight"]
+    assert_decoded(tmp_path / "deq", src_tensors, ref_nvfp4(weight, module["weight_scale"], tensor_scale, fmt))
+
+
+def test_quantize_to_bf16_decodes_int4_pack_quantized_with_zero_points(tmp_path):
+    out, cols = 24, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-8, 8, (out, cols), generator=g)
+    zero = torch.randint(-8, 8, (out, cols // 32), generator=g)
+    words = sum(((q + 8).to(torch.int64))[:, i::8] << (4 * i) for i in range(8))
+    zwords = sum(((zero + 8).to(torch.int64))[i::8] << (4 * i) for i in range(8))
+    scale = (torch.rand(out, cols // 32, generator=g) * 0.01).to(torch.bfloat16)
+    module = {"weight_packed": (words - ((words >> 31) << 32)).to(torch.int32), "weight_scale": scale,
+              "weight_shape": torch.tensor([out, cols]),
+              "weight_zero_point": (zwords - ((zwords >> 31) << 32)).to(torch.int32)}
+    src_tensors = write_third_party(tmp_path / "src", CT_INT4, module)
+    done = run_decode(tmp_path / "src", tmp_path / "deq")
+    assert done.returncode == 0, done.stderr
+    want = ref_scaled(q, expand(scale, out, cols, (1, 32)), expand(zero, out, cols, (1, 32)), torch.bfloat16)
+    assert_decoded(tmp_path / "deq", src_tensors, want)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"weight_global_scale": torch.tensor([0.0])}, "weight_global_scale holds zero or negative values"),
+    ({"weight_global_scale": torch.tensor([float("nan")])}, "weight_global_scale holds NaN/Inf values"),
+    ({"weight_scale": torch.full((24, 4), float("nan")).to(torch.float8_e4m3fn)}, "weight_scale holds NaN/Inf"),
+])
+def test_bad_scales_refuse_the_decode_and_write_nothing(tmp_path, bad, message):
+    module = {**nvfp4_module(24, 64, CT), **bad}
+    write_third_party(tmp_path / "src", CT_NVFP4, module)
+    done = run_decode(tmp_path / "src", tmp_path / "deq")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and f"{EXPERT}." in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "deq" / "model.safetensors").exists()
+
+
+def test_a_missing_scale_refuses_the_plan_naming_it(tmp_path):
+    module = nvfp4_module(24, 64, CT)
+    del module["weight_global_scale"]
+    write_third_party(tmp_path / "src", CT_NVFP4, module)
+    done = run_decode(tmp_path / "src", tmp_path / "deq")
+    assert done.returncode == 2 and f"{EXPERT}.weight_global_scale: missing" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "deq" / "model.safetensors").exists()
+
+
+def test_a_compressed_tensors_nvfp4_checkpoint_written_by_the_library_decodes_to_its_own_decompression(tmp_path):
+    """The tiny GLM-5 checkpoint with every routed expert compressed by compressed-tensors' own
+    ``NVFP4PackedCompressor.compress`` (scales observed here as its observers do: a global scale of
+    448 * 6 / amax, block scales amax / 6 * global), shards and index kept: ``quantize --to bf16`` gives
+    each expert exactly ``decompress``'s bf16 weight and every other tensor byte for byte."""
+    pytest.importorskip("compressed_tensors")
+    import re
+
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    from quant.example import tiny_config, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "bf16", tiny_config())
+    expert = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+    library = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**NVFP4_WEIGHTS))
+    ct = tmp_path / "ct"
+    ct.mkdir()
+    want, kept = {}, {}
+    for shard in sorted(src.glob("*.safetensors")):
+        stored = {}
+        for name, tensor in load_file(str(shard)).items():
+            if not expert.match(name):
+                stored[name] = kept[name] = tensor
+                continue
+            w = tensor.float()
+            global_scale = (448.0 * 6.0 / w.abs().amax()).reshape(1)
+            block_scale = (w.reshape(w.shape[0], -1, 16).abs().amax(-1) / 6.0 * global_scale).to(torch.float8_e4m3fn)
+            module = NVFP4PackedCompressor.compress(
+                {"weight": tensor, "weight_scale": block_scale.float(), "weight_global_scale": global_scale}, library)
+            prefix = name.removesuffix(".weight")
+            stored.update({f"{prefix}.{k}": v.contiguous() for k, v in module.items()})
+            want[name] = NVFP4PackedCompressor.decompress(dict(module), library)["weight"].to(torch.bfloat16)
+        save_file(stored, str(ct / shard.name))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: path.name for path in sorted(ct.glob("*.safetensors"))
+                           for name in load_file(str(path))}
+    (ct / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {**CT_NVFP4, "ignore": ["lm_head"], "config_groups": {"group_0": {
+        "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], "weights": NVFP4_WEIGHTS}}}
+    (ct / "config.json").write_text(json.dumps(config))
+    for aux in src.iterdir():  # tokenizer and generation config
+        if not aux.name.endswith(".safetensors") and aux.name not in ("config.json", "model.safetensors.index.json"):
+            (ct / aux.name).write_bytes(aux.read_bytes())
+    done = run_decode(ct, tmp_path / "deq")
+    assert done.returncode == 0, done.stderr
+    assert want and kept
+    found = {}
+    for shard in (tmp_path / "deq").glob("*.safetensors"):
+        found.update(load_file(str(shard)))
+    assert set(found) == set(want) | set(kept)
+    for name, tensor in want.items():
+        assert np.array_equal(bits(found[name]), bits(tensor)), name
+    for name, tensor in kept.items():
+        assert torch.equal(found[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert "quantization_config" not in json.loads((tmp_path / "deq" / "config.json").read_text())
