@@ -54,6 +54,16 @@ from quant.engines.rules import RuleSet
 from quant.schema import Schema
 from quant.third_party import CT, scheme_label
 
+
+class Raises(ValueError):
+    """The release raises while it reads the config or matches a module: its message, the rule that says so
+    and what to do."""
+
+    def __init__(self, message: str, rule: str, fix: str):
+        super().__init__(message)
+        self.rule, self.fix = rule, fix
+
+
 KEY = "compressed_tensors"  # format_rules.key("compressed-tensors"): where a cut rule set keeps these rules
 
 # The names a FusedMoE asks for expert 0 when the release does not take the class's checkpoint names.
@@ -202,7 +212,8 @@ def ignored(name: str, ignore: list[str], fused: dict[str, list[str]], rule: dic
     if leaf in fused and not (rule["fused_first"] == "exact" and name in ignore):
         hits = [entry(name.replace(leaf, shard)) for shard in fused[leaf]]
         if len({h is not None for h in hits}) > 1:
-            raise ValueError(rule["mixed_shards_error"].format(module=name, shards=fused[leaf]))
+            raise Raises(rule["mixed_shards_error"].format(module=name, shards=fused[leaf]), "ignore_match",
+                         f"list every shard of {name} in ignore ({', '.join(fused[leaf])}), or none")
         return hits[0] is not None, hits[0]
     hit = entry(name)
     return hit is not None, hit
@@ -258,13 +269,16 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
             continue  # attention quantization is the KV cache's: its group builds no module
         if group.get("weights") is None:
             if rule["weightless_group"] == "raise":
-                raise ValueError(f"config group {name!r} has no weights args: the release validates them as "
-                                 "QuantizationArgs, and None is none")
+                raise Raises(f"config group {name!r} has no weights args: the release validates them as "
+                             "QuantizationArgs, and None is none", "weightless_group",
+                             f"give config group {name!r} its weights args, or move what it quantizes to "
+                             "kv_cache_scheme")
             continue  # activations only: nothing a module's weights are built with
         order = group["weights"].get("actorder")
         order = "group" if order is True else order.lower() if isinstance(order, str) else None
         if order in rule["actorder_refused"]["orders"]:
-            raise ValueError(rule["actorder_refused"]["error"].format(actorder=repr(order)))
+            raise Raises(rule["actorder_refused"]["error"].format(actorder=repr(order)), "actorder_refused",
+                         "serve with a release that reads it, or quantize again with actorder static or weight")
         for target in listed:
             if (key := mapped(target)) is not None:
                 fmt = group.get("format") if rule.get("group_format", True) and group.get("format") \
@@ -290,7 +304,9 @@ def _scheme_dict(name: str, cls: str, targets: dict[str, dict], ignore: list[str
     target, way = matched_target(name, cls, list(targets), fused, match["order"])
     if target is None:
         if match["unmatched"] == "raise":
-            raise ValueError(match["unmatched_error"].format(module=name))
+            raise Raises(match["unmatched_error"].format(module=name), "target_match",
+                         f"list {name} in ignore or give it a config group target (releases that build an "
+                         "unmatched module bf16 load it)")
         return None, f"no config group target matches {name} (nor its class {cls})"
     how = {"name": "name", "class": f"class {cls}", "fused": "its shards"}[way]
     return targets[target], f"{name} matches target {target!r} of config group {targets[target]['name']!r} by {how}"
@@ -351,13 +367,8 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
                 return Decision(None, f"{exc} (caught: unquantized; {cites.get('lm_head', '')})")
         else:
             group, why = _scheme_dict(module, linear_class(module), targets, ignore, fused, rule)
-    except ValueError as exc:  # a group without weights, shards listed unevenly in ignore, no target
-        cited = "; ".join(cites.get(r, "") for r in ("weightless_group", "actorder_refused", "ignore_match",
-                                                     "target_match"))
-        return Decision(None, cited, "give every config group weights args (and an activation ordering the "
-                        "release reads), list every shard of a fused module in ignore or none, and give every "
-                        "quantized module a target (or list it in ignore)",
-                        raises=str(exc))
+    except Raises as exc:  # a group without weights, a refused actorder, shards listed unevenly, no target
+        return Decision(None, cites.get(exc.rule, ""), exc.fix, raises=str(exc))
     if group is None:
         return Decision(None, f"{why} ({cites.get('target_match', '')})")
     built = _built(group, "linear", module, rule, cites.get("linear_schemes", ""))
@@ -412,12 +423,16 @@ def _decide_moe(module: str, targets: dict, ignore: list[str], fused: dict, rule
                               f"({cites.get('moe_match', '')})", "give every projection of the experts one scheme",
                         raises=how["mixed_error"])
     group, why = asked[-1]
+    probe = f"the FusedMoE is asked as expert 0's projections {module}.0.{{{', '.join(leaves)}}} " \
+            f"({cites.get('moe_match', '')})"
     if group is None:
-        return Decision(None, f"the FusedMoE is asked as {module}.0.{leaves[-1]} (and its gate/up): {why} "
-                              f"({cites.get('moe_match', '')})")
+        return Decision(None, f"{probe}: {why}")
     built = _built(group, "moe", module, rule, cites.get("moe_schemes", ""))
-    return Decision(built.scheme, f"the FusedMoE is asked as {module}.0.{leaves[-1]}: {why}: {built.why}",
-                    built.fix, built.raises)
+    fix = built.fix
+    if module in ignore:  # the entry a reader expects to keep the FusedMoE bf16
+        why += f"; ignore entry {module!r} names the FusedMoE itself, which is never asked"
+        fix = fix or f"list every expert's projections of {module} in ignore (or 're:{re.escape(module)}\\..*')"
+    return Decision(built.scheme, f"{probe}, none ignored: {why}: {built.why}", fix, built.raises)
 
 
 def _group_args(group: dict | None) -> tuple | None:
@@ -427,5 +442,5 @@ def _group_args(group: dict | None) -> tuple | None:
     return _args(group["weights"]), _args(group.get("input_activations")), group.get("format")
 
 
-__all__ = ["EXPERT_LEAVES", "KEY", "PRESETS", "RULES", "decide", "engine_config", "ignored", "matched_target",
+__all__ = ["EXPERT_LEAVES", "KEY", "PRESETS", "RULES", "Raises", "decide", "engine_config", "ignored", "matched_target",
            "preset"]

@@ -342,3 +342,48 @@ def test_refused_activation_ordering_is_each_releases(release):
     for order in ("weight", "static"):
         config["config_groups"]["g"]["weights"]["actorder"] = order
         same(release, config, "model.layers.0.self_attn.o_proj", "linear", "RowParallelLinear")
+
+
+# --- the real gate checkpoint on tiny compressed-tensors checkpoints (qwen3_moe, read in every vLLM release) ---
+
+def gate(folder, *args) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), *args],
+                          check=False, capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from quant.third_party import parse
+    from tests.quant.third_party_checkpoints import nvfp4_ct, write_third_party
+
+    root = tmp_path_factory.mktemp("ct_vllm")
+    # layer 1's experts kept bf16 and "ignored" by the FusedMoE's own name, which no expert-0 probe equals
+    prefix = nvfp4_ct(ignore=("lm_head", "re:.*mlp\\.gate$", "model.layers.1.mlp.experts"))
+    config = parse(CT, prefix)
+    experts_bf16 = lambda module: None if module.startswith("model.layers.1.mlp.experts.") else config.resolve(module)
+    # experts only: no target for attention (it stays bf16), which vLLM refuses until 0.20.2
+    experts_only = nvfp4_ct(scheme_targets=("re:.*mlp\\.experts\\..*",), ignore=("lm_head",))
+    return {"prefix": write_third_party(root / "prefix", "qwen3_moe", prefix, stored=experts_bf16),
+            "experts only": write_third_party(root / "experts", "qwen3_moe", experts_only)}
+
+
+@pytest.mark.parametrize("release", ["0.16.0", "0.34.0"])
+def test_an_ignore_entry_naming_the_fused_moe_does_not_ignore_it(checkpoints, release):
+    code, said = gate(checkpoints["prefix"], "--engine", f"vllm=={release}")
+    assert code == 1, said
+    assert "model.layers.1.mlp.experts" in said and "bf16 on disk" in said and "as nvfp4" in said, said
+    assert "get_moe_method" in said and "names the FusedMoE itself" in said, said  # asked as expert 0's parts
+
+
+@pytest.mark.parametrize("release, loads", [("0.16.0", False), ("0.20.2", False), ("0.21.0", True),
+                                            ("0.34.0", True)])
+def test_a_linear_no_target_names_raises_until_0_20_2(checkpoints, release, loads):
+    code, said = gate(checkpoints["experts only"], "--engine", f"vllm=={release}")
+    assert code == (0 if loads else 1), said
+    if not loads:
+        assert "Unable to find matching target for model.layers.0.self_attn" in said, said
+        assert "find_matched_target" in said, said
