@@ -512,6 +512,9 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                 finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{on}; an {fmt_name} weight "
                               "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
+        if kind in THIRD_PARTY:
+            _third_party(ctx, em, name, what, quantized_on_disk, finding, slots)
+            continue
         if em.build == "quantized":
             _forced_quantized(ctx, em, name, quantized_on_disk, lists[em.draft], where, finding)
             continue
