@@ -23,6 +23,8 @@ import hashlib
 import logging
 import os
 import random
+import subprocess
+import sys
 import types
 
 import pytest
@@ -42,6 +44,7 @@ from tests.quant.engine_sources import (
     source_files,
     wheel,
 )
+from tests.quant.third_party_checkpoints import modelopt_config, write_third_party
 
 MODELOPT = "sglang/srt/layers/quantization/modelopt_quant.py"
 UTILS = "sglang/srt/layers/quantization/utils.py"
@@ -476,3 +479,54 @@ def test_fused_shards_without_the_class_mapping(release):
     late = Version(release) >= Version("0.5.11")
     assert ours(release, qconfig, "linear", "model.layers.1.self_attn.qkv_proj", {}) == ("raises" if late else "nvfp4")
     assert ours(release, qconfig, "linear", "model.layers.1.mlp.gate_up_proj", {}) is None
+
+
+# --- acceptance: tiny ModelOpt checkpoints checked by the real gate checkpoint, in real processes ---------------
+
+PER_EXPERT = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """Qwen3-MoE (read in the whole sglang window) exported by ModelOpt: layer 1's experts kept bf16 and listed
+    one by one or by a wildcard; an NVFP4 lm_head; config.json naming its list exclude_modules."""
+    root = tmp_path_factory.mktemp("modelopt_sglang")
+    return {
+        "per_expert": write_third_party(root / "per_expert", "qwen3_moe", modelopt_config(
+            "NVFP4", exclude=["lm_head", "*.mlp.gate", *PER_EXPERT]), hf_quant_config_only=True),
+        "experts_wildcard": write_third_party(root / "experts_wildcard", "qwen3_moe", modelopt_config(
+            "NVFP4", exclude=["lm_head", "*.mlp.gate", "model.layers.1.mlp.experts*"]), hf_quant_config_only=True),
+        "lm_head_nvfp4": write_third_party(root / "lm_head_nvfp4", "qwen3_moe", modelopt_config(
+            "NVFP4", exclude=["*.mlp.gate"]), hf_quant_config_only=True),
+        "flat_exclude_modules": write_third_party(root / "flat_exclude_modules", "qwen3_moe", {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+            "exclude_modules": ["lm_head", "*.mlp.gate", "model.layers.0.self_attn*"]}),
+    }
+
+
+def gate(folder, release: str) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), "--engine",
+                           f"sglang=={release}"], capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, done.stdout
+
+
+def test_experts_listed_one_by_one_do_not_exclude_the_fused_moe(exports):
+    """Layer 1's experts stored bf16 and listed expert by expert: sglang builds the FusedMoE NVFP4 in every
+    release (exit 1 naming it and is_layer_excluded's decision); listing model.layers.1.mlp.experts* loads."""
+    for release in ("0.5.9", "0.5.23"):
+        code, out = gate(exports["per_expert"], release)
+        assert code == 1 and "model.layers.1.mlp.experts" in out and "builds this FusedMoE as nvfp4" in out, out
+        assert gate(exports["experts_wildcard"], release)[0] == 0
+
+
+def test_nvfp4_lm_head_needs_0_5_15(exports):
+    code, out = gate(exports["lm_head_nvfp4"], "0.5.14")
+    assert code == 1 and "lm_head" in out and "ParallelLMHead takes no ModelOpt quant method" in out, out
+    assert gate(exports["lm_head_nvfp4"], "0.5.15")[0] == 0
+
+
+def test_config_json_exclude_modules_needs_0_5_23(exports):
+    code, out = gate(exports["flat_exclude_modules"], "0.5.22")
+    assert code == 1 and "model.layers.0.self_attn.qkv_proj" in out and "as nvfp4" in out, out
+    assert gate(exports["flat_exclude_modules"], "0.5.23")[0] == 0
