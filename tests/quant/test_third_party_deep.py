@@ -16,64 +16,38 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from quant.checkpoint import Checkpoint
 from quant.engines import Finding
 from quant.third_party_scales import MISSING, SCALE_USES, Cite
 from quant.verify import verify
 from tests.quant.engine_sources import WheelUnavailable, class_def, method_def, parsed, wheel
 from tests.quant.family_checkpoints import write_shards
+from tests.quant.third_party_checkpoints import modelopt_config, nvfp4_ct, write_third_party
 
 ROOT = Path(__file__).resolve().parents[2]
+FAMILY = "qwen3_moe"
 EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{proj}"
-ONE_E4M3 = 0x38  # 1.0 in float8_e4m3fn: a valid block scale
-
-CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": {
-                "targets": ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"],
-                "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                            "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                                      "symmetric": True, "dynamic": "local"}}}}
-MODELOPT_NVFP4 = {"producer": {"name": "modelopt", "version": "0.47.0"},
-                  "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                                   "exclude_modules": ["lm_head", "*self_attn*", "*mlp.gate", "*shared_experts*",
-                                                       "model.layers.0.*", "*eh_proj"]}}
-# the tensors each format stores beside a module (quant.third_party.Scheme.tensors), their names per format
-NAMES = {"compressed-tensors": ("weight_packed", "weight_global_scale", "input_global_scale"),
-         "modelopt": ("weight", "weight_scale_2", "input_scale")}
+# per format: its quantization config (ModelOpt's as an hf_quant_config.json alone) and its scale names
+FORMATS = {"compressed-tensors": (nvfp4_ct(), False, "weight_global_scale", "input_global_scale"),
+           "modelopt": (modelopt_config("NVFP4"), True, "weight_scale_2", "input_scale")}
 
 
-def nvfp4_checkpoint(src: Path, dst: Path, fmt: str, edit=None) -> Path:
-    """``src`` (bf16) with its routed experts stored NVFP4 in ``fmt``'s names: packed E2M1 codes, an E4M3
-    scale of 1.0 per 16 values and global / activation scales of 1.0 (valid values: this test is about the
-    scales, not the codes). ``edit(tensors)`` changes the tensors before they are written."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE stored NVFP4 by each producer's own code (tests/quant/third_party_checkpoints.py)."""
+    root = tmp_path_factory.mktemp("nvfp4")
+    return {fmt: write_third_party(root / fmt, FAMILY, qconfig, hf_quant_config_only=alone)
+            for fmt, (qconfig, alone, _, _) in FORMATS.items()}
+
+
+def edited(written: dict[str, Path], fmt: str, dst: Path, edit) -> Path:
+    """A copy of ``fmt``'s checkpoint whose tensors ``edit(tensors)`` changed."""
+    shutil.copytree(written[fmt], dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     tensors = {}
-    for shard in sorted(src.glob("*.safetensors")):
+    for shard in sorted(written[fmt].glob("*.safetensors")):
         tensors.update(load_file(shard))
-    weight, global_scale, input_scale = NAMES[fmt]
-    generator = torch.Generator().manual_seed(0)
-    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith("_proj.weight")]:
-        module = name.removesuffix(".weight")
-        out, inner = tensors.pop(name).shape
-        tensors[f"{module}.{weight}"] = torch.randint(0, 256, (out, inner // 2), dtype=torch.uint8,
-                                                      generator=generator)
-        tensors[f"{module}.weight_scale"] = torch.full((out, inner // 16), ONE_E4M3, dtype=torch.uint8).view(
-            torch.float8_e4m3fn)
-        tensors[f"{module}.{global_scale}"] = torch.ones((1,) if fmt == "compressed-tensors" else (),
-                                                         dtype=torch.float32)
-        tensors[f"{module}.{input_scale}"] = torch.ones((1,) if fmt == "compressed-tensors" else (),
-                                                        dtype=torch.float32)
-    if edit:
-        edit(tensors)
+    edit(tensors)
     write_shards(tensors, dst)
-    config = json.loads((src / "config.json").read_text())
-    if fmt == "compressed-tensors":
-        config["quantization_config"] = CT_NVFP4
-    else:  # a ModelOpt export as NVIDIA publishes them: its config in hf_quant_config.json
-        config["quantization_config"] = {"quant_method": "modelopt", **MODELOPT_NVFP4["quantization"]}
-        (dst / "hf_quant_config.json").write_text(json.dumps(MODELOPT_NVFP4))
-    (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
@@ -81,7 +55,7 @@ def values_findings(folder: Path) -> list[Finding]:
     return [f for f in verify(folder, "vllm==0.34.0", deep=True).findings if f.check == "values"]
 
 
-def set_value(name: str, value: float, index=0):
+def set_value(name: str, value: float, index: int = 0):
     def edit(tensors):
         tensor = tensors[name]
         flat = tensor.view(torch.uint8).view(-1) if tensor.dtype == torch.float8_e4m3fn else tensor.view(-1)
@@ -89,83 +63,73 @@ def set_value(name: str, value: float, index=0):
     return edit
 
 
-@pytest.fixture(scope="module")
-def bf16(dsv3_ckpt):
-    return dsv3_ckpt
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_producers_scales_give_no_finding(written, fmt):
+    """compressed-tensors' and ModelOpt's own scales: finite and positive, as their code writes them."""
+    assert values_findings(written[fmt]) == []
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
-def test_clean_scales_give_no_finding(bf16, tmp_path, fmt):
-    assert values_findings(nvfp4_checkpoint(bf16, tmp_path / fmt, fmt)) == []
-
-
-@pytest.mark.parametrize("fmt, suffix, value, kind", [
-    ("compressed-tensors", "weight_global_scale", 0.0, "zero"),
-    ("compressed-tensors", "input_global_scale", float("inf"), "Inf"),
-    ("modelopt", "input_scale", 0.0, "zero"),
-    ("modelopt", "weight_scale_2", float("nan"), "NaN"),
-    ("modelopt", "input_scale", -1.0, "negative"),
+@pytest.mark.parametrize("fmt, which, value, kind", [
+    ("compressed-tensors", 2, 0.0, "zero"),
+    ("compressed-tensors", 3, float("inf"), "Inf"),
+    ("modelopt", 3, 0.0, "zero"),
+    ("modelopt", 2, float("nan"), "NaN"),
+    ("modelopt", 3, -1.0, "negative"),
 ])
-def test_a_bad_global_or_input_scale_is_named_with_the_engines_mechanism(bf16, tmp_path, fmt, suffix, value, kind):
-    tensor = f"{EXPERT.format(layer=2, expert=3, proj='down_proj')}.{suffix}"
-    found = values_findings(nvfp4_checkpoint(bf16, tmp_path / fmt, fmt, set_value(tensor, value)))
+def test_a_bad_global_or_input_scale_is_named_with_the_engines_mechanism(written, tmp_path, fmt, which, value, kind):
+    suffix = FORMATS[fmt][which]
+    tensor = f"{EXPERT.format(layer=1, expert=3, proj='down_proj')}.{suffix}"
+    found = values_findings(edited(written, fmt, tmp_path / fmt, set_value(tensor, value)))
     assert [f.module for f in found] == [tensor]
     assert f"1 {kind} of 1 value(s)" in found[0].why
     assert str(SCALE_USES[suffix].cites[0]) in found[0].why  # the engine function that inverts or multiplies it
 
 
-def test_a_nan_or_zero_block_scale_is_named_at_its_element(bf16, tmp_path):
-    tensor = f"{EXPERT.format(layer=3, expert=0, proj='up_proj')}.weight_scale"
+def test_a_nan_or_zero_block_scale_is_named_at_its_element(written, tmp_path):
+    tensor = f"{EXPERT.format(layer=2, expert=0, proj='up_proj')}.weight_scale"
 
     def edit(tensors):
         codes = tensors[tensor].view(torch.uint8)
         codes[1, 2] = 0x7F  # e4m3's NaN
         codes[3, 0] = codes[3, 1] = 0x00
-    found = values_findings(nvfp4_checkpoint(bf16, tmp_path / "ct", "compressed-tensors", edit))
+    found = values_findings(edited(written, "compressed-tensors", tmp_path / "ct", edit))
     assert [f.module for f in found] == [tensor]
     assert "1 NaN, 2 zero of" in found[0].why and "the first NaN at [1, 2]" in found[0].why
 
 
-def test_scale_values_are_read_only_with_deep(bf16, tmp_path):
-    tensor = f"{EXPERT.format(layer=3, expert=1, proj='gate_proj')}.input_scale"
-    folder = nvfp4_checkpoint(bf16, tmp_path / "mo", "modelopt", set_value(tensor, 0.0))
+def test_scale_values_are_read_only_with_deep(written, tmp_path):
+    tensor = f"{EXPERT.format(layer=2, expert=1, proj='gate_proj')}.input_scale"
+    folder = edited(written, "modelopt", tmp_path / "mo", set_value(tensor, 0.0))
     assert not [f for f in verify(folder, "vllm==0.34.0").findings if f.module == tensor]
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
-def test_experts_without_their_static_activation_scale(bf16, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_experts_without_their_static_activation_scale(written, tmp_path, fmt):
     """Experts calibration never reached have no input scale on disk (what ModelOpt exports for an input
     never calibrated): one finding for the layer's experts, naming them and the engines' allocation."""
-    suffix = NAMES[fmt][2]
-    gone = [f"{EXPERT.format(layer=2, expert=e, proj=p)}.{suffix}" for e in (1, 2) for p in ("gate_proj", "up_proj")]
+    suffix = FORMATS[fmt][3]
+    gone = [f"{EXPERT.format(layer=1, expert=e, proj=p)}.{suffix}" for e in (1, 2) for p in ("gate_proj", "up_proj")]
 
     def edit(tensors):
         for name in gone:
             del tensors[name]
-    found = values_findings(nvfp4_checkpoint(bf16, tmp_path / fmt, fmt, edit))
-    assert [f.module for f in found] == ["model.layers.2.mlp.experts"]
+    found = values_findings(edited(written, fmt, tmp_path / fmt, edit))
+    assert [f.module for f in found] == ["model.layers.1.mlp.experts"]
     assert f"4 nvfp4 module(s) whose scheme has a static activation scale store no {suffix}" in found[0].why
     assert gone[0] in found[0].why and str(MISSING[suffix].cites[0]) in found[0].why
 
 
-def test_weight_only_nvfp4_needs_no_activation_scale(bf16, tmp_path):
+def test_weight_only_nvfp4_needs_no_activation_scale(tmp_path):
     """W4A16 (no input_activations) stores no activation scale: nothing is missing."""
-    config = json.loads(json.dumps(CT_NVFP4))
-    del config["config_groups"]["group_0"]["input_activations"]
-
-    def edit(tensors):
-        for name in [n for n in tensors if n.endswith(".input_global_scale")]:
-            del tensors[name]
-    folder = nvfp4_checkpoint(bf16, tmp_path / "w4a16", "compressed-tensors", edit)
-    full = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(dict(full, quantization_config=config)))
+    folder = write_third_party(tmp_path / "w4a16", FAMILY, nvfp4_ct(static_input=False))
+    assert not [name for name in Checkpoint.open(folder).tensors() if name.endswith("input_global_scale")]
     assert values_findings(folder) == []
 
 
-def test_gate_checkpoint_deep_in_a_real_process(bf16, tmp_path):
+def test_gate_checkpoint_deep_in_a_real_process(written, tmp_path):
     """The CLI: exit 1, the tensor and the mechanism in the JSON report."""
-    tensor = f"{EXPERT.format(layer=2, expert=0, proj='down_proj')}.input_scale"
-    folder = nvfp4_checkpoint(bf16, tmp_path / "mo", "modelopt", set_value(tensor, 0.0))
+    tensor = f"{EXPERT.format(layer=1, expert=0, proj='down_proj')}.input_scale"
+    folder = edited(written, "modelopt", tmp_path / "mo", set_value(tensor, 0.0))
     run = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), "--engine", "vllm==0.34.0",
                           "--deep", "--json"], check=False, capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
