@@ -30,6 +30,8 @@ from tests.quant.engine_sources import (
     parsed,
     wheel,
 )
+from tests.quant.test_fusion import run_gate
+from tests.quant.third_party_checkpoints import modelopt_config, write_third_party
 
 MODELOPT = "vllm/model_executor/layers/quantization/modelopt.py"
 QUANT_UTILS = "vllm/model_executor/layers/quantization/utils/quant_utils.py"
@@ -38,6 +40,9 @@ FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj
          "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
 MAPPER = {"style": "vllm", "kinds": ["quark"], "prefix": {"model.language_model.": "language_model.model."},
           "substr": {"mtp.": "model.layers.4."}}
+
+
+EXCLUDED = ("lm_head", "*.mlp.gate", "*self_attn*")  # attention, routers and lm_head stored bf16
 
 
 def _releases() -> list[str]:
@@ -504,3 +509,55 @@ def test_mixed_decide_matches_each_release(release):
             decision = modelopt.decide(prefix, moe=layer is Moe, draft=False, qconfig=qconfig, rules=rules)
             ours = "raises" if decision.raises else decision.scheme
             assert ours == their, (release, prefix, exclude)
+
+
+# ---- gate checkpoint on tiny Qwen3-MoE ModelOpt checkpoints, each release replayed with its own rules ----
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict:
+    """ModelOpt exports of a tiny Qwen3-MoE (experts NVFP4, the EXCLUDED modules bf16): hf_quant_config.json alone
+    (ModelOpt <= 0.29) with NVFP4 and W4A16_NVFP4, and config.json's flat config with W4A16_NVFP4 and with its
+    exclude list under ``exclude_modules`` instead of ``ignore``."""
+    flat = {"quant_method": "modelopt", "group_size": 16}
+    cases = {"hf_nvfp4": (modelopt_config("NVFP4", EXCLUDED), True),
+             "hf_w4a16": (modelopt_config("W4A16_NVFP4", EXCLUDED), True),
+             "flat_w4a16": ({**flat, "quant_algo": "W4A16_NVFP4", "ignore": list(EXCLUDED)}, False),
+             "flat_exclude_modules": ({**flat, "quant_algo": "NVFP4", "exclude_modules": list(EXCLUDED)}, False)}
+    return {name: write_third_party(tmp_path_factory.mktemp(name) / "ck", "qwen3_moe", qconfig,
+                                    hf_quant_config_only=only, num_hidden_layers=2)
+            for name, (qconfig, only) in cases.items()}
+
+
+@pytest.mark.parametrize("release", ["0.16.0", "0.22.1", "0.34.0"])
+def test_hf_quant_config_only_export_loads(exports, capsys, release):
+    """An export whose config is only in hf_quant_config.json is read as the ModelOpt NVFP4 checkpoint it is
+    (vLLM's get_config takes that file's content when config.json has no quantization_config) and loads."""
+    assert not (exports["hf_nvfp4"] / "config.json").read_text().count("quantization_config")
+    code, text = run_gate(capsys, exports["hf_nvfp4"], "--engine", f"vllm=={release}")
+    assert code == 0, text
+
+
+@pytest.mark.parametrize("release", ["0.21.0", "0.34.0"])
+def test_w4a16_in_hf_quant_config_only_is_refused_by_the_convertor(exports, capsys, release):
+    """W4A16_NVFP4 from hf_quant_config.json: the architecture-config convertor gives producer-named configs a
+    quant_method for FP8 / NVFP4 (and MIXED_PRECISION from 0.33.0) only, and raises on the rest; the same algo
+    in config.json's flat config loads from 0.21.0, where QUANT_ALGOS took it."""
+    code, text = run_gate(capsys, exports["hf_w4a16"], "--engine", f"vllm=={release}")
+    assert code == 1 and "Unknown ModelOpt quant algo: W4A16_NVFP4" in text, text
+    assert "_normalize_quantization_config" in text
+    code, text = run_gate(capsys, exports["flat_w4a16"], "--engine", f"vllm=={release}")
+    assert code == 0, text
+
+
+def test_w4a16_before_0_21_0_is_refused_by_from_config(exports, capsys):
+    code, text = run_gate(capsys, exports["flat_w4a16"], "--engine", "vllm==0.20.2")
+    assert code == 1 and "ModelOpt currently only supports" in text and "QUANT_ALGOS" in text, text
+
+
+def test_flat_exclude_modules_is_read_from_0_33_0(exports, capsys):
+    """config.json's flat config listing its exclusions under exclude_modules: from_config reads only ``ignore``
+    up to 0.32.0, so the bf16 attention is built NVFP4 (named, exit 1); 0.33.0 reads either key."""
+    code, text = run_gate(capsys, exports["flat_exclude_modules"], "--engine", "vllm==0.32.0")
+    assert code == 1 and "model.layers.0.self_attn.qkv_proj" in text and "not excluded" in text, text
+    code, text = run_gate(capsys, exports["flat_exclude_modules"], "--engine", "vllm==0.33.0")
+    assert code == 0, text
