@@ -479,9 +479,6 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                     "quantize all of them or none" if kind not in THIRD_PARTY else "store all of them in one scheme")
             continue
         quantized_on_disk = on_disk.pop()
-        if kind in THIRD_PARTY and em.build != "bf16":  # the format's rules decide (quant.engines.format_rules)
-            _third_party(ctx, em, name, what, quantized_on_disk, finding, slots)
-            continue
         if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
             outcome = f"the packed {fmt_name} rows are permuted but not their scales: it loads wrong" \
                 if rules["qk_rotary_permute"].get("scales_left") else \
@@ -512,7 +509,7 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                 finding(name, f"{rules.engine} builds {name.rsplit('.', 1)[-1]} {how}{on}; an {fmt_name} weight "
                               "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
-        if kind in THIRD_PARTY:
+        if kind in THIRD_PARTY:  # the format's rules decide (quant.engines.format_rules)
             _third_party(ctx, em, name, what, quantized_on_disk, finding, slots)
             continue
         if em.build == "quantized":
