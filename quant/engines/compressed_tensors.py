@@ -37,8 +37,9 @@ sglang (``compressed_tensors.sglang.yaml``) differs by rule values: a plain igno
 substring, later as a dotted suffix (``ignore_match.plain``); before 0.5.17 only the top-level ``format``
 read (``group_format``) and before 0.5.16 a pack-quantized group's activations not read
 (``activation_formats``); a Linear preset built only from the formats it lists (``linear_formats``); MXFP4
-experts built by Mxfp4MoEMethod before ignore is asked from 0.5.17 (``mxfp4_moe``); MX weight-only experts
-built by the integer WNA16 kernel (``built_as``).
+experts built by Mxfp4MoEMethod before ignore is asked from 0.5.17 (``mxfp4_moe``); the WNA16 experts'
+constructor refusing a top-level format other than pack-quantized and, until 0.5.14, reading the ``Linear``
+target's args (``wna16_moe``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class ActorderRefused(Schema):
     error: str
 
 
+class Wna16Moe(Schema):
+    """sglang's CompressedTensorsWNA16MoE, which the experts of ``presets`` get: it refuses a top-level format
+    not in ``formats``; ``args``: the weights args it reads, the matched group's (``matched``) or the
+    ``Linear`` target's (``linear_target``: a config without one raises KeyError)."""
+    presets: list[str]
+    formats: list[str]
+    args: Literal["matched", "linear_target"]
+
+
 class CompressedTensorsRules(Schema):
     """A compressed-tensors rule set: each rule ``{value, cite}`` (``rule_kinds.Rule``), stating only what
     changed since the previous set."""
@@ -122,12 +132,13 @@ class CompressedTensorsRules(Schema):
     lm_head: Rule[Literal["unquantized", "scheme", "by_name"]] | None = None
     # sglang's differences (a rule not stated is vLLM's way): a group's own ``format`` read or only the
     # top-level one; the formats whose groups' input_activations are read (None: every format); MXFP4 experts
-    # through the scheme path or given Mxfp4MoEMethod before ignore is asked; a preset built as another label
+    # through the scheme path or given Mxfp4MoEMethod before ignore is asked; the WNA16 experts' own checks
     group_format: Rule[bool] | None = None
     activation_formats: Rule[list[str] | None] | None = None
     mxfp4_moe: Rule[Literal["scheme", "before_ignore"]] | None = None
-    built_as: Rule[dict[Literal["linear", "moe"], dict[str, str]]] | None = None
+    wna16_moe: Rule[Wna16Moe] | None = None
     linear_formats: Rule[dict[str, list[str]] | None] | None = None  # preset ("*": any) -> formats it builds from
+    int_weight_only_refused: Rule[bool] | None = None  # an activation format's weight-only int group refuses the config
     linear_schemes: Rule[list[str]] | None = None  # the PRESETS a Linear is built with
     moe_schemes: Rule[list[str]] | None = None  # the PRESETS a FusedMoE is built with
 
@@ -284,8 +295,13 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
                 fmt = group.get("format") if rule.get("group_format", True) and group.get("format") \
                     else qconfig.get("format")
                 read = rule.get("activation_formats")  # sglang: other formats' groups are weight-only
+                if rule.get("int_weight_only_refused") and read is not None and fmt in read and \
+                        not group.get("input_activations") and group["weights"].get("type", "int") == "int":
+                    raise ValueError(f"config group {name!r}: integer weights without input_activations in format "
+                                     f"{fmt!r}: the release asserts float weights there (AssertionError)")
                 targets[key] = {"name": name, "weights": group["weights"], "format": fmt,
                                 "stored_format": group.get("format") or qconfig.get("format"),
+                                "top_format": qconfig.get("format"),
                                 "input_activations": group.get("input_activations") if read is None or fmt in read
                                 else None}
     ignore = [m for e in qconfig.get("ignore") or [] if (m := mapped(str(e))) is not None]
@@ -335,9 +351,12 @@ def _built(group: dict, kind: str, module: str, rule: dict, cite: str) -> Decisi
                                f"{'FusedMoE' if kind == 'moe' else 'Linear'} with ({cite})",
                         "serve with a release that builds it, or quantize with a preset it builds",
                         raises=_no_scheme(kind, name))
-    if (other := (rule.get("built_as") or {}).get(kind, {}).get(name)) and other != label:
-        return Decision(other, f"group {group['name']!r} is preset {name}, which this release builds with its "
-                               f"{other} kernel ({cite})", "serve with a release that builds it as stored")
+    wna16 = rule.get("wna16_moe") if kind == "moe" else None
+    if wna16 and name in wna16["presets"] and group.get("top_format") not in wna16["formats"]:
+        return Decision(label, f"group {group['name']!r} is preset {name}, whose CompressedTensorsWNA16MoE refuses "
+                               f"the top-level format {group.get('top_format')!r} ({cite})",
+                        "serve with a release that builds it, or store the experts pack-quantized",
+                        raises="ValueError: For Fused MoE layers, only pack-quantized is supported")
     return Decision(label, f"preset {name}")
 
 
@@ -425,6 +444,12 @@ def _decide_moe(module: str, targets: dict, ignore: list[str], fused: dict, rule
     group, why = asked[-1]
     probe = f"the FusedMoE is asked as expert 0's projections {module}.0.{{{', '.join(leaves)}}} " \
             f"({cites.get('moe_match', '')})"
+    wna16 = rule.get("wna16_moe")
+    if group and wna16 and wna16["args"] == "linear_target" and "Linear" not in targets and \
+            preset(group["weights"], group.get("input_activations")) in wna16["presets"]:
+        return Decision(None, f"{why}: CompressedTensorsWNA16MoE reads the Linear target's args and the config has "
+                              f"none ({cites.get('wna16_moe', '')})", "target the Linears with Linear",
+                        raises="KeyError: 'Linear'")
     if group is None:
         return Decision(None, f"{probe}: {why}")
     built = _built(group, "moe", module, rule, cites.get("moe_schemes", ""))

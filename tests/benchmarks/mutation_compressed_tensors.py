@@ -162,16 +162,17 @@ def _carried(file, first: str, rule: str) -> dict:
     raise LookupError(first)
 
 
-def killed(m: dict) -> bool:
+def killed(m: dict, tests: list[str] = TESTS) -> bool:
     with mutated(m), contextlib.redirect_stdout(io.StringIO()):
-        return pytest.main(["-q", "-x", "-p", "no:cacheprovider", *TESTS]) != 0
+        return pytest.main(["-q", "-x", "-p", "no:cacheprovider", *tests]) != 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(mutations: list[dict] = MUTATIONS, tests: list[str] = TESTS, doc: str = __doc__) -> int:
+    """Run each of ``mutations`` against ``tests`` (sglang's script passes its own)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [(m, killed(m)) for m in MUTATIONS]
+    rows = [(m, killed(m, tests)) for m in mutations]
     score = sum(k for _, k in rows) / len(rows)
     if args.json:
         print(json.dumps({"score": score, "rows": [{"why": m["why"], "killed": k} for m, k in rows]}, indent=2))

@@ -2,23 +2,26 @@
 ``from_config`` and ``get_quant_method`` with every method they call) and the matching helpers of
 ``compressed_tensors/utils.py``, executed as the release wrote them, never imported from an installed sglang.
 
-What the engine imports around them is served small: the ``compressed_tensors`` library itself (the one the
-test extra installs: its QuantizationArgs validates each config group as in the engine), the layer classes ``get_quant_method`` tells apart by ``isinstance`` (sglang's own
-class names, which the target matching reads), and each scheme class as a record of its name and arguments
-(its ``get_min_capability`` read from the release's scheme file). The GPU is a Blackwell (capability 10.0)
-on CUDA with the default MoE runner backend: where NVFP4 runs natively, so a scheme sglang builds there is
-the scheme the checkpoint states.
+What the engine imports around them is served small: the ``compressed_tensors`` library itself (the one the test
+extra installs: its QuantizationArgs validates each config group as in the engine), the layer classes
+``get_quant_method`` tells apart by ``isinstance`` (sglang's own class names, which the target matching reads),
+and each scheme class as a record of its name and arguments (its ``get_min_capability`` read from the release's
+scheme file; the WNA16 MoE's own constructor runs first, as it refuses configs). The GPU is a Blackwell
+(capability 10.0) on CUDA with the default MoE runner backend: where NVFP4 runs natively, so a scheme sglang
+builds there is the scheme the checkpoint states.
 """
 
 from __future__ import annotations
 import __future__
 
 import ast
+import contextlib
 import functools
 import logging
+import re
 import types
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, cast
+from typing import Any, Literal, NamedTuple, Optional, cast
 
 from tests.quant.engine_sources import parsed, served_modules, source_files, wheel
 
@@ -131,13 +134,14 @@ class Release:
 
         self.layer = {name: type(name, (self.linear_base,), {}) for name in
                       ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear")}
-        utils = {"re": __import__("re"), "Iterable": Any, "List": list, "Mapping": Any, "Optional": Optional,
+        utils = {"re": re, "Iterable": Any, "List": list, "Mapping": Any, "Optional": Optional,
                  "MappingProxyType": types.MappingProxyType, "Module": object, **lib}
-        exec(_compiled(self.whl, UTILS_PATH, lambda n: isinstance(n, (ast.FunctionDef, ast.Assign))), utils)  # noqa: S102 (the release's own code)
+        code = _compiled(self.whl, UTILS_PATH, lambda n: isinstance(n, (ast.FunctionDef, ast.Assign)))
+        exec(code, utils)  # noqa: S102 (the release's own code)
         imported = self._schemes()
         ns = {**lib, **utils, **imported, "torch": self._torch(), "BaseModel": BaseModel, "logger": _Logger("ct"),
               "Any": Any, "Dict": dict, "List": list, "Optional": Optional, "Tuple": tuple, "cast": cast,
-              "NamedTuple": NamedTuple, "Literal": __import__("typing").Literal, "suppress": __import__("contextlib").suppress,
+              "NamedTuple": NamedTuple, "Literal": Literal, "suppress": contextlib.suppress,
               "get_moe_runner_backend": _Backend, "get_fp4_gemm_runner_backend": _Backend,
               "get_platform": lambda: types.SimpleNamespace(is_sm100=CAPABILITY[0] == 10),
               "_is_cuda": True, "_is_npu": False, "_is_hip": False, "_is_xpu": False,
@@ -148,7 +152,8 @@ class Release:
               "CompressedTensorsKVCacheMethod": types.SimpleNamespace(is_supported_scheme=lambda s: True),
               "__name__": "sglang_ct"}
         wanted = {"CompressedTensorsConfig", "DeviceCapability", "SPARSITY_CONFIG_NAME", "QUANTIZATION_SCHEME_MAP_TYPE"}
-        exec(_compiled(self.whl, CT_PATH, lambda n: bool(_names(n) & wanted)), ns)  # noqa: S102 (the release's own code)
+        code = _compiled(self.whl, CT_PATH, lambda n: bool(_names(n) & wanted))
+        exec(code, ns)  # noqa: S102 (the release's own code)
         self.config_class = ns["CompressedTensorsConfig"]
         self.classes = {"FusedMoE": type("FusedMoE", (), {}), "ParallelLMHead": type("ParallelLMHead", (), {}),
                         "RadixAttention": type("RadixAttention", (), {})}
@@ -168,7 +173,22 @@ class Release:
             "compressed_tensors.schemes") for a in n.names]
         out = {name: _scheme_class(name, _min_capability(self.whl, name)) for name in names}
         out["WNA16_SUPPORTED_BITS"] = _wna16_bits(self.whl)
+        out["CompressedTensorsWNA16MoE"] = self._checked("CompressedTensorsWNA16MoE", out)
         return out
+
+    def _checked(self, name: str, names: dict):
+        """A scheme class whose constructor refuses configs (the WNA16 MoE: the top-level format, its bits,
+        until 0.5.14 the Linear target's args): its own ``__init__`` runs before the arguments are recorded."""
+        path = SCHEMES + "compressed_tensors_wNa16_moe.py"
+        ns = {**library(), **names, "__name__": "sglang_ct_schemes"}
+        code = _compiled(self.whl, path, lambda n: isinstance(n, ast.ClassDef) and n.name == name)
+        exec(code, ns)  # noqa: S102 (the release's own code)
+        real, record = ns[name], _scheme_class(name, _min_capability(self.whl, name))
+
+        def init(obj, *args, **kwargs):
+            real.__init__(obj, *args, **kwargs)
+            record.__init__(obj, *args, **kwargs)
+        return type(name, (), {"__init__": init, "get_min_capability": record.get_min_capability})
 
     def build(self, qconfig: dict, prefix: str, kind: str) -> Built:
         """What ``get_quant_method`` builds for module ``prefix`` of ``kind`` (linear, moe, lm_head)."""

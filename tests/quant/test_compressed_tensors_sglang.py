@@ -64,6 +64,10 @@ PRESETS = {
     "MXFP4": ({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
               {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "dynamic": True},
               "mxfp4-pack-quantized"),
+    "MXFP8A16": ({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32}, None, "mxfp8-quantized"),
+    "MXFP8": ({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32},
+              {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "dynamic": True},
+              "mxfp8-quantized"),
 }
 
 # ignore lists as written in the wild: lm_head and the router only (llm-compressor's default recipe), a
@@ -83,6 +87,7 @@ IGNORES = {
     "suffix": ["lm_head", "self_attn.o_proj", "mlp.experts.0.gate_proj"],
     "upper_case": ["LM_HEAD", "Model.Layers.0.Self_Attn.O_Proj"],
     "partial_suffix": ["lm_head", "attn.o_proj"],
+    "fused_name_regex": ["lm_head", "re:.*qkv_proj", "re:.*gate_up_proj"],
     "none": [],
 }
 
@@ -109,6 +114,12 @@ def _configs():
         "group_0": {"targets": ["re:.*self_attn.*"], "weights": fp8[0], "input_activations": fp8[1], "format": fp8[2]},
         "group_1": {"targets": ["re:.*mlp.*"], "weights": nvfp4[0], "input_activations": nvfp4[1],
                     "format": nvfp4[2]}}, ["lm_head"], "mixed-precision")
+    yield "mixed_precision_int4", _config({  # attention FP8, the MLPs INT4
+        "group_0": {"targets": ["re:.*self_attn.*"], "weights": fp8[0], "input_activations": fp8[1], "format": fp8[2]},
+        "group_1": {"targets": ["re:.*mlp.*"], "weights": w4a16[0], "format": w4a16[2]}}, ["lm_head"],
+        "mixed-precision")
+    yield "W4A16_unpacked", _config({"group_0": {"targets": ["Linear"], "weights": w4a16[0]}}, ["lm_head"],
+                                    "naive-quantized")
     yield "experts_only", _config({"group_0": {"targets": ["re:.*mlp.experts.*"], "weights": w4a16[0]}},
                                   ["lm_head"], "pack-quantized")
     yield "linear_and_experts", _config({  # the experts by regex INT4, every other Linear FP8 (the later group wins)
@@ -147,7 +158,9 @@ def _label(built, qconfig: dict) -> str | None:
     if name == "Mxfp4MoEMethod":
         return "mxfp4"
     handed = next((v for v in [*args.values(), *args.get("positional", ())] if hasattr(v, "num_bits")), None)
-    weights = next(g["weights"] for g in qconfig["config_groups"].values())
+    groups = [g["weights"] for g in qconfig["config_groups"].values() if g.get("weights")]
+    # a WNA16 MoE handed only the config (until 0.5.14) reads the group / channel weights' group
+    weights = next((w for w in groups if w.get("strategy") in ("group", "channel")), groups[0])
     if "Fp8" in name and "W4AFP8" not in name:
         strategy = getattr(handed, "strategy", None) or args.get("strategy") or weights["strategy"]
         return {"channel": "fp8-channel", "block": "fp8-block"}.get(str(getattr(strategy, "value", strategy)), "fp8")
