@@ -10,10 +10,9 @@ asked with come from the class (its packed_modules_mapping as ``quark_fused``, i
 
 1. The config as the engine holds it: config groups whose only target is an ``...Attention`` class are
    dropped (``attention_groups``), another group without weights args raises (``weightless_group``), as
-   do weights args of a refused activation ordering (``actorder_refused``); each
-   group's targets map to its args (a target in two groups: the later wins); ``ignore`` entries and targets
-   that are layer paths (a dot, no ``re:``) go through the class's weight-name mapper (vLLM
-   ``apply_vllm_mapper``).
+   do weights args of a refused activation ordering (``actorder_refused``); each group's targets map to its
+   args (a target in two groups: the later wins); ``ignore`` entries and targets that are layer paths (a
+   dot, no ``re:``) go through the class's weight-name mapper (vLLM ``apply_vllm_mapper``).
 2. ``ignore`` (``ignore_match``): an entry matches a name exactly or by ``re:`` (re.match); a fused module
    (qkv_proj, gate_up_proj) is asked through its shards, which must agree (else the engine raises), unless
    the fused name itself is listed (``fused_first``: ``exact``, listed exactly; ``any``, matched by any entry).
@@ -28,8 +27,8 @@ asked with come from the class (its packed_modules_mapping as ``quark_fused``, i
 5. ``lm_head`` (ParallelLMHead): built unquantized whatever the config says (``unquantized``), or given
    a scheme like a Linear, a ValueError while matching meaning unquantized (``scheme``), or quantized only
    where a target names it and ignore does not, class targets not counting (``by_name``, sglang).
-6. The scheme the group names: the compressed-tensors preset its args are (``PRESETS``, the library's
-   PRESET_SCHEMES), built when the rule lists it for the module's kind (``linear_schemes`` /
+6. The scheme the group names: the compressed-tensors preset its args are (``PRESETS``: the library's
+   PRESET_SCHEMES, and weight-only FP8), built when the rule lists it for the module's kind (``linear_schemes`` /
    ``moe_schemes``), else the release raises (its exception and words vary by preset and release). Args of
    no preset are not judged (the label on disk is taken as built, and ``why`` says so).
 
