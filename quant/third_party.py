@@ -206,12 +206,12 @@ class Config:
             return None if any(fnmatch.fnmatchcase(module, p) for p in self.ignore) else self.groups[0].scheme
         if any(_ct_match(module, cls, t) for t in self.ignore):
             return None
-        targets = [(t, g) for g in self.groups for t in g.targets]
-        ordered = sorted(targets, key=lambda tg: ("re:" in tg[0], tg[0]))
-        for target, group in ordered:
-            if _ct_name_match(module, target):
-                return group.scheme
-        return next((g.scheme for t, g in targets if t == cls), None)
+        # target -> group, a later group's target replacing an earlier one's (lifecycle/apply.py
+        # apply_quantization_config's target_to_scheme), tried exact names, then re:, then class names
+        targets = {t: g for g in self.groups for t in g.targets}
+        ordered = sorted(targets, key=lambda t: ("re:" in t, t))
+        matched = [t for t in ordered if _ct_name_match(module, t)] + [t for t in ordered if t == cls]
+        return targets[matched[0]].scheme if matched else None
 
 
 def _ct_name_match(name: str, target: str) -> bool:

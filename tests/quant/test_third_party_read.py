@@ -370,3 +370,51 @@ def test_modelopt_layout_without_producer_is_modelopt(tmp_path, checkpoints):
                                                                                                    "*.mlp.gate"]}}))
     modules, problems = modules_of(folder)
     assert problems == [] and {m.label for m in modules.values()} == {"nvfp4"} and len(modules) == QWEN_QUANTIZED
+
+
+def test_a_target_in_two_groups_is_the_later_groups():
+    """compressed-tensors maps each target to one scheme, the later group's (apply_quantization_config)."""
+    config = {"format": "mixed-precision", "config_groups": {
+        "first": {"targets": ["Linear"], "format": "pack-quantized",
+                  "weights": {"num_bits": 4, "type": "int", "group_size": 32}},
+        "second": {"targets": ["Linear"], "format": "float-quantized", "weights": {"num_bits": 8, "type": "float"}}}}
+    assert parse(CT, config).resolve("model.layers.0.mlp.experts.0.up_proj").label == "fp8"
+
+
+NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate",
+         "model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.1.down_proj",
+         "model.layers.1.mlp.experts.0.up_proj", "model.layers.1.mlp.shared_expert.down_proj", "lm_head"]
+RESOLVE_CONFIGS = {
+    "nvfp4": nvfp4_ct(),
+    "exact-ignore": nvfp4_ct(ignore=["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.experts.0.up_proj"]),
+    "regex-and-class": dict(nvfp4_ct(scheme_targets=["re:.*experts.*"]), config_groups={
+        **nvfp4_ct(scheme_targets=["re:.*experts.*"])["config_groups"],
+        "rest": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+        "named": {"targets": ["model.layers.0.self_attn.o_proj"], "weights": {"num_bits": 4, "type": "int",
+                                                                               "group_size": 32}}}),
+}
+
+
+@pytest.mark.parametrize("name", RESOLVE_CONFIGS)
+def test_resolve_is_what_compressed_tensors_applies(name):
+    """Config.resolve against compressed-tensors 0.20.1's own apply_quantization_config on a model of
+    Linears named as the checkpoint names them."""
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    model = torch.nn.Module()
+    for dotted in NAMES:
+        parent = model
+        for part in dotted.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(dotted.rsplit(".", 1)[-1], torch.nn.Linear(64, 64, bias=False))
+    config = RESOLVE_CONFIGS[name]
+    library = QuantizationConfig.model_validate({k: v for k, v in config.items() if k != "quant_method"})
+    apply_quantization_config(model, library)
+    parsed = parse(CT, config)
+    for dotted in NAMES:
+        scheme = getattr(model.get_submodule(dotted), "quantization_scheme", None)
+        want = scheme_label(CT, scheme.weights.model_dump()) if scheme is not None else None
+        got = parsed.resolve(dotted)
+        assert (got.label if got else None) == want, dotted
