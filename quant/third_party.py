@@ -19,8 +19,12 @@ Contract (the decoder, ``gate checkpoint --deep`` and the engines' replay build 
   ``Stored`` rows (suffix, accepted dtypes, shape; ``shape`` None is a per-tensor scalar, ``[]`` or ``[1]``);
   ``activation`` rows (``input_scale``, ``input_global_scale``) are the static activation scales.
 - ``read_modules(tensors, config)``: each quantized module found on disk (by ``weight`` or
-  ``weight_packed``) with the label its tensors show (``OnDisk``), and layout findings for a tensor
-  missing, misshapen or mistyped (an activation scale's absence is left to ``--deep``, which says why).
+  ``weight_packed``) with the label its tensors show (``OnDisk``), and ``(tensor, why, fix)`` layout problems
+  for a tensor missing, misshapen or mistyped (an activation scale's absence is left to ``--deep``, which
+  says why). A module stored bf16 is absent (the caller reads it as bf16); a quantized weight no scheme of
+  the config fits is a problem, its ``OnDisk.scheme`` None and its label the config's for it.
+- The config itself is ``quant.checkpoint.Checkpoint.quantization_config`` (config.json's, else
+  hf_quant_config.json's, else compression_config); its format ``quant.quark_config.format_kind``.
 
 Sources read: compressed-tensors 0.20.1 (``quantization/quant_args.py`` QuantizationArgs
 ``validate_model_after``: strategy from group_size; ``quantization/lifecycle/initialize.py``
