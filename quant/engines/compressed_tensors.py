@@ -296,8 +296,9 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
                 read = rule.get("activation_formats")  # sglang: other formats' groups are weight-only
                 if rule.get("int_weight_only_refused") and read is not None and fmt in read and \
                         not group.get("input_activations") and group["weights"].get("type", "int") == "int":
-                    raise ValueError(f"config group {name!r}: integer weights without input_activations in format "
-                                     f"{fmt!r}: the release asserts float weights there (AssertionError)")
+                    raise Raises(f"config group {name!r}: integer weights without input_activations in format "
+                                 f"{fmt!r}: the release asserts float weights there (AssertionError)",
+                                 "int_weight_only_refused", "store integer weight-only groups pack-quantized")
                 targets[key] = {"name": name, "weights": group["weights"], "format": fmt,
                                 "stored_format": group.get("format") or qconfig.get("format"),
                                 "top_format": qconfig.get("format"),
