@@ -220,3 +220,41 @@ def test_spans_cover_the_window_and_name_their_functions():
     assert set(first.values) == set(spans[-1].values)
     for rule, cite in spans[-1].cites.items():
         assert cite.startswith("sglang/srt/layers/quantization/compressed_tensors/"), rule
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from quant.third_party import CT, parse
+    from tests.quant.third_party_checkpoints import nvfp4_ct, write_third_party
+
+    root = tmp_path_factory.mktemp("ct_sglang")
+    # layer 1's experts kept bf16 and ignored by their parent's name, as llm-compressor writes a skipped subtree
+    parent = nvfp4_ct(ignore=("lm_head", "re:.*mlp\\.gate$", "model.layers.1.mlp.experts"))
+    config = parse(CT, parent)
+    experts_bf16 = lambda module: None if module.startswith("model.layers.1.mlp.experts.") else config.resolve(module)
+    experts_only = nvfp4_ct(scheme_targets=("re:.*mlp\\.experts\\..*",), ignore=("lm_head",))
+    return {"parent": write_third_party(root / "parent", "qwen3_moe", parent, stored=experts_bf16),
+            "experts only": write_third_party(root / "experts", "qwen3_moe", experts_only)}
+
+
+@pytest.mark.parametrize("release, loads", [("0.5.9", True), ("0.5.16", True), ("0.5.17", False), ("0.5.23", False)])
+def test_a_parent_ignore_entry_keeps_the_experts_bf16_until_0_5_16(checkpoints, release, loads):
+    """gate checkpoint in a real process: a substring entry ignores the FusedMoE's expert-0 probe until 0.5.16;
+    from 0.5.17 a plain entry matches only as a dotted suffix, so the bf16 experts meet an NVFP4 FusedMoE."""
+    from tests.quant.test_compressed_tensors_engines import gate
+
+    code, said = gate(checkpoints["parent"], "--engine", f"sglang=={release}")
+    assert code == (0 if loads else 1), said
+    if not loads:
+        assert "model.layers.1.mlp.experts" in said and "bf16 on disk" in said and "as nvfp4" in said, said
+        assert "get_moe_scheme" in said, said
+
+
+@pytest.mark.parametrize("release", ["0.5.9", "0.5.23"])
+def test_a_linear_no_target_names_raises_in_every_release(checkpoints, release):
+    """Targets naming the experts alone: sglang's find_matched_target raises for the attention Linears."""
+    from tests.quant.test_compressed_tensors_engines import gate
+
+    code, said = gate(checkpoints["experts only"], "--engine", f"sglang=={release}")
+    assert code == 1, said
+    assert "Unable to find matching target for model.layers.0.self_attn" in said and "find_matched_target" in said, said
