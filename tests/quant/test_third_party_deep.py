@@ -126,16 +126,21 @@ def test_weight_only_nvfp4_needs_no_activation_scale(tmp_path):
     assert values_findings(folder) == []
 
 
+def gate_deep(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), "--engine", "vllm==0.34.0",
+                           "--deep", "--json"], check=False, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def test_gate_checkpoint_deep_in_a_real_process(written, tmp_path):
-    """The CLI: exit 1, the tensor and the mechanism in the JSON report."""
+    """The CLI: the ModelOpt export as written passes --deep (exit 0); with one expert's input scale zero it
+    fails (exit 1), the tensor and the mechanism in the JSON report."""
+    assert gate_deep(written["modelopt"]).returncode == 0
     tensor = f"{EXPERT.format(layer=1, expert=0, proj='down_proj')}.input_scale"
-    folder = edited(written, "modelopt", tmp_path / "mo", set_value(tensor, 0.0))
-    run = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(folder), "--engine", "vllm==0.34.0",
-                          "--deep", "--json"], check=False, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = gate_deep(edited(written, "modelopt", tmp_path / "mo", set_value(tensor, 0.0)))
     assert run.returncode == 1, run.stderr
     findings = [f for engine in json.loads(run.stdout)["engines"].values() for f in engine["findings"]]
-    assert [f for f in findings if f["module"] == tensor and "1.0 / a13_scale" in f["why"]]
+    assert [f["module"] for f in findings] == [tensor] and "1.0 / a13_scale" in findings[0]["why"]
 
 
 def _releases(cite: Cite) -> list[str]:
