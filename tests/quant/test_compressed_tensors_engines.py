@@ -358,7 +358,7 @@ def gate(folder, *args) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from quant.third_party import parse
-    from tests.quant.third_party_checkpoints import nvfp4_ct, write_third_party
+    from tests.quant.third_party_checkpoints import fp8_ct, nvfp4_ct, write_third_party
 
     root = tmp_path_factory.mktemp("ct_vllm")
     # layer 1's experts kept bf16 and "ignored" by the FusedMoE's own name, which no expert-0 probe equals
@@ -367,8 +367,14 @@ def checkpoints(tmp_path_factory):
     experts_bf16 = lambda module: None if module.startswith("model.layers.1.mlp.experts.") else config.resolve(module)
     # experts only: no target for attention (it stays bf16), which vLLM refuses until 0.20.2
     experts_only = nvfp4_ct(scheme_targets=("re:.*mlp\\.experts\\..*",), ignore=("lm_head",))
+    # experts NVFP4, attention and lm_head FP8 per channel (a target names the head): a quantized lm_head
+    head = nvfp4_ct(scheme_targets=("re:.*mlp.*",), ignore=("re:.*mlp\\.gate$",))
+    head["format"] = "mixed-precision"
+    head["config_groups"]["group_1"] = {**fp8_ct("channel")["config_groups"]["group_0"], "format": "float-quantized",
+                                        "targets": ["re:.*self_attn.*", "re:.*lm_head"]}
     return {"prefix": write_third_party(root / "prefix", "qwen3_moe", prefix, stored=experts_bf16),
-            "experts only": write_third_party(root / "experts", "qwen3_moe", experts_only)}
+            "experts only": write_third_party(root / "experts", "qwen3_moe", experts_only),
+            "lm_head": write_third_party(root / "head", "qwen3_moe", head)}
 
 
 @pytest.mark.parametrize("release", ["0.16.0", "0.34.0"])
@@ -387,3 +393,14 @@ def test_a_linear_no_target_names_raises_until_0_20_2(checkpoints, release, load
     if not loads:
         assert "Unable to find matching target for model.layers.0.self_attn" in said, said
         assert "find_matched_target" in said, said
+
+
+@pytest.mark.parametrize("release, loads", [("0.16.0", False), ("0.19.1", False), ("0.20.0", True), ("0.34.0", True)])
+def test_a_quantized_lm_head_loads_from_0_20_0(checkpoints, release, loads):
+    """Until 0.19.1 get_quant_method gives a ParallelLMHead no method: its FP8 weight and weight_scale meet an
+    unquantized head."""
+    code, said = gate(checkpoints["lm_head"], "--engine", f"vllm=={release}")
+    assert code == (0 if loads else 1), said
+    if not loads:
+        assert "PROBLEM  [engine] lm_head" in said and "fp8-channel on disk" in said, said
+        assert "CompressedTensorsConfig.get_quant_method" in said, said
