@@ -255,6 +255,14 @@ def test_equals_compressed_tensors_own_decompression():
                           {"num_bits": nbits, "type": "int", "strategy": strategy, "group_size": group,
                            "symmetric": symmetric},
                           stored))
+    for symmetric, dtype in ((True, torch.bfloat16), (False, torch.float32)):  # int-quantized: int8 as it is
+        stored = {"weight": torch.randint(-128, 128, (out, cols), dtype=torch.int8, generator=g),
+                  "weight_scale": (torch.rand(out, 1, generator=g) * 0.01 + 1e-4).to(dtype)}
+        if not symmetric:
+            stored["weight_zero_point"] = torch.randint(-128, 128, (out, 1), dtype=torch.int8, generator=g)
+        cases.append((Scheme(CT, "int8", "int-quantized", 8, "channel", symmetric=symmetric),
+                      NaiveQuantizationCompressor,
+                      {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": symmetric}, stored))
     for strategy, shape, block in (("tensor", (1,), None), ("channel", (out, 1), None), ("block", (1, 2), [128, 128])):
         for dtype in (torch.bfloat16, torch.float32):
             cases.append((Scheme(CT, "fp8", "float-quantized", 8, strategy, block=tuple(block) if block else None),
