@@ -507,3 +507,15 @@ def test_a_compressed_tensors_nvfp4_checkpoint_written_by_the_library_decodes_to
     for name, tensor in kept.items():
         assert torch.equal(found[name].view(torch.uint8), tensor.view(torch.uint8)), name
     assert "quantization_config" not in json.loads((tmp_path / "deq" / "config.json").read_text())
+
+
+def test_quantize_to_bf16_decodes_a_modelopt_fp8_checkpoint(tmp_path):
+    """ModelOpt FP8 (one fp32 scale per tensor, stored as a scalar): ``q.to(bf16) * scale.to(bf16)``."""
+    weight, scale = random_e4m3(24, 64, 13), torch.tensor(0.0123)
+    module = {"weight": weight, "weight_scale": scale, "input_scale": torch.tensor(0.02)}
+    qconfig = {"quant_method": "modelopt", "producer": {"name": "modelopt"},
+               "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head", "*self_attn*"]}}
+    src_tensors = write_third_party(tmp_path / "src", qconfig, module)
+    done = run_decode(tmp_path / "src", tmp_path / "deq")
+    assert done.returncode == 0, done.stderr
+    assert_decoded(tmp_path / "deq", src_tensors, weight.to(torch.bfloat16) * scale.to(torch.bfloat16))
