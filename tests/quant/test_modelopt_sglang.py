@@ -8,7 +8,8 @@ and model_loader/weight_utils.py ``get_quant_config``'s hf_quant_config.json bra
 that config's ``from_config`` and ``get_quant_method`` for a LinearBase, a FusedMoE and a ParallelLMHead
 (modelopt_quant.py, with layers/quantization/utils.py ``is_layer_skipped``). The layer classes and quant methods
 are stand-ins: the method's class names what is built. By default each rule span's first and last release;
-``QUANTIZATION_WINDOW=all`` runs every release of the window.
+``QUANTGATE_WINDOW=all`` runs every release of the window (and checks that the cited code changes only
+where a span starts). The acceptance tests at the end run the real ``gate checkpoint`` on tiny ModelOpt exports.
 
 Not generated: a flat config whose quant_method is ``modelopt_fp4`` with an FP8 quant_algo (the FP4 config then
 quantizes at load, which is not replayed), and a config without group_size (every ModelOpt export writes it).
