@@ -41,6 +41,7 @@ class Decision:
     why: str  # the mechanism in a finding's words: the entry or target that decided, the function cited
     fix: str = ""  # what to do where the checkpoint disagrees
     raises: str | None = None  # the release raises building this module (its message)
+    unread: str | None = None  # what of the release's building of this module quantgate has not read (unknown)
 
 
 class FormatEntry(Schema):

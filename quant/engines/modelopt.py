@@ -166,7 +166,7 @@ def sglang_refused(qconfig: dict, rules: RuleSet) -> Decision | None:
     if config not in dispatch["takes"]:
         return Decision(None, f"quant_algo {algo!r} is built with sglang's {config} ({cite})",
                         "check this release's loading by hand",
-                        f"(not replayed) quantgate has not read how sglang's {config} loads {algo!r}")
+                        unread=f"how sglang's {config} loads {algo!r}")
     if algo not in dispatch["takes"][config]:
         message = "ModelOptFp8Config only supports static FP8 quantization" if config == "fp8" else \
             f"ModelOpt currently only supports: {', '.join(dispatch['takes'][config])} quantizations in sglang"

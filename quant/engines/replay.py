@@ -547,7 +547,10 @@ def _third_party(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_
     if em.moe:
         slots[name] = decision.scheme is not None
     stored = on_disk or "bf16"
-    if decision.raises:
+    if decision.unread:
+        finding(name, f"{decision.unread} was not read for {rules.engine} {rules.release or rules.first}: whether "
+                      f"this {what} ({stored} on disk) loads is unknown ({decision.why})", decision.fix)
+    elif decision.raises:
         finding(name, f"{rules.engine} raises building this {what} ({stored} on disk): {decision.raises} "
                       f"({decision.why})", decision.fix or "re-export the checkpoint")
     elif decision.scheme is None and on_disk:

@@ -112,3 +112,14 @@ def test_a_release_whose_format_loading_was_not_read_is_named(nvfp4, tmp_path, m
     monkeypatch.setattr(format_rules, "rules_path", lambda kind, engine: tmp_path / "absent.yaml")
     report = verify(nvfp4["well-formed"], "vllm==0.34.0")
     assert not report.ok and all("was not read" in f.why for f in report.findings)
+
+
+def test_a_scheme_whose_loading_was_not_read_is_unknown_not_an_error(tmp_path):
+    """sglang 0.5.23 builds ModelOpt MXFP8 with its own Fp8Config, which was not read: every module is named
+    as unknown (exit 1: a release not vouched for), never as an error the release raises."""
+    from quant.verify import verify
+    from tests.quant.third_party_checkpoints import modelopt_config, write_third_party
+
+    report = verify(write_third_party(tmp_path / "mxfp8", "qwen3_moe", modelopt_config("MXFP8")), "sglang==0.5.23")
+    assert report.findings and all("was not read for sglang 0.5.23: whether this" in f.why and "raises" not in f.why
+                                   for f in report.findings)

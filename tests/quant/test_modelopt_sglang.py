@@ -212,9 +212,9 @@ def ours(release: str, qconfig: dict, kind: str, module: str, packed: dict):
     """The same question put to the replay, in the same words."""
     rules = _rules(release, packed=packed)
     decision = decide(module, moe=kind == "moe", draft=False, qconfig=qconfig, rules=rules)
-    if decision.raises:
-        return "other" if decision.raises.startswith("(not replayed)") else "raises"
-    return decision.scheme
+    if decision.unread:
+        return "other"
+    return "raises" if decision.raises else decision.scheme
 
 
 MODULES = [("linear", "model.layers.{i}.self_attn.qkv_proj"), ("linear", "model.layers.{i}.self_attn.o_proj"),
