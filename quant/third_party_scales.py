@@ -71,8 +71,8 @@ SCALE_USES: dict[str, ScaleUse] = {
         "compressed-tensors NVFP4's global weight scale (stored as a divisor)", _INVERTED.format("weight scale"), (
             Cite("vllm", "0.16.0", "0.34.0", VLLM_CT_LINEAR, "CompressedTensorsW4A4Fp4.process_weights_after_loading",
                  "1.0 / weight_global_scale"),
-            Cite("sglang", "0.5.9", "0.5.23", SGLANG_CT_MOE, "CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading",
-                 "1 / layer.w13_weight_global_scale"))),
+            Cite("sglang", "0.5.9", "0.5.23", SGLANG_CT_MOE,
+                 "CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", "1 / layer.w13_weight_global_scale"))),
     "input_global_scale": ScaleUse(
         "compressed-tensors NVFP4's static activation global scale", _INVERTED.format("activation scale"), (
             Cite("vllm", "0.16.0", "0.34.0", VLLM_CT_LINEAR, "CompressedTensorsW4A4Fp4.process_weights_after_loading",
@@ -80,13 +80,13 @@ SCALE_USES: dict[str, ScaleUse] = {
             Cite("vllm", "0.20.0", "0.34.0", VLLM_CT_MOE,
                  "CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading",
                  "1.0 / layer.w13_input_global_scale"),
-            Cite("sglang", "0.5.9", "0.5.23", SGLANG_CT_MOE, "CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading",
-                 "1 / w13_input_global_scale"))),
+            Cite("sglang", "0.5.9", "0.5.23", SGLANG_CT_MOE,
+                 "CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", "1 / w13_input_global_scale"))),
     "weight_scale_2": ScaleUse(
         "ModelOpt NVFP4's global weight scale", "the engines multiply it into the GEMM's alpha unchecked: a zero one "
         "zeroes the module's output, a NaN/Inf one poisons it", (
-            Cite("sglang", "0.5.9", "0.5.23", SGLANG_MODELOPT,
-                 "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading", "w2_input_scale * layer.w2_weight_scale_2"),
+            Cite("sglang", "0.5.9", "0.5.23", SGLANG_MODELOPT, "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+                 "w2_input_scale * layer.w2_weight_scale_2"),
         )),
     "input_scale": ScaleUse(
         "the static activation scale (ModelOpt NVFP4 / FP8, compressed-tensors static FP8 / INT8)",
