@@ -85,7 +85,8 @@ SCALE_USES: dict[str, ScaleUse] = {
     "weight_scale_2": ScaleUse(
         "ModelOpt NVFP4's global weight scale", "the engines multiply it into the GEMM's alpha unchecked: a zero one "
         "zeroes the module's output, a NaN/Inf one poisons it", (
-            Cite("sglang", "0.5.9", "0.5.23", SGLANG_MODELOPT, "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+            Cite("sglang", "0.5.9", "0.5.23", SGLANG_MODELOPT,
+                 "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
                  "w2_input_scale * layer.w2_weight_scale_2"),
         )),
     "input_scale": ScaleUse(
