@@ -542,8 +542,9 @@ def _third_party(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_
         finding(name, f"how {rules.engine} {rules.release or rules.first} loads {kind} checkpoints was not read: "
                       "whether it loads is unknown", f"read it into {format_rules.rules_path(kind, rules.engine).name}")
         return
+    extra = {"expert_leaves": leaves} if kind == "compressed-tensors" and (leaves := _expert_leaves(em)) else {}
     decision = format_rules.format_module(kind).decide(name, moe=em.moe, draft=em.draft, qconfig=ctx.qconfig,
-                                                       rules=rules)
+                                                       rules=rules, **extra)
     if em.moe:
         slots[name] = decision.scheme is not None
     stored = on_disk or "bf16"
@@ -561,6 +562,19 @@ def _third_party(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_
         finding(name, f"{stored} on disk, but {rules.engine} builds this {what} as {decision.scheme} "
                       f"({decision.why}): the loader asks for tensors the checkpoint does not hold",
                 decision.fix or f"make the config's scheme for {name} match its tensors")
+
+
+# a FusedMoE's checkpoint names of an expert's gate, up and down projections, by the leaves its experts store:
+# Mixtral's and MiniMax's w1 / w3 / w2 (vLLM 0.32.0 models/mixtral.py: FusedMoE(ckpt_names=("w1", "w2", "w3")),
+# gate, down, up), which compressed-tensors asks from 0.32.0 (the rule moe_match.expert_leaves: checkpoint)
+_CHECKPOINT_LEAVES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _expert_leaves(em: EngineModule) -> tuple[str, str, str] | None:
+    if not em.moe:
+        return None
+    stored = {m.rpartition(".")[2] for m in em.members}
+    return next((leaves for leaves in _CHECKPOINT_LEAVES if set(leaves) <= stored), None)
 
 
 def _forced_quantized(ctx: ReplayContext, em: EngineModule, name: str, quantized_on_disk: bool, exclude: Exclude,

@@ -123,3 +123,18 @@ def test_a_scheme_whose_loading_was_not_read_is_unknown_not_an_error(tmp_path):
     report = verify(write_third_party(tmp_path / "mxfp8", "qwen3_moe", modelopt_config("MXFP8")), "sglang==0.5.23")
     assert report.findings and all("was not read for sglang 0.5.23: whether this" in f.why and "raises" not in f.why
                                    for f in report.findings)
+
+
+def test_vllm_asks_a_fused_moe_by_the_class_checkpoint_names_from_0_32_0(tmp_path):
+    """Mixtral stores its experts as w1 / w3 / w2; an ignore list naming layer 1's experts so (stored bf16) is
+    asked as gate_proj / up_proj / down_proj up to 0.31.0, which it never names (the FusedMoE is built NVFP4),
+    and by the class's own names from 0.32.0 (models/mixtral.py: FusedMoE(ckpt_names=("w1", "w2", "w3")))."""
+    from quant.verify import verify
+    from tests.quant.third_party_checkpoints import nvfp4_ct, write_third_party
+
+    experts = [f"model.layers.1.block_sparse_moe.experts.{e}.{leaf}" for e in range(8) for leaf in ("w1", "w2", "w3")]
+    folder = write_third_party(tmp_path / "mixtral", "mixtral", nvfp4_ct(ignore=["lm_head", "re:.*gate$", *experts]))
+    old = verify(folder, "vllm==0.31.0")
+    assert [(f.module, "bf16 on disk" in f.why) for f in old.findings] == [
+        ("model.layers.1.block_sparse_moe.experts", True)]
+    assert verify(folder, "vllm==0.32.0").ok and verify(folder, "vllm==0.34.0").ok
