@@ -55,7 +55,7 @@ from quant.schema import Schema
 from quant.third_party import CT, scheme_label
 
 
-class Raises(ValueError):
+class _Raises(ValueError):  # control flow inside decide: always caught there, never a user error
     """The release raises while it reads the config or matches a module: its message, the rule that says so
     and what to do."""
 
@@ -222,7 +222,7 @@ def ignored(name: str, ignore: list[str], fused: dict[str, list[str]], rule: dic
     if leaf in fused and not (rule["fused_first"] == "exact" and name in ignore):
         hits = [entry(name.replace(leaf, shard)) for shard in fused[leaf]]
         if len({h is not None for h in hits}) > 1:
-            raise Raises(rule["mixed_shards_error"].format(module=name, shards=fused[leaf]), "ignore_match",
+            raise _Raises(rule["mixed_shards_error"].format(module=name, shards=fused[leaf]), "ignore_match",
                          f"list every shard of {name} in ignore ({', '.join(fused[leaf])}), or none")
         return hits[0] is not None, hits[0]
     hit = entry(name)
@@ -279,7 +279,7 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
             continue  # attention quantization is the KV cache's: its group builds no module
         if group.get("weights") is None:
             if rule["weightless_group"] == "raise":
-                raise Raises(f"config group {name!r} has no weights args: the release validates them as "
+                raise _Raises(f"config group {name!r} has no weights args: the release validates them as "
                              "QuantizationArgs, and None is none", "weightless_group",
                              f"give config group {name!r} its weights args, or move what it quantizes to "
                              "kv_cache_scheme")
@@ -287,7 +287,7 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
         order = group["weights"].get("actorder")
         order = "group" if order is True else order.lower() if isinstance(order, str) else None
         if order in rule["actorder_refused"]["orders"]:
-            raise Raises(rule["actorder_refused"]["error"].format(actorder=repr(order)), "actorder_refused",
+            raise _Raises(rule["actorder_refused"]["error"].format(actorder=repr(order)), "actorder_refused",
                          "serve with a release that reads it, or quantize again with actorder static or weight")
         for target in listed:
             if (key := mapped(target)) is not None:
@@ -296,7 +296,7 @@ def engine_config(qconfig: dict, rules: RuleSet) -> tuple[dict[str, dict], list[
                 read = rule.get("activation_formats")  # sglang: other formats' groups are weight-only
                 if rule.get("int_weight_only_refused") and read is not None and fmt in read and \
                         not group.get("input_activations") and group["weights"].get("type", "int") == "int":
-                    raise Raises(f"config group {name!r}: integer weights without input_activations in format "
+                    raise _Raises(f"config group {name!r}: integer weights without input_activations in format "
                                  f"{fmt!r}: the release asserts float weights there (AssertionError)",
                                  "int_weight_only_refused", "store integer weight-only groups pack-quantized")
                 targets[key] = {"name": name, "weights": group["weights"], "format": fmt,
@@ -320,7 +320,7 @@ def _scheme_dict(name: str, cls: str, targets: dict[str, dict], ignore: list[str
     target, way = matched_target(name, cls, list(targets), fused, match["order"])
     if target is None:
         if match["unmatched"] == "raise":
-            raise Raises(match["unmatched_error"].format(module=name), "target_match",
+            raise _Raises(match["unmatched_error"].format(module=name), "target_match",
                          f"list {name} in ignore or give it a config group target (releases that build an "
                          "unmatched module bf16 load it)")
         return None, f"no config group target matches {name} (nor its class {cls})"
@@ -386,7 +386,7 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
                 return Decision(None, f"{exc} (caught: unquantized; {cites.get('lm_head', '')})")
         else:
             group, why = _scheme_dict(module, linear_class(module), targets, ignore, fused, rule)
-    except Raises as exc:  # a group without weights, a refused actorder, shards listed unevenly, no target
+    except _Raises as exc:  # a group without weights, a refused actorder, shards listed unevenly, no target
         return Decision(None, cites.get(exc.rule, ""), exc.fix, raises=str(exc))
     if group is None:
         return Decision(None, f"{why} ({cites.get('target_match', '')})")
@@ -467,5 +467,5 @@ def _group_args(group: dict | None) -> tuple | None:
     return _args(group["weights"]), _args(group.get("input_activations")), group.get("format")
 
 
-__all__ = ["EXPERT_LEAVES", "KEY", "PRESETS", "RULES", "Raises", "decide", "engine_config", "ignored", "matched_target",
+__all__ = ["EXPERT_LEAVES", "KEY", "PRESETS", "RULES", "decide", "engine_config", "ignored", "matched_target",
            "preset"]
