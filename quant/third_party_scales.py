@@ -27,7 +27,7 @@ import numpy as np
 from quant.engines import Finding
 from quant.formats.third_party_decode import as_float, stored
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
-from quant.third_party import Config, read_modules
+from quant.third_party import OnDisk
 
 VLLM_Q = "vllm/model_executor/layers/quantization"
 SGLANG_Q = "sglang/srt/layers/quantization"
@@ -170,10 +170,9 @@ def scale_findings(info: TensorInfo, read) -> list[Finding]:
                     f"{at}; {use.told()}", FIX)]
 
 
-def missing_scale_findings(tensors: dict[str, TensorInfo], config: Config) -> list[Finding]:
-    """Modules whose scheme has a static activation scale but whose checkpoint holds none: one finding
-    per scale and layer's experts (``...mlp.experts``, naming the experts) or other module."""
-    modules, _ = read_modules(tensors, config)
+def missing_scale_findings(tensors: dict[str, TensorInfo], modules: dict[str, OnDisk]) -> list[Finding]:
+    """Modules (``read_modules``' first result) whose scheme has a static activation scale but whose checkpoint
+    holds none: one finding per scale and layer's experts (``...mlp.experts``, naming the experts) or other module."""
     lacking: dict[tuple[str, str], list[str]] = {}
     for module, disk in sorted(modules.items()):
         suffix = disk.scheme.input_scale if disk.scheme else None

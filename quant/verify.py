@@ -25,14 +25,14 @@ from quant.engines.serving import DEFAULT, Serving
 from quant.errors import CheckpointError, QuantgateError
 from quant.formats.codecs import Codec, codec_for_config, get_codec
 from quant.formats.constants import BLOCK
-from quant.layout import UnknownFamilyError, family_for
+from quant.layout import UnknownFamilyError, family_for, weight_named
 from quant.quark_config import CONFIG_KINDS, THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
-from quant.third_party import Config, UnsupportedScheme, parse, read_modules
+from quant.third_party import OnDisk, UnsupportedScheme, parse, read_modules
 from quant.third_party_scales import missing_scale_findings, scale_findings, scale_suffix
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -314,9 +314,10 @@ def _decode_findings(fmt: Codec, reader: _TensorReader, weight: TensorInfo, scal
     return []
 
 
-def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None, third_party: Config | None = None) -> list[Finding]:
-    """``third_party``: a compressed-tensors or ModelOpt checkpoint's config, whose scales are checked as the
-    engines use them (``quant.third_party_scales``)."""
+def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None, third_party: dict[str, OnDisk] | None = None) \
+        -> list[Finding]:
+    """``third_party``: a compressed-tensors or ModelOpt checkpoint's quantized modules (``read_modules``),
+    whose scales are checked as the engines use them (``quant.third_party_scales``)."""
     from quant.source import first_non_finite
 
     findings = []
@@ -341,7 +342,7 @@ def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None, third_party: Confi
                     if zero_rows:
                         findings.append(Finding("layout", None, name, f"{zero_rows} all-zero scale rows (never "
                                                 "written?)", "re-export this shard"))
-                elif third_party and scale_suffix(name):  # its own finding says what the engines make of it
+                elif third_party is not None and scale_suffix(name):  # its own finding says what the engines make of it
                     findings += scale_findings(info, reader.read)
                 elif info.dtype in FLOAT_DTYPES:  # element by element: a chunk needs no whole rows
                     item = DTYPE_BYTES[info.dtype]
@@ -349,7 +350,7 @@ def _deep_findings(checkpoint: Checkpoint, fmt: Codec | None, third_party: Confi
                     if any(first_non_finite(chunk.data, info.dtype) is not None
                            for _, chunk in reader.rows(info, elements, reader.step(item))):
                         findings.append(Finding("layout", None, name, "NaN/Inf values", "fix the source and re-export"))
-    return findings + (missing_scale_findings(tensors, third_party) if third_party else [])
+    return findings + (missing_scale_findings(tensors, third_party) if third_party is not None else [])
 
 
 def _malformed_qconfig(qconfig) -> list[Finding]:
@@ -420,8 +421,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     kind_roles = {role for _, role in family.layer_kinds}
     roles_by_layer: dict[int, set[str]] = {}  # decoder layer -> its attention roles (hybrid families)
     for name, info in tensors.items():
-        if name.endswith(".weight_packed"):  # compressed-tensors' packed weight: the module's weight
-            name = name.removesuffix("_packed")
+        name = weight_named(name)  # compressed-tensors' packed weight is the module's weight
         role = family.classify(name, num_hidden_layers)
         if role.mtp:
             mtp_layers.add(role.layer)
@@ -516,7 +516,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         report.block_fp8_tp = tp_summary(modules, text, usable, sorted({r.engine for r in rule_sets}), serving.ep,
                                          serving.platform, fusing)
     if deep:
-        report.findings += _deep_findings(checkpoint, fmt, read_as)
+        report.findings += _deep_findings(checkpoint, fmt, stored if read_as else None)
         report.findings += expert_id_findings(checkpoint, family, declared)
         if native and family.fused_experts:
             report.findings += _deep_blocks_findings(checkpoint, fmt)
