@@ -173,24 +173,26 @@ class Checkpoint:
     def config_path(self) -> Path:
         return self.folder / "config.json"
 
+    def _quantization_config(self) -> tuple[object, str]:
+        """The quantization config the engines read and where it is: config.json's ``quantization_config``,
+        else ``hf_quant_config.json``'s content, else config.json's ``compression_config`` (compressed-tensors'
+        older key; vLLM 0.16.0 model_arch_config_convertor.py _normalize_quantization_config)."""
+        for found, where in ((self.config.get("quantization_config"), f"{self.config_path} quantization_config"),
+                             (self.hf_quant_config, str(self.folder / HF_QUANT_CONFIG)),
+                             (self.config.get("compression_config"), f"{self.config_path} compression_config")):
+            if found is not None:
+                return found, where
+        return None, f"{self.config_path} compression_config"
+
     @property
     def quantization_config(self):
-        """The quantization config the engines read: config.json's ``quantization_config``, else
-        ``hf_quant_config.json``'s content, else config.json's ``compression_config`` (compressed-tensors'
-        older key; vLLM 0.16.0 model_arch_config_convertor.py _normalize_quantization_config); None: none."""
-        for found in (self.config.get("quantization_config"), self.hf_quant_config,
-                      self.config.get("compression_config")):
-            if found is not None:
-                return found
-        return None
+        """The quantization config the engines read (``_quantization_config``); None: none."""
+        return self._quantization_config()[0]
 
     @property
     def quantization_config_source(self) -> str:
         """Where ``quantization_config`` was read, for messages."""
-        if self.config.get("quantization_config") is None and self.hf_quant_config is not None:
-            return str(self.folder / HF_QUANT_CONFIG)
-        key = "compression_config" if self.config.get("quantization_config") is None else "quantization_config"
-        return f"{self.config_path} {key}"
+        return self._quantization_config()[1]
 
     @property
     def weight_map(self) -> dict[str, str] | None:

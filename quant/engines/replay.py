@@ -473,8 +473,8 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
         on_disk = {modules[m].scheme if kind in THIRD_PARTY else modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
         if len(on_disk) > 1:
-            parts = ", ".join(sorted(s or "bf16" for s in on_disk)) if kind in THIRD_PARTY else f"{fmt_name}, bf16"
-            finding(name, f"its checkpoint parts are partly {parts.replace(', ', ', partly ')} "
+            parts = sorted(s or "bf16" for s in on_disk) if kind in THIRD_PARTY else [fmt_name, "bf16"]
+            finding(name, f"its checkpoint parts are partly {', partly '.join(parts)} "
                           f"({', '.join(sorted(em.members))}); the {what} loads all of them with one scheme",
                     "quantize all of them or none" if kind not in THIRD_PARTY else "store all of them in one scheme")
             continue
