@@ -16,6 +16,7 @@ from quant.errors import QuantgateError
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
 from quant.layout import Family, TensorRole, known_families, manifests_root
+from quant.rungs import RUNGS
 from quant.schema import Schema, load, nearest
 
 ACTIONS = ("quantize", "keep")
@@ -31,12 +32,22 @@ def _known_format(fmt: str) -> str:
     return fmt
 
 
+def _known_rule_format(fmt: str | None) -> str | None:
+    """A rule's format: a codec (``--to`` name) or a ladder rung (``quant.rungs``: mxfp4_fp8, bf16, ...)."""
+    if fmt is not None and fmt not in CODECS and fmt not in RUNGS:
+        raise ValueError(nearest(fmt, sorted({*CODECS, *RUNGS}), "format"))
+    return fmt
+
+
 class RuleEntry(Schema):
-    """One recipe rule as written: ``{role: routed_expert, action: quantize, mtp: true}``."""
+    """One recipe rule as written: ``{role: routed_expert, layers: [1], action: quantize, format: fp8}``."""
     role: str
     action: Literal[ACTIONS]
     mtp: bool | None = None  # None: any layer; true: the MTP (next-n) layer only; false: the main layers only
-    format: str | None = None  # the recipe's own format, if given (mixed formats are refused)
+    layers: list[int] | None = None  # None: every layer; else the decoder layer indices (model.layers.N) it applies to
+    # None: the recipe's own format; else a rung of the precision ladder (quant.rungs: mxfp4, mxfp4_fp8, fp8,
+    # bf16), which only an mxfp4 recipe mixes (Quark's layer_quant_config)
+    format: str | None = None
     # true: the rule applies only where the family lets the role be quantized (its engines build it with the
     # quant config); elsewhere the tensor is kept, where a plain rule would be refused
     quantizable_only: bool = False
@@ -49,6 +60,8 @@ class RuleEntry(Schema):
         if roles is not None and role not in roles:
             raise ValueError(nearest(role, sorted(roles), "role"))
         return role
+
+    _format = field_validator("format")(_known_rule_format)
 
 
 class RecipeFile(Schema):
@@ -75,10 +88,12 @@ class Rule:
     action: str
     mtp: bool | None = None  # None: any layer
     quantizable_only: bool = False
+    layers: tuple[int, ...] | None = None  # None: any layer
+    format: str | None = None  # a rung (quant.rungs); None: the recipe's format
 
     def matches(self, role: TensorRole) -> bool:
         return self.role == role.role and (self.mtp is None or self.mtp == role.mtp) and \
-            (role.quantizable or not self.quantizable_only)
+            (role.quantizable or not self.quantizable_only) and (self.layers is None or role.layer in self.layers)
 
 
 @dataclass(frozen=True)
@@ -90,10 +105,20 @@ class Recipe:
     rules: tuple[Rule, ...] = field(default_factory=tuple)
 
     def action(self, role: TensorRole) -> str:
+        return "keep" if self.rung(role) == "bf16" else "quantize"
+
+    def rung(self, role: TensorRole) -> str:
+        """The rung (``quant.rungs.RUNGS``) of a tensor: ``bf16`` where kept, else its rule's format or the
+        recipe's own (a block-FP8 recipe's ``fp8`` is the codec, not the per-tensor rung: see ``mixed``)."""
         for rule in self.rules:
             if rule.matches(role):
-                return rule.action
-        return "keep"
+                return "bf16" if rule.action == "keep" else rule.format or self.format
+        return "bf16"
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some rule asks for another quantized rung than the recipe's format (Quark layer_quant_config)."""
+        return any(r.action == "quantize" and r.format not in (None, "bf16", self.format) for r in self.rules)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -118,16 +143,20 @@ def load_recipe(path: Path | None = None, to: str | None = None, family: Family 
         raise RecipeError(f"{path}: a {fmt} recipe cannot produce --to {to}")
     fmt = to or fmt
     for i, raw in enumerate(data.rules or []):
-        if (raw.format or fmt) != fmt:
-            raise RecipeError(f"{path}: rules.{i}: asks for {raw.format} in a {fmt} checkpoint. Mixed formats are "
-                              "refused: sglang's Quark loader accepts only fp4, and vLLM's per-layer Quark configs "
-                              "are not proven here; convert the whole checkpoint to one format")
+        if raw.format == "bf16" and raw.action == "quantize":
+            raise RecipeError(f"{path}: rules.{i}: format bf16 with action quantize; write action: keep")
+        if (raw.format or fmt) != fmt and raw.format != "bf16" and (fmt != "mxfp4" or raw.format not in RUNGS):
+            raise RecipeError(f"{path}: rules.{i}: asks for {raw.format} in a {fmt} checkpoint. Only an mxfp4 recipe "
+                              f"mixes formats, with the ladder's rungs ({', '.join(RUNGS)}); convert the whole "
+                              "checkpoint to one format")
     return Recipe(
         name=data.name or path.stem,
         format=fmt,
         scale_rule=ScaleRule(data.scale_rule),
         weight_only=data.activations == "none",
-        rules=tuple(Rule(raw.role, raw.action, raw.mtp, raw.quantizable_only) for raw in data.rules or []),
+        rules=tuple(Rule(raw.role, "keep" if raw.format == "bf16" else raw.action, raw.mtp, raw.quantizable_only,
+                         tuple(raw.layers) if raw.layers is not None else None, raw.format)
+                    for raw in data.rules or []),
     )
 
 

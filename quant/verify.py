@@ -15,7 +15,7 @@ import numpy as np
 
 from quant import blocks
 from quant.checkpoint import INDEX_NAME, TOKENIZER_FIX, Checkpoint, config_int, tokenizer_problem
-from quant.engines import Finding, Module, ReplayContext, UnknownEngine, replay
+from quant.engines import Finding, Module, ReplayContext, UnknownEngine, quark_layers, replay
 from quant.engines.block_partition import block_findings, check_heads, tp_summary
 from quant.engines.config import layer_kind_findings, model_findings, quark_findings, router_tensors
 from quant.engines.format_rules import cut
@@ -29,6 +29,7 @@ from quant.layout import UnknownFamilyError, family_for, weight_named
 from quant.quark_config import CONFIG_KINDS, THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
+from quant.rungs import stored_rung
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -394,9 +395,13 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         read_as = parse(third_party, qconfig) if third_party else None
     except UnsupportedScheme as exc:
         raise UnreadableCheckpoint(f"{checkpoint.quantization_config_source}: {exc}") from None
-    if third_party:  # each release replayed with its own format rules: a family rule set cut where they change
+    # a Quark config with per-layer schemes (the ladder's mixed checkpoints): each module's rung is read from its
+    # tensors, and each release's per-layer matching has its own rule file (quant.engines.quark_layers)
+    layered = not malformed and config_kind(qconfig) == "quark" and quark_layers.per_layer(qconfig)
+    if third_party or layered:  # each release replayed with its own format rules: a family rule set cut where they change
+        cut_kind = third_party or quark_layers.KIND
         try:
-            asked = [replace(t, rules=cut(t.rules, third_party, t.state.release)) if t.rules else t for t in asked]
+            asked = [replace(t, rules=cut(t.rules, cut_kind, t.state.release)) if t.rules else t for t in asked]
         except UnknownEngine as exc:  # a format rule file that breaks its schema
             raise UnreadableCheckpoint(str(exc)) from None
     rule_sets = list({t.rules.id: t.rules for t in asked if t.rules}.values())  # each replayed once
@@ -434,6 +439,10 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         elif role.linear and name.endswith(".weight") and (on_disk := stored.get(name.removesuffix(".weight"))):
             modules[name.removesuffix(".weight")] = Module(bool(on_disk.label), on_disk.shape, role.role,
                                                            on_disk.label)
+        elif role.linear and name.endswith(".weight") and layered and (rung := stored_rung(tensors, name[:-7])):
+            quantized = rung != "bf16"
+            shape = fmt.logical_shape(info.shape) if info.dtype == fmt.weight_dtype else tuple(info.shape)
+            modules[name.removesuffix(".weight")] = Module(quantized, shape, role.role, rung if quantized else "")
         elif role.linear and name.endswith(".weight") and len(info.shape) == 2:
             quantized = fmt is not None and info.dtype == fmt.weight_dtype
             shape = fmt.logical_shape(info.shape) if quantized else tuple(info.shape)

@@ -25,7 +25,9 @@ from quant.layout import manifests_root
 from quant.schema import Schema, load, validate
 
 # a third-party kind (quant.quark_config.format_kind) -> the module holding its RULES and decide
-FORMAT_MODULES = {"compressed-tensors": "quant.engines.compressed_tensors", "modelopt": "quant.engines.modelopt"}
+# quark-layers: a Quark checkpoint's per-layer schemes (the exclude list is the family rules')
+FORMAT_MODULES = {"compressed-tensors": "quant.engines.compressed_tensors", "modelopt": "quant.engines.modelopt",
+                  "quark-layers": "quant.engines.quark_layers"}
 
 
 def key(kind: str) -> str:

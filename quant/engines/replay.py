@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from quant.engines import format_rules
+from quant.engines import format_rules, quark_layers
 from quant.engines.fusion import cite as fusion_cite
 from quant.engines.fusion import loader_mapped, map_61, no_fusion_reason
 from quant.engines.match import (
@@ -467,16 +467,19 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
         findings.append(Finding("engine", rules.id, module, why, fix))
 
     slots: dict[str, bool] = {}  # FusedMoE name -> whether its expert slots are quantized
+    layered = kind == "quark" and quark_layers.per_layer(ctx.qconfig)  # modules' rungs decided per layer
+    labelled = kind in THIRD_PARTY or layered
     built = engine_modules(ctx, whole_draft_bf16)
     for name, em in sorted(built.items()):
-        # a third-party checkpoint's parts by their scheme label ("": bf16), the others by quantized or not
-        on_disk = {modules[m].scheme if kind in THIRD_PARTY else modules[m].quantized for m in em.members}
+        # a third-party or per-layer Quark checkpoint's parts by their scheme label ("": bf16), the others by
+        # quantized or not
+        on_disk = {modules[m].scheme if labelled else modules[m].quantized for m in em.members}
         what = "FusedMoE" if em.moe else "fused module" if len(em.members) > 1 else "module"
         if len(on_disk) > 1:
-            parts = sorted(s or "bf16" for s in on_disk) if kind in THIRD_PARTY else [fmt_name, "bf16"]
+            parts = sorted(s or "bf16" for s in on_disk) if labelled else [fmt_name, "bf16"]
             finding(name, f"its checkpoint parts are partly {', partly '.join(parts)} "
                           f"({', '.join(sorted(em.members))}); the {what} loads all of them with one scheme",
-                    "quantize all of them or none" if kind not in THIRD_PARTY else "store all of them in one scheme")
+                    "quantize all of them or none" if not labelled else "store all of them in one scheme")
             continue
         quantized_on_disk = on_disk.pop()
         if quantized_on_disk and (permuted := _rotary_permuted(em, rules, kind)):
@@ -510,7 +513,7 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
                               "cannot load", "keep it bf16 (quantgate's recipes never quantize it)")
             continue
         if kind in THIRD_PARTY:  # the format's rules decide (quant.engines.format_rules)
-            _third_party(ctx, em, name, what, quantized_on_disk, finding, slots)
+            _decided(ctx, em, name, what, quantized_on_disk, finding, slots, kind)
             continue
         if em.build == "quantized":
             _forced_quantized(ctx, em, name, quantized_on_disk, lists[em.draft], where, finding)
@@ -530,19 +533,26 @@ def _replay(ctx: ReplayContext) -> tuple[list[Finding], dict[str, bool], list[st
         elif not expect_quantized and quantized_on_disk:
             finding(name, f"{fmt_name} weight on disk but the {where} list makes this {what} bf16: packed bytes "
                           "would load as weights", f"remove the {where} entries matching {name!r}")
+        elif expect_quantized and layered:  # which rung: the release's per-layer matching decides
+            _decided(ctx, em, name, what, quantized_on_disk, finding, slots, quark_layers.KIND)
     return findings, slots, entries
 
 
-def _third_party(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_disk: str, finding,
-                 slots: dict[str, bool]) -> None:
-    """A module of a third-party checkpoint: the scheme this release builds it with (the format module's
-    ``decide`` under the cut rule set's format rules) against the scheme its tensors are stored in."""
-    rules, kind = ctx.rules, ctx.kind
+def _decided(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_disk: str, finding,
+             slots: dict[str, bool], kind: str) -> None:
+    """A module of a third-party checkpoint, or one a per-layer Quark config quantizes (``kind``
+    ``quark-layers``): the scheme this release builds it with (the format module's ``decide`` under the cut
+    rule set's format rules) against the scheme its tensors are stored in."""
+    rules = ctx.rules
     if rules.values.get(format_rules.key(kind)) is None:
         finding(name, f"how {rules.engine} {rules.release or rules.first} loads {kind} checkpoints was not read: "
                       "whether it loads is unknown", f"read it into {format_rules.rules_path(kind, rules.engine).name}")
         return
-    extra = {"expert_leaves": leaves} if kind == "compressed-tensors" and (leaves := _expert_leaves(em)) else {}
+    if kind == quark_layers.KIND:  # the engine's names of its members: a FusedMoE asks per expert
+        extra = {"members": tuple(name + m[m.rindex(".experts.") + len(".experts"):] if em.moe and ".experts." in m
+                                  else m for m in em.members)}
+    else:
+        extra = {"expert_leaves": leaves} if kind == "compressed-tensors" and (leaves := _expert_leaves(em)) else {}
     decision = format_rules.format_module(kind).decide(name, moe=em.moe, draft=em.draft, qconfig=ctx.qconfig,
                                                        rules=rules, **extra)
     if em.moe:

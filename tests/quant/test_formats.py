@@ -124,12 +124,15 @@ def test_dry_run_sizes_each_format(glm_ckpt, tmp_path, capsys):
     assert sizes["fp8"]["tensors_quantized"] == 68 and sizes["fp8"]["recipe"]["format"] == "fp8"
 
 
-def test_mixed_formats_are_refused(tmp_path):
+def test_mixed_formats_outside_the_ladder_are_refused(tmp_path):
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text("name: mixed\nformat: mxfp4\nrules:\n  - {role: routed_expert, action: quantize}\n"
                       "  - {role: shared_expert, action: quantize, format: mxfp6_e2m3}\n")
-    with pytest.raises(RecipeError, match="Mixed formats are refused: sglang's Quark loader accepts only fp4"):
+    with pytest.raises(RecipeError, match="Only an mxfp4 recipe mixes formats, with the ladder's rungs"):
         load_recipe(recipe)
+    recipe.write_text("name: mixed\nformat: mxfp4\nrules:\n  - {role: routed_expert, layers: [1], action: quantize, "
+                      "format: fp8}\n  - {role: routed_expert, action: quantize}\n")
+    assert load_recipe(recipe).mixed
     fp8_recipe = manifests_root() / "recipes" / "fp8-block.yaml"
     with pytest.raises(RecipeError, match="a fp8 recipe cannot produce --to mxfp4"):
         load_recipe(fp8_recipe, "mxfp4")
