@@ -1,0 +1,132 @@
+"""The precision ladder's choice (quant.ladder): lifting the most erring units up the rungs until a budget holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quant.ladder import (
+    Budget,
+    LadderError,
+    choose,
+    default_error_budget,
+    describe,
+    ladder_recipe,
+    record,
+    start_rung,
+    units_of,
+)
+from quant.recipe import load_recipe
+
+ALL_LINEAR = Path(__file__).resolve().parents[1] / "benchmarks" / "mxfp4-all-linear.yaml"
+
+
+def unit(layer: int, role: str, w4a4: float, w4a8: float, w8a8: float, size: int = 100) -> dict:
+    """A sidecar unit: its errors per rung, and bytes as the rungs store them (MXFP4 ~4.25 bits, FP8 8, bf16 16)."""
+    return {"layer": layer, "role": role, "mtp": False, "error": {"mxfp4": w4a4, "mxfp4_fp8": w4a8, "fp8": w8a8},
+            "bytes": {"mxfp4": size * 17 // 32, "mxfp4_fp8": size * 17 // 32 + 4, "fp8": size + 4, "bf16": 2 * size}}
+
+
+SIDECAR = {"kind": "quantgate-sensitivity", "version": 1,
+           "calibration": {"source": "arith:train", "items": 64, "tokens": 4100, "item_sha256": ["ab"] * 64},
+           "units": [unit(0, "attention", 0.30, 0.12, 0.02), unit(0, "dense_mlp", 0.05, 0.03, 0.01),
+                     unit(1, "attention", 0.20, 0.09, 0.03), unit(1, "routed_expert", 0.08, 0.04, 0.01, 400),
+                     unit(1, "shared_expert", 0.02, 0.01, 0.005), unit(2, "routed_expert", 0.15, 0.06, 0.02, 400)],
+           "seconds": 1.5, "peak_rss_bytes": 1000}
+
+
+@pytest.fixture()
+def units():
+    return units_of(SIDECAR)
+
+
+@pytest.fixture()
+def start():
+    return load_recipe(ALL_LINEAR)
+
+
+def rungs(choices) -> dict[tuple[int, str], str]:
+    return {(c.unit.layer, c.unit.role): c.rung for c in choices}
+
+
+def test_error_budget_lifts_each_unit_to_the_cheapest_rung_under_it(units, start):
+    chosen = rungs(choose(units, start, Budget(error=0.1)))
+    assert chosen == {(0, "attention"): "fp8", (0, "dense_mlp"): "mxfp4", (1, "attention"): "mxfp4_fp8",
+                      (1, "routed_expert"): "mxfp4", (1, "shared_expert"): "mxfp4",
+                      (2, "routed_expert"): "mxfp4_fp8"}
+
+
+def test_default_budget_is_the_worst_w8a8_unit(units, start):
+    assert default_error_budget(units) == 0.03
+    chosen = choose(units, start, Budget(error=default_error_budget(units)))
+    assert max(c.error for c in chosen) <= 0.03
+    assert rungs(chosen)[(1, "shared_expert")] == "mxfp4"  # already under it at W4A4
+
+
+def test_a_rung_the_served_releases_do_not_build_is_skipped(units, start):
+    no_w4a8_moe = lambda role, rung: not (role == "routed_expert" and rung == "mxfp4_fp8")  # noqa: E731
+    chosen = rungs(choose(units, start, Budget(error=0.1), no_w4a8_moe))
+    assert chosen[(2, "routed_expert")] == "fp8"  # W4A8 would do, but is not built: the next rung up
+    assert chosen[(1, "attention")] == "mxfp4_fp8"
+    no_w4a4_attention = lambda role, rung: not (role == "attention" and rung == "mxfp4")  # noqa: E731
+    assert rungs(choose(units, start, Budget(error=1.0), no_w4a4_attention))[(1, "attention")] == "mxfp4_fp8"
+
+
+def test_byte_budget_is_spent_on_the_most_sensitive_units_first(units, start):
+    base = sum(u.bytes["mxfp4"] for u in units)
+    chosen = choose(units, start, Budget(bytes=base + 100))  # W4A8 costs 4 bytes a unit; one W8A8 lift fits
+    assert sum(c.nbytes for c in chosen) <= base + 100
+    assert rungs(chosen)[(0, "attention")] == "fp8"  # the worst unit, lifted first
+    assert all(c.rung in ("mxfp4_fp8", "fp8") for c in chosen)
+    with pytest.raises(LadderError, match="start recipe's units alone take"):
+        choose(units, start, Budget(bytes=base - 1))
+
+
+def test_an_error_budget_the_byte_budget_cannot_pay_for_is_refused_naming_the_units(units, start):
+    base = sum(u.bytes["mxfp4"] for u in units)
+    with pytest.raises(LadderError, match=r"error budget 0\.05 cannot hold: .*layer 0 attention at W4A8 \(0\.12\)"):
+        choose(units, start, Budget(error=0.05, bytes=base + 30))
+
+
+def test_units_the_start_recipe_keeps_stay_kept(units, tmp_path):
+    recipe = tmp_path / "experts.yaml"
+    recipe.write_text("format: mxfp4\nrules:\n  - {role: routed_expert, action: quantize}\n")
+    chosen = rungs(choose(units, load_recipe(recipe), Budget(error=0.1)))
+    assert chosen[(0, "attention")] == chosen[(1, "shared_expert")] == "bf16"
+    assert chosen[(2, "routed_expert")] == "mxfp4_fp8"
+
+
+def test_the_choice_is_a_mixed_recipe_that_gives_each_unit_its_rung(units, start):
+    chosen = choose(units, start, Budget(error=0.1))
+    recipe = ladder_recipe(start, chosen)
+    assert recipe.mixed and recipe.name == "mxfp4-all-linear+ladder"
+    assert {start_rung(recipe, c.unit) for c in chosen if c.rung == "mxfp4_fp8"} == {"mxfp4_fp8"}
+    assert all(start_rung(recipe, c.unit) == c.rung for c in chosen)
+    ladder_rules = [r for r in recipe.rules if r.layers is not None]
+    assert [(r.role, r.layers, r.format) for r in ladder_rules] == [
+        ("attention", (0,), "fp8"), ("attention", (1,), "mxfp4_fp8"), ("routed_expert", (2,), "mxfp4_fp8")]
+
+
+def test_the_manifest_record_and_its_line(units, start):
+    budget = Budget(error=0.1)
+    chosen = choose(units, start, budget)
+    rec = record(chosen, budget, default_budget=False, sidecar=SIDECAR,
+                 sidecar_file={"path": "sensitivity.json", "sha256": "00"}, skipped={})
+    assert "item_sha256" not in rec["sensitivity"]["calibration"]  # hashes stay in the sidecar
+    assert rec["bytes"]["start"] < rec["bytes"]["chosen"] < rec["bytes"]["fp8"]
+    assert rec["max_error"] == {"start": 0.30, "chosen": 0.09}
+    line = describe(rec)
+    assert line.startswith("6 units: 3 W4A4, 2 W4A8, 1 W8A8; largest layer error 0.09 (start 0.3; budget error <= 0.1)")
+    assert "calibrated on arith:train (64 items, 4100 tokens)" in line
+
+
+@pytest.mark.parametrize("broken, said", [
+    ({"units": []}, "no measured units"),
+    ({"units": [{"layer": 1, "role": "attention"}]}, r"units\[0\] is not a measured unit"),
+    ({"units": [{**unit(1, "attention", 0.1, 0.1, 0.1), "error": {"mxfp4": 0.1}}]},
+     r"units\[0\] \(layer 1 attention\) has no measurement for mxfp4_fp8, fp8"),
+])
+def test_a_sidecar_without_the_measurements_is_refused_naming_the_unit(broken, said):
+    with pytest.raises(LadderError, match=said):
+        units_of(broken, "s.json")
