@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from evals.errors import BadInput
 from quant.hashing import sha256_fileobj, sha256_of
+from quant.ladder import manifest_line
 from quant.outputs import INDEX_NAME, MANIFEST_NAME
 from quant.safe_files import open_regular_fd, parse_json, read_regular
 
@@ -39,6 +40,7 @@ class Identity:
     shards: int
     nbytes: int
     recipe: str | None  # the recipe's name, as the manifest records it
+    ladder: str | None = None  # the precision ladder's choice (quant.ladder.describe), where it chose the recipe
 
 
 def _regular(path: Path, what: str) -> os.stat_result:
@@ -126,7 +128,8 @@ def identity(folder: Path, verify: bool = True) -> Identity | None:
     digest = sha256_of({"shards": sorted([name, size, sha] for name, size, sha in records), "files": extras})
     recipe = manifest.get("recipe")
     recipe = recipe.get("name") if isinstance(recipe, dict) else recipe
-    return Identity(digest, verify, len(records), nbytes, recipe if isinstance(recipe, str) else None)
+    return Identity(digest, verify, len(records), nbytes, recipe if isinstance(recipe, str) else None,
+                    manifest_line(manifest))
 
 
 __all__ = ["KEY", "Identity", "identity"]

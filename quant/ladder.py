@@ -192,5 +192,16 @@ def describe(ladder: dict) -> str:
             f"{cal.get('source', '?')} ({cal.get('items', '?')} items, {cal.get('tokens', '?')} tokens)")
 
 
+def manifest_line(manifest: dict) -> str | None:
+    """``describe`` of a conversion manifest's ladder record; None for a conversion the ladder did not choose."""
+    ladder = manifest.get("ladder") if isinstance(manifest, dict) else None
+    if ladder is None:
+        return None
+    try:
+        return describe(ladder)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a hand-edited or newer record: say so, judge on
+        return "recorded, but not in the form this quantgate writes (see conversion_manifest.json's ladder)"
+
+
 __all__ = ["Budget", "Choice", "LadderError", "Unit", "choose", "default_error_budget", "describe", "ladder_recipe",
-           "record", "start_rung", "units_of"]
+           "manifest_line", "record", "start_rung", "units_of"]

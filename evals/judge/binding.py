@@ -55,7 +55,8 @@ def bind_checkpoint(checkpoint: Path, candidate: Path, cand_run: dict, unverifie
                       f"{candidate}/run.json records {recorded}; release the checkpoint that run evaluated, or "
                       "evaluate this one")
     bound = {"sha256": actual, "verified": bool(actual and recorded), "shards_verified": bool(ident and ident.verified),
-             "shards": ident.shards if ident else 0, "recipe": ident.recipe if ident else None}
+             "shards": ident.shards if ident else 0, "recipe": ident.recipe if ident else None,
+             "ladder": ident.ladder if ident else None}
     if actual and recorded:
         return bound
     if not unverified:
@@ -85,6 +86,7 @@ def provenance(binding: dict, ref_run: dict, policy_source: str | None,
         "tool": {"name": "quantgate", "version": quant.__version__},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "recipe": binding["recipe"],
+        "ladder": binding.get("ladder"),  # the precision ladder's choice and measurements, where it chose the recipe
         "candidate_checkpoint_sha256": binding["sha256"],
         "checkpoint_verified": binding["verified"],
         "shards_verified": binding["shards_verified"],
@@ -111,5 +113,6 @@ def lines(prov: dict | None) -> list[tuple[str, str]]:
     return [("policy", f"{pol['path']} (sha256 {pol['sha256']})" + (f", --margin {overrides}" if overrides else "")),
             ("tool", f"{prov['tool']['name']} {prov['tool']['version']}"), ("date", prov["date"]),
             ("recipe", prov["recipe"] or "-"),
+            *([("ladder", prov["ladder"])] if prov.get("ladder") else []),
             ("candidate checkpoint", cand),
             ("reference checkpoint", f"sha256 {ref}" if prov["reference_checkpoint_sha256"] else ref)]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from quant.ladder import (
@@ -13,13 +11,15 @@ from quant.ladder import (
     default_error_budget,
     describe,
     ladder_recipe,
+    manifest_line,
     record,
     start_rung,
     units_of,
 )
+from quant.layout import manifests_root
 from quant.recipe import load_recipe
 
-ALL_LINEAR = Path(__file__).resolve().parents[1] / "benchmarks" / "mxfp4-all-linear.yaml"
+ALL_LINEAR = manifests_root() / "recipes" / "mxfp4-all-linear.yaml"
 
 
 def unit(layer: int, role: str, w4a4: float, w4a8: float, w8a8: float, size: int = 100) -> dict:
@@ -130,3 +130,19 @@ def test_the_manifest_record_and_its_line(units, start):
 def test_a_sidecar_without_the_measurements_is_refused_naming_the_unit(broken, said):
     with pytest.raises(LadderError, match=said):
         units_of(broken, "s.json")
+
+
+def test_gate_release_shows_the_ladder_line_from_the_manifest(units, start):
+    from evals.judge.binding import lines, provenance
+
+    budget = Budget(error=0.1)
+    rec = record(choose(units, start, budget), budget, default_budget=True, sidecar=SIDECAR,
+                 sidecar_file={"path": "sensitivity.json", "sha256": "00"}, skipped={})
+    line = manifest_line({"ladder": rec})
+    assert line == describe(rec) and "(the worst W8A8 unit's)" in line
+    bound = {"sha256": None, "verified": False, "shards_verified": False, "shards": 0, "recipe": "r+ladder",
+             "ladder": line}
+    assert ("ladder", line) in lines(provenance(bound, {}, None))
+    assert "ladder" not in dict(lines(provenance({**bound, "ladder": None}, {}, None)))
+    assert manifest_line({"recipe": {}}) is None
+    assert manifest_line({"ladder": {"units": 3}}).startswith("recorded, but not in the form")
