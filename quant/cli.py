@@ -16,14 +16,16 @@ from quant.errors import ConvertError, QuantgateError
 from quant.example import FAMILIES, MLA_SIZES
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
-from quant.layout import FAMILIES_ENV, UnknownFamilyError, families_listing, load_family
-from quant.outputs import check_destination
+from quant.layout import FAMILIES_ENV, UnknownFamilyError, families_listing, load_family, manifests_root
+from quant.outputs import check_destination, write_atomic
 from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import load_recipe, with_overrides
 from quant.release_check import parse_serve
 from quant.safe_files import refuse_link
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+LADDER_START = manifests_root() / "recipes" / "mxfp4-all-linear.yaml"  # --ladder's default start: every Linear W4A4
+SENSITIVITY_NAME = "sensitivity.json"  # where --ladder keeps the sensitivity pass it measured, in DST
 
 DESCRIPTION = """\
 Convert a bf16 Hugging Face MoE checkpoint of one of the model families listed below into AMD Quark 0.13's
@@ -47,7 +49,8 @@ examples:
   quantize --to mxfp4 SRC DST --shared-experts mxfp4 --mtp-experts bf16 --json
   quantize --to mxfp4 SRC DST --serve sglang==0.5.23 --serve vllm==0.33.0   # refuse what those would not load
   quantize --to mxfp4 SRC DST --resume             # finish an interrupted run
-  quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation"""
+  quantize --to bf16 /ckpt/GLM-5-mxfp4 /ckpt/GLM-5-mxfp4-as-bf16   # exact decode, for evaluation
+  quantize --to mxfp4 --ladder --calibration arith SRC DST   # per layer W4A4 / W4A8 / W8A8 / bf16, measured"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +69,30 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
     return int(text)
+
+
+def _byte_count(text: str) -> int:
+    """``4096``, ``800MB``, ``1.2GB``, ``0.4 TB`` (decimal units, as quantize prints sizes)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    number = text.strip().upper().rstrip("BKMGT ")
+    unit = text.strip().upper()[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (4096, 800MB, 1.2GB)") from None
+    if not 1 <= value < float("inf"):  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of bytes, at least one")
+    return int(value)
+
+
+def _error_budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a relative error (a number such as 0.05, at least 0)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +130,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "(MI355X, TP 8), and a release not in the window or neither read nor carried for the family. "
                         "Without it, every release read or carried is replayed: what the newest of an engine would not "
                         "load is refused, older releases that fail are named in a warning with the ways out")
+    ladder = p.add_argument_group("precision ladder (per-layer rungs chosen by a measured sensitivity pass)")
+    ladder.add_argument("--ladder", action="store_true",
+                        help="start from --recipe (default: manifests/recipes/mxfp4-all-linear.yaml, every decoder "
+                             "Linear W4A4) and lift the (layer, role) units whose layer output the sensitivity pass "
+                             "finds most changed, one rung at a time (W4A4 -> W4A8 -> W8A8 -> bf16, skipping rungs a "
+                             "--serve release, or the newest of each engine, does not build), until the budget holds; "
+                             "the choice and its measurements go in conversion_manifest.json (gate release shows them)")
+    ladder.add_argument("--calibration", metavar="DATA",
+                        help="what the sensitivity pass reads: a JSONL file of prompts (a 'question' or 'text' field "
+                             "per line) or a benchmark name (arith, gsm8k: its train split); an item that is an "
+                             "evaluation item is refused")
+    ladder.add_argument("--sensitivity", type=Path, metavar="FILE",
+                        help="the sensitivity sidecar: reused if it exists (measured on SRC), else the pass writes it "
+                             "there; without it the pass's sidecar is kept as DST/sensitivity.json")
+    ladder.add_argument("--error-budget", type=_error_budget, metavar="X",
+                        help="no unit's relative layer-output error above X (default, with no --byte-budget: the "
+                             "largest error any unit shows at W8A8)")
+    ladder.add_argument("--byte-budget", type=_byte_count, metavar="B",
+                        help="the laddered Linears' weights at most B bytes (1.2GB, 800MB, 4096); alone, spent on the "
+                             "most sensitive units first")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (what is quantized, kept, aliased; bytes in/out) from headers only")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -192,6 +239,69 @@ def _human_done(manifest: dict, dst: Path) -> str:
             f"output      {dst}  (manifest: {dst / MANIFEST_NAME})")
 
 
+def _check_ladder_options(args: argparse.Namespace) -> None:
+    """The ladder's options make sense together, before anything is measured or written."""
+    given = [flag for flag, value in (("--calibration", args.calibration), ("--error-budget", args.error_budget),
+                                      ("--byte-budget", args.byte_budget), ("--sensitivity", args.sensitivity))
+             if value is not None]
+    if not args.ladder:
+        if given:
+            raise PlanError(f"{given[0]} is an option of the precision ladder: add --ladder")
+        return
+    if args.to != "mxfp4":
+        raise PlanError(f"--ladder --to {args.to}: only an mxfp4 checkpoint mixes rungs per layer; use --to mxfp4")
+    if args.resume:
+        raise PlanError("--ladder --resume: a resumed conversion keeps its plan; rerun the finished choice "
+                        "with --recipe (conversion_manifest.json records it) or start again with --overwrite")
+    if args.calibration is None and not (args.sensitivity and args.sensitivity.exists()):
+        raise PlanError("--ladder needs what to measure with: --calibration DATA (a JSONL prompt file or a "
+                        "benchmark's name, e.g. arith), or --sensitivity FILE a previous pass wrote")
+
+
+def _ladder_plan(args: argparse.Namespace, start, family, serve):
+    """The sensitivity sidecar (read from --sensitivity, or measured now), the plan of the ladder's choice
+    on it, its manifest record, and where the sidecar is."""
+    import tempfile
+
+    from quant.ladder import Budget, plan_ladder
+    from quant.sensitivity import run as measure
+
+    sidecar = args.sensitivity
+    if sidecar is None or not sidecar.exists():
+        if sidecar is None:  # kept in DST once converted (a dry run measures into a folder removed at exit)
+            scratch = tempfile.TemporaryDirectory(prefix="quantgate-sensitivity-")
+            atexit.register(scratch.cleanup)
+            sidecar = Path(scratch.name) / SENSITIVITY_NAME
+        else:
+            refuse_link(sidecar)
+        if not args.json and not args.quiet:
+            print(f"sensitivity {args.src} on {args.calibration}, one decoder layer at a time -> {sidecar}",
+                  flush=True)
+        measure(args.src, args.calibration, sidecar)
+    plan, ladder = plan_ladder(args.src, start, family, serve, sidecar,
+                               Budget(args.error_budget, args.byte_budget), args.calibration)
+    if not args.sensitivity:
+        ladder["sensitivity"]["path"] = SENSITIVITY_NAME  # where it is kept: in the checkpoint folder
+    return plan, ladder, sidecar
+
+
+def _human_ladder(ladder: dict) -> str:
+    from quant.ladder import describe
+    from quant.rungs import RUNGS
+
+    lines = [f"ladder      {describe(ladder)}"]
+    for unit in ladder["units"]:
+        moved = f"{RUNGS[unit['start']].label} -> {RUNGS[unit['rung']].label}" if unit["rung"] != unit["start"] \
+            else RUNGS[unit["rung"]].label
+        errors = "  ".join(f"{RUNGS[r].label} {e:.4f}" for r, e in unit["error"].items())
+        lines.append(f"  {'MTP ' if unit['mtp'] else ''}layer {unit['layer']:<3} {unit['role']:<14} {moved:<16} "
+                     f"error {errors}")
+    for role, rungs in ladder["rungs_skipped"].items():
+        lines += [f"  skipped {RUNGS[rung].label} for {role}: {why if len(why) < 240 else why[:240] + ' ...'}"
+                  for rung, why in rungs.items()]
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     serve = tuple(dict.fromkeys(parse_serve(spec) for spec in args.serve))  # refused before anything is written
     if serve and args.to == "bf16":
@@ -218,25 +328,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               args.example / args.to)
     if not args.src or not args.dst:
         raise PlanError("give SRC and DST folders (or --example DIR); see quantize --help")
+    _check_ladder_options(args)
     if not args.dry_run:  # refuse before a 25-line plan scrolls the reason away
         check_destination(args.src, args.dst, args.overwrite, args.resume)
     family = load_family(args.family_manifest) if args.family_manifest else None
     if args.to == "bf16":  # a fused family's experts go back into its release's fused tensors
         plan = make_decode_plan(args.src, family)
     else:
-        recipe = with_overrides(load_recipe(args.recipe, args.to, family), shared_experts=args.shared_experts,
+        recipe = with_overrides(load_recipe(args.recipe or (LADDER_START if args.ladder else None), args.to, family), shared_experts=args.shared_experts,
                                 mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                                 scale_rule=args.scale_rule)
-        plan = make_plan(args.src, recipe, family, serve)
+        if args.ladder:
+            plan, ladder, sidecar = _ladder_plan(args, recipe, family, serve)
+        else:
+            plan = make_plan(args.src, recipe, family, serve)
     if args.dry_run:
-        print(json.dumps(plan.summary(), indent=2) if args.json else _human_plan(plan))
+        print(json.dumps({**plan.summary(), **({"ladder": ladder} if args.ladder else {})}, indent=2) if args.json
+              else _human_plan(plan) + (f"\n{_human_ladder(ladder)}" if args.ladder else ""))
         return EXIT_OK
     from quant.convert import (
         convert,  # loads the numba kernel: only when there is data to convert
     )
 
     if not args.json:
-        print(_human_plan(plan), flush=True)
+        print(_human_plan(plan) + (f"\n{_human_ladder(ladder)}" if args.ladder else ""), flush=True)
     if args.device != "cpu":
         import torch
 
@@ -245,7 +360,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                             f"{torch.cuda.device_count()} CUDA devices); use --device cpu")
     manifest = convert(plan, args.dst, overwrite=args.overwrite, resume=args.resume, workers=args.workers,
                        device=args.device, show_progress=not (args.quiet or args.json), command=["quantize", *argv],
-                       strict=args.strict)
+                       strict=args.strict, ladder=ladder if args.ladder else None)
+    if args.ladder and not args.sensitivity:  # the measurement stays with what it chose: reusable, --sensitivity
+        write_atomic(args.dst / SENSITIVITY_NAME, sidecar.read_bytes())
     print(json.dumps({"plan": plan.summary(), "manifest": manifest}, indent=2) if args.json
           else _human_done(manifest, args.dst))
     return EXIT_OK

@@ -269,8 +269,9 @@ def _run_jobs(jobs: list[ShardJob], workers: int, progress: tqdm, on_done) -> No
 
 def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = False, workers: int | None = None,
             device: str = "cpu", show_progress: bool = True, command: list[str] | None = None,
-            strict: bool = False) -> dict:
-    """Run the whole plan into ``dst``; returns the conversion manifest (also written there).
+            strict: bool = False, ladder: dict | None = None) -> dict:
+    """Run the whole plan into ``dst``; returns the conversion manifest (also written there); ``ladder``: the
+    precision ladder's record of how it chose the plan's recipe (``quant.ladder.record``), kept in the manifest.
 
     ``dst`` is locked for the whole run: a second writer is refused, naming this one's pid."""
     dst = Path(dst)
@@ -284,7 +285,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
             else:
                 prepare_destination(dst, overwrite)
                 done, sources = {}, {}
-            return _run(plan, dst, done, sources, workers, device, show_progress, command, strict)
+            return _run(plan, dst, done, sources, workers, device, show_progress, command, strict, ladder)
     except OSError as exc:  # before the first shard (the run itself reports what it kept)
         if exc.errno in _DISK_ERRNOS:
             raise DiskFullError(f"disk full writing into {dst}: {exc.strerror}; free space and rerun "
@@ -293,7 +294,7 @@ def convert(plan: Plan, dst: Path, *, overwrite: bool = False, resume: bool = Fa
 
 
 def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict], workers: int | None, device: str,
-         show_progress: bool, command: list[str] | None, strict: bool) -> dict:
+         show_progress: bool, command: list[str] | None, strict: bool, ladder: dict | None = None) -> dict:
     todo = [s for s in plan.shards if s.file not in done]
     _check_space(dst, sum(s.output_size for s in todo))
     started = time.time()
@@ -349,6 +350,7 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             "source": str(plan.source_dir.resolve()),
             "family": plan.family.name if plan.family else None,
             "recipe": plan.recipe.to_dict() if plan.recipe else None,
+            **({"ladder": ladder} if ladder else {}),
             "format": plan.to,
             "decoded_from": plan.codec.name if plan.decodes else None,
             "exclude_count": len(plan.exclude),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from quant.errors import QuantgateError
 from quant.layout import TensorRole
@@ -146,6 +147,23 @@ def choose(units: list[Unit], start: Recipe, budget: Budget,
     return list(choices.values())
 
 
+def skipped_rungs(units: list[Unit], start: Recipe, build: Callable[[Recipe], object]) -> dict[str, dict[str, str]]:
+    """Per role, the quantized rungs the served releases do not build for it, with the reason: ``build`` (the
+    plan, with its replay of every served release) refuses a recipe giving that role's units the rung and
+    keeping everything else bf16, so a refusal is that rung's, not another role's."""
+    skipped: dict[str, dict[str, str]] = {}
+    for role in dict.fromkeys(u.role for u in units if start_rung(start, u) != KEPT):
+        layers = tuple(sorted({u.layer for u in units if u.role == role and start_rung(start, u) != KEPT}))
+        for rung in LADDER[:-1]:
+            probe = Recipe(f"{start.name}+{role}-{rung}", start.format, start.scale_rule, start.weight_only,
+                           (Rule(role, "quantize", False, False, layers, rung),))
+            try:
+                build(probe)
+            except QuantgateError as exc:
+                skipped.setdefault(role, {})[rung] = str(exc)
+    return skipped
+
+
 def ladder_recipe(start: Recipe, choices: list[Choice]) -> Recipe:
     """``start`` with one rule per (role, draft or not, rung) the ladder moved, naming its layers, ahead of
     the start's own rules (first match wins): the recipe the converter writes and the manifest records."""
@@ -192,6 +210,54 @@ def describe(ladder: dict) -> str:
             f"{cal.get('source', '?')} ({cal.get('items', '?')} items, {cal.get('tokens', '?')} tokens)")
 
 
+def calibration_source(data: str) -> str:
+    """How a sidecar records calibration data ``data``: a benchmark's train split as ``<name>:train``."""
+    from quant.calibration import benchmark_named
+
+    benchmark = benchmark_named(data)
+    return f"{benchmark}:train" if benchmark else data
+
+
+def plan_ladder(src: Path, start: Recipe, family, serve: tuple[tuple[str, str], ...], sidecar_path: Path,
+                budget: Budget, calibration: str | None = None):
+    """The plan of ``start`` lifted by the ladder on the measurements in ``sidecar_path`` (a sensitivity pass
+    over ``src``; ``calibration``: the data the user named, which must be the data it was measured on), and
+    the manifest's ``ladder`` record. Neither budget given: the default error budget."""
+    from quant.checkpoint import Checkpoint
+    from quant.hashing import sha256_of
+    from quant.plan import make_plan
+    from quant.sensitivity import load_sensitivity
+    from quant.static_scales import load_calibration
+
+    checkpoint = Checkpoint.open(src)
+    sens = load_sensitivity(sidecar_path)
+    if sens.source.get("config_sha256") != sha256_of(checkpoint.config_path):
+        raise LadderError(f"--sensitivity {sidecar_path}: measured on {sens.source.get('path')}, whose config.json is "
+                          f"not {checkpoint.config_path}; measure this source (drop --sensitivity, or name a new file)")
+    measured_on = sens.calibration.get("source")
+    if calibration is not None and calibration_source(calibration) != measured_on:
+        raise LadderError(f"--sensitivity {sidecar_path}: calibrated on {measured_on}, not --calibration "
+                          f"{calibration}; name the data it was measured on, or a new --sensitivity file")
+    sidecar = sens.model_dump()
+    # what the start keeps bf16 (the indexer, say) is not laddered: the record and its bytes are the start's Linears
+    units = [u for u in units_of(sidecar, str(sidecar_path)) if start_rung(start, u) != KEPT]
+    if not units:
+        raise LadderError(f"{start.name} quantizes none of the units {sidecar_path} measured; start from a recipe "
+                          "that quantizes decoder Linears (--recipe FILE)")
+    scales = load_calibration(Path(sidecar_path))
+
+    def build(recipe: Recipe):
+        return make_plan(checkpoint, recipe, family, serve, scales)
+
+    skipped = skipped_rungs(units, start, build)
+    default = budget.error is None and budget.bytes is None
+    budget = Budget(error=default_error_budget(units)) if default else budget
+    choices = choose(units, start, budget, lambda role, rung: rung not in skipped.get(role, {}))
+    plan = build(ladder_recipe(start, choices))
+    return plan, record(choices, budget, default_budget=default, sidecar=sidecar,
+                        sidecar_file={"path": str(sidecar_path), "sha256": scales.sha256}, skipped=skipped)
+
+
 def manifest_line(manifest: dict) -> str | None:
     """``describe`` of a conversion manifest's ladder record; None for a conversion the ladder did not choose."""
     ladder = manifest.get("ladder") if isinstance(manifest, dict) else None
@@ -204,4 +270,4 @@ def manifest_line(manifest: dict) -> str | None:
 
 
 __all__ = ["Budget", "Choice", "LadderError", "Unit", "choose", "default_error_budget", "describe", "ladder_recipe",
-           "manifest_line", "record", "start_rung", "units_of"]
+           "manifest_line", "plan_ladder", "record", "skipped_rungs", "start_rung", "units_of"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from quant.ladder import (
@@ -146,3 +149,31 @@ def test_gate_release_shows_the_ladder_line_from_the_manifest(units, start):
     assert "ladder" not in dict(lines(provenance({**bound, "ladder": None}, {}, None)))
     assert manifest_line({"recipe": {}}) is None
     assert manifest_line({"ladder": {"units": 3}}).startswith("recorded, but not in the form")
+
+
+def quantize(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--calibration", "arith"], "--calibration is an option of the precision ladder: add --ladder"),
+    (["--error-budget", "0.1"], "--error-budget is an option of the precision ladder: add --ladder"),
+    (["--ladder"], "--ladder needs what to measure with: --calibration DATA"),
+    (["--ladder", "--sensitivity", "missing.json"], "--ladder needs what to measure with"),
+    (["--ladder", "--calibration", "arith", "--resume"], "--ladder --resume: a resumed conversion keeps its plan"),
+    (["--ladder", "--calibration", "arith", "--error-budget", "nan"], "'nan' is not a relative error"),
+    (["--ladder", "--calibration", "arith", "--byte-budget", "12XB"], "'12XB' is not a byte count"),
+])
+def test_ladder_options_that_do_not_fit_are_refused_in_one_line_writing_nothing(glm_ckpt, tmp_path, args, said):
+    out = quantize(glm_ckpt, tmp_path / "out", *args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert said in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_an_mxfp4_checkpoint_is_laddered(glm_ckpt, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp6_e2m3", "--ladder", "--calibration", "arith",
+                          str(glm_ckpt), str(tmp_path / "out")], capture_output=True, text=True)
+    assert out.returncode == 2 and "only an mxfp4 checkpoint mixes rungs per layer; use --to mxfp4" in out.stderr
+    assert not (tmp_path / "out").exists()
