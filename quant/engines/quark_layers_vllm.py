@@ -14,7 +14,7 @@ QuarkMoEMethod); the rule values per release are in ``manifests/engines/quark_la
 2. A FusedMoE is asked once, by its own name (``model.layers.N.mlp.experts``, ``moe_asked``: ``module``),
    never per expert: a ``...experts.*`` key does not match it, ``...experts*`` does.
 3. The scheme the spec is (``quant.rungs.rung_of_spec``) is built where the rule lists the rung for the
-   module's kind (``linear_schemes`` / ``moe_schemes``: the class the release constructs), else the release
+   module's kind (``linear_built`` / ``moe_built``: the class the release constructs), else the release
    raises (the rule's message). A spec of no rung is not judged (the replay says so).
 
 The MTP draft is built with the same QuarkConfig (the draft model's quant config is the target's), so its
@@ -65,8 +65,8 @@ class QuarkLayersRules(Schema):
     layer_type: Rule[Literal["never", "class_name"]] | None = None  # layer_type_quant_config's keys
     mixed_shards_error: Rule[str] | None = None  # a fused module's shards with different specs ({shards} {module})
     moe_asked: Rule[Literal["module", "experts"]] | None = None  # a FusedMoE by its own name or per expert
-    linear_schemes: Rule[dict[str, Built]] | None = None  # rung -> what a Linear gets
-    moe_schemes: Rule[dict[str, Built]] | None = None  # rung -> what a FusedMoE gets
+    linear_built: Rule[dict[str, Built]] | None = None  # rung -> what a Linear gets
+    moe_built: Rule[dict[str, Built]] | None = None  # rung -> what a FusedMoE gets
 
 
 RULES = QuarkLayersRules
@@ -128,8 +128,8 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     if rung is None:
         return Decision(None, why, unread=f"the {what} scheme of a spec that is none of the ladder's rungs "
                                           f"({', '.join(r for r in RUNGS if r != 'bf16')})")
-    built = (rule["moe_schemes"] if moe else rule["linear_schemes"]).get(rung) or {}
-    table = "moe_schemes" if moe else "linear_schemes"
+    built = (rule["moe_built"] if moe else rule["linear_built"]).get(rung) or {}
+    table = "moe_built" if moe else "linear_built"
     if built.get("builds"):
         return Decision(rung, f"{why}: {RUNGS[rung].label} {rung}, built as {built['builds']} "
                               f"({cites.get(table, '')})")

@@ -64,7 +64,7 @@ def same(release: str, config: dict, module: str, moe: bool) -> None:
         assert ours.raises is not None and theirs[2].startswith(ours.raises), where
     else:
         assert theirs[0] == "scheme" and ours.raises is None and ours.scheme is not None, where
-        table = rules.values[qv.KEY]["moe_schemes" if moe else "linear_schemes"]
+        table = rules.values[qv.KEY]["moe_built" if moe else "linear_built"]
         assert table[ours.scheme]["builds"] == theirs[1], where
 
 
@@ -96,14 +96,14 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("release", WINDOW)
-def test_linear_schemes_match_each_release(release):
+def test_linear_built_match_each_release(release):
     for config in CONFIGS:
         for module in LINEARS:
             same(release, config, module, moe=False)
 
 
 @pytest.mark.parametrize("release", WINDOW)
-def test_moe_schemes_match_each_release(release):
+def test_moe_built_match_each_release(release):
     for config in CONFIGS:
         for module in MOES:
             same(release, config, module, moe=True)
