@@ -28,17 +28,20 @@ from quant.engines.rules import window
 TESTS = ["tests/quant/test_compressed_tensors_engines.py"]
 
 
-def data(engine, first, rule, key, value, why):
-    """Set ``rule``'s ``key`` (None: the whole value) in the rule set starting at ``first``."""
-    return {"kind": "data", "engine": engine, "first": first, "rule": rule, "key": key, "value": value, "why": why}
+def data(engine, first, rule, key, value, why, fmt="compressed-tensors"):
+    """Set ``rule``'s ``key`` (None: the whole value) in the rule set starting at ``first`` of format ``fmt``'s
+    rule file (another format's script passes its own)."""
+    return {"kind": "data", "engine": engine, "first": first, "rule": rule, "key": key, "value": value, "why": why,
+            "format": fmt}
 
 
-def versions(engine, index, span, why):
-    return {"kind": "versions", "engine": engine, "index": index, "span": span, "why": why}
+def versions(engine, index, span, why, fmt="compressed-tensors"):
+    return {"kind": "versions", "engine": engine, "index": index, "span": span, "why": why, "format": fmt}
 
 
-def code(function, old, new, why):
-    return {"kind": "code", "function": function, "old": old, "new": new, "why": why}
+def code(function, old, new, why, module=ct):
+    """Replace ``old`` by ``new`` in ``function`` of ``module`` (the format's rules module)."""
+    return {"kind": "code", "function": function, "old": old, "new": new, "why": why, "module": module}
 
 
 ALL = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16",
@@ -113,7 +116,7 @@ def mutated(m: dict):
     if m["kind"] in ("data", "versions"):
         def load(path, schema, *args, **kwargs):
             file = original_load(path, schema, *args, **kwargs)
-            if file.engine != m["engine"] or file.format != "compressed-tensors":
+            if file.engine != m["engine"] or file.format != m["format"]:
                 return file
             raw = file.model_dump(exclude_unset=True)
             if m["kind"] == "versions":  # the neighbouring sets give up or take the releases moved
@@ -135,11 +138,12 @@ def mutated(m: dict):
             return format_rules.FormatFile.model_validate(raw)
         format_rules.load = load
     else:
-        fn = getattr(ct, m["function"])
+        module = m["module"]
+        fn = getattr(module, m["function"])
         source = textwrap.dedent(inspect.getsource(fn))
         assert m["old"] in source, m
-        namespace = dict(vars(ct))
-        exec(compile(source.replace(m["old"], m["new"]), ct.__file__, "exec"), namespace)  # noqa: S102
+        namespace = dict(vars(module))
+        exec(compile(source.replace(m["old"], m["new"]), module.__file__, "exec"), namespace)  # noqa: S102
         saved_code, fn.__code__ = fn.__code__, namespace[m["function"]].__code__
     format_rules.clear_caches()
     try:
@@ -147,7 +151,7 @@ def mutated(m: dict):
     finally:
         format_rules.load = original_load
         if saved_code is not None:
-            getattr(ct, m["function"]).__code__ = saved_code
+            getattr(m["module"], m["function"]).__code__ = saved_code
         format_rules.clear_caches()
 
 

@@ -42,7 +42,14 @@ SPECS = {
     "w4a4_no_e8m0": {**W4A4, "weight": {**W4A4["weight"], "scale_format": None}},
     "w8a8_outputs": {**W8A8, "output_tensors": fp8_tensor_spec()},
     "w4a8_fn": {**W4A8, "input_tensors": {**W4A8["input_tensors"], "dtype": "fp8_e4m3fn"}},
+    "w4a4_static": {**W4A4, "input_tensors": {**W4A4["input_tensors"], "is_dynamic": False}},
+    "w4a8_dynamic_tensor": {**W4A8, "input_tensors": {**W4A8["input_tensors"], "is_dynamic": True}},
 }
+_BLOCK = SPECS["block_fp8"]
+SPECS.update({
+    "block_fp8_no_size": {**_BLOCK, "weight": {**_BLOCK["weight"], "block_size": None}},
+    "block_fp8_outputs": {**_BLOCK, "output_tensors": fp8_tensor_spec()},
+})
 
 # (module, sglang class) as get_quant_method is asked
 MODULES = [("model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"),
@@ -87,6 +94,13 @@ def _configs():
     yield "shards_agree", _quark({"model.layers.0.self_attn.[qkv]_proj": W8A8}), False
     yield "shared_expert", _quark({"*shared_expert*": W8A8}), False
     yield "shared_experts", _quark({"*mlp.shared_experts.*": W8A8}), False
+    yield "shared_down_fp8", _quark({"*shared_expert.down_proj": W8A8}), False
+    yield "linear_dot_star", _quark({"model.layers.0.self_attn.o_proj.*": W8A8}), False
+    yield "shards_lists_reordered", _quark({  # deep_compare reads lists as sets
+        "*q_proj": {**_BLOCK, "weight": {**_BLOCK["weight"], "block_size": [128, 64]}},
+        "*[kv]_proj": {**_BLOCK, "weight": {**_BLOCK["weight"], "block_size": [64, 128]}}}), False
+    yield "type_only", _quark({}, types={"FusedMoE": W8A8}), False
+    yield "layer0_per_expert_mixed", _quark(_per_expert(0, lambda e: W8A8 if e == 0 else W4A4)), False
     yield "layer0_experts_fp8", _quark({"model.layers.0.mlp.experts*": W8A8}), False
     yield "mapped_keys", _quark({"model.language_model.layers.1.mlp.experts*": W8A8,
                                  "model.language_model.layers.0.self_attn*": W8A8}), True
