@@ -22,6 +22,7 @@ from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import load_recipe, with_overrides
 from quant.release_check import parse_serve
 from quant.safe_files import refuse_link
+from quant.static_scales import load_calibration
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 LADDER_START = manifests_root() / "recipes" / "mxfp4-all-linear.yaml"  # --ladder's default start: every Linear W4A4
@@ -143,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "evaluation item is refused")
     ladder.add_argument("--sensitivity", type=Path, metavar="FILE",
                         help="the sensitivity sidecar: reused if it exists (measured on SRC), else the pass writes it "
-                             "there; without it the pass's sidecar is kept as DST/sensitivity.json")
+                             "there; without it the pass's sidecar is kept as DST/sensitivity.json. Without --ladder: "
+                             "where a mixed --recipe's W4A8 (mxfp4_fp8) and W8A8 (fp8) rungs take their static FP8 "
+                             "input scales from (amax / 448; a MoE layer's experts the layer's max, as the engines "
+                             "serve them)")
     ladder.add_argument("--error-budget", type=_error_budget, metavar="X",
                         help="no unit's relative layer-output error above X (default, with no --byte-budget: the "
                              "largest error any unit shows at W8A8)")
@@ -211,6 +215,14 @@ def _human_plan(plan: Plan) -> str:
     ]
     for role, counts in sorted(s["by_role"].items()):
         lines.append(f"  {role:<14} quantize {counts['quantize']:>7}   keep {counts['keep']:>7}")
+    if "rungs" in s:  # a mixed recipe: each layer's rung per role, and the bytes each rung writes
+        lines.append("rungs       " + ", ".join(f"{rung} {r['label']} {r['modules']} Linears {size(r['bytes'])}"
+                                                for rung, r in s["rungs"].items()))
+        lines += [f"  layer {'-' if u['layer'] is None else u['layer']:<3} {u['role']:<14} {u['rung']:<10} "
+                  f"{u['label']:<7} {u['modules']:>6} Linears {size(u['bytes']):>9}{'  (MTP)' if u['mtp'] else ''}"
+                  for u in s["units"]]
+        if s.get("static_scales"):
+            lines.append(f"static      {len(s['static_scales'])} FP8 input scales from {s['calibration']['path']}")
     lines += [
         f"bytes       in {size(s['bytes_in'])} -> out {size(s['bytes_out'])}",
         f"exclude     {s['exclude_count']} exact module names, {len(s['draft_aliases'])} of them the engines' own names (an MTP draft's model.decoder.*, a class's own layer prefix)",
@@ -242,8 +254,7 @@ def _human_done(manifest: dict, dst: Path) -> str:
 def _check_ladder_options(args: argparse.Namespace) -> None:
     """The ladder's options make sense together, before anything is measured or written."""
     given = [flag for flag, value in (("--calibration", args.calibration), ("--error-budget", args.error_budget),
-                                      ("--byte-budget", args.byte_budget), ("--sensitivity", args.sensitivity))
-             if value is not None]
+                                      ("--byte-budget", args.byte_budget)) if value is not None]
     if not args.ladder:
         if given:
             raise PlanError(f"{given[0]} is an option of the precision ladder: add --ladder")
@@ -340,8 +351,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                 scale_rule=args.scale_rule)
         if args.ladder:
             plan, ladder, sidecar = _ladder_plan(args, recipe, family, serve)
-        else:
-            plan = make_plan(args.src, recipe, family, serve)
+        else:  # a mixed recipe's static input scales come from a sensitivity file
+            calibration = load_calibration(args.sensitivity) if args.sensitivity else None
+            plan = make_plan(args.src, recipe, family, serve, calibration)
     if args.dry_run:
         print(json.dumps({**plan.summary(), **({"ladder": ladder} if args.ladder else {})}, indent=2) if args.json
               else _human_plan(plan) + (f"\n{_human_ladder(ladder)}" if args.ladder else ""))

@@ -352,6 +352,8 @@ def _run(plan: Plan, dst: Path, done: dict[str, dict], sources: dict[str, dict],
             "recipe": plan.recipe.to_dict() if plan.recipe else None,
             **({"ladder": ladder} if ladder else {}),
             "format": plan.to,
+            # a mixed recipe: the rung of every (layer, role), bytes per rung, static scales and their calibration
+            **({"mixed": plan.rung_record()} if not plan.decodes and plan.mixed else {}),
             "decoded_from": plan.codec.name if plan.decodes else None,
             "exclude_count": len(plan.exclude),
             "shards": records,

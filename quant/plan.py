@@ -29,10 +29,12 @@ from quant.layout import Family, FusedTensor, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
+from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_SHAPE
+from quant.static_scales import Calibration, input_scales
 from quant.release_check import check_serve, failing_newest, named, outcomes, release_warnings, ways_out
 from quant.release_check import summary as release_summary
 from quant.safetensors_io import TensorInfo, encoded_size
-from quant.serving import NamingError, build_exclude
+from quant.serving import NamingError, build_exclude, expert_groups
 from quant.structure import declared_counts, expert_id_findings, structure_findings
 
 QUANTIZABLE_SOURCE_DTYPES = ("BF16", "F16", "F32")
@@ -74,6 +76,10 @@ class TensorPlan:
     # other tensor of it the decode reads (scales, zero points, weight_shape), all in this shard
     scheme: object | None = None
     params: tuple[TensorInfo, ...] = ()
+    # ENCODE by an mxfp4 recipe: the precision-ladder rung (``quant.rungs``) the weight is written at, and for a
+    # rung with static FP8 activations the ``<module>.input_scale`` value (``quant.static_scales``)
+    rung: str = ""
+    input_scale: float | None = None
 
     def linear_modules(self) -> list[tuple[str, tuple[int, int]]]:
         """The Linear modules this tensor holds, by the engines' per-expert names, with their [out, in]."""
@@ -117,6 +123,9 @@ class Plan:
     num_hidden_layers: int = 0
     exclude: tuple[str, ...] = ()
     releases: dict | None = None  # per engine: the release ranges that load the output, fail, are not read
+    # a mixed plan's static input scales: the sensitivity sidecar read, and per scale group its amax, tokens, scale
+    calibration: Calibration | None = None
+    static_scales: dict | None = None
 
     @property
     def decodes(self) -> bool:
@@ -132,15 +141,63 @@ class Plan:
         fused = self.family and self.family.fused_experts
         return bool(fused) and fused.writes == "blocks" and not self.decodes and any(t.blocks for t in self.tensors)
 
+    @property
+    def mixed(self) -> bool:
+        """Some weight is written at another rung than the recipe's format (Quark's ``layer_quant_config``)."""
+        return self.recipe is not None and any(t.action == ENCODE and t.rung not in ("", self.recipe.format)
+                                               for t in self.tensors)
+
     def modules(self) -> dict[str, Module]:
-        """The Linear modules of the planned output, quantized or not, as the engines name them."""
-        return {module: Module(t.action == ENCODE, shape, t.role) for t in self.tensors
-                for module, shape in t.linear_modules()}
+        """The Linear modules of the planned output, quantized or not, as the engines name them; in a mixed
+        plan each quantized one labelled with its rung, as ``gate checkpoint`` reads it from the tensors."""
+        mixed = self.mixed
+        return {module: Module(t.action == ENCODE, shape, t.role, t.rung if mixed and t.action == ENCODE else "")
+                for t in self.tensors for module, shape in t.linear_modules()}
 
     def quantization_config(self) -> dict:
         if self.writes_blocks:  # the release's own config (gpt-oss: quant_method mxfp4), not Quark's
             return blocks.native_config(self.family.fused_experts.blocks_config)
-        return self.codec.quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
+        config = self.codec.quantization_config(list(self.exclude), self.recipe.scale_rule, self.recipe.weight_only)
+        if self.mixed:
+            config["layer_quant_config"] = self.layer_quant_config()
+        return config
+
+    def layer_quant_config(self) -> dict[str, dict]:
+        """Quark's per-layer specs for the modules written at another rung than the global one, under keys both
+        engines match: a FusedMoE as ``<layer>.mlp.experts*`` (fnmatch; vLLM asks the FusedMoE by
+        ``<layer>.mlp.experts``, which ``...experts.*`` would miss, sglang by each expert's projection), any other
+        module by its exact name (vLLM matches a key without ``*`` as a substring; sglang by fnmatch), and an
+        MTP layer's modules also under each release's draft name (sglang's ``model.decoder.*``)."""
+        keys: dict[str, str] = {}
+        by_rung: dict[str, set[str]] = {}
+        for t in self.tensors:
+            if t.action == ENCODE and t.rung != self.recipe.format:
+                by_rung.setdefault(t.rung, set()).update(module for module, _ in t.linear_modules())
+        for rung, modules in by_rung.items():
+            experts = expert_groups(modules)
+            grouped = {m for members in experts.values() for m in members}
+            for name in sorted(experts) + sorted(modules - grouped):
+                wildcard = "*" if name in experts else ""
+                for alias in {name, *(draft_name(name, rules, self.num_hidden_layers)
+                                       for rules in select("all", self.family))} - {None}:
+                    keys[alias + wildcard] = rung
+        return {key: RUNGS[rung].spec(self.recipe.scale_rule) for key, rung in sorted(keys.items())}
+
+    def rung_units(self) -> list[dict]:
+        """Per (decoder layer, role, MTP or not): the rung its Linears are written at, with their count and the
+        bytes written, in layer order (the conversion manifest's record and ``--dry-run``'s)."""
+        units: dict[tuple, dict] = {}
+        for t in self.tensors:
+            if not t.linear_modules():
+                continue
+            layer = self.family.layer_index(t.source.name)
+            rung = (t.rung or self.recipe.format) if t.action == ENCODE else "bf16"
+            unit = units.setdefault((layer if layer is not None else -1, t.role, t.mtp, rung),
+                                    {"layer": layer, "role": t.role, "mtp": t.mtp, "rung": rung,
+                                     "label": RUNGS[rung].label if rung in RUNGS else rung, "modules": 0, "bytes": 0})
+            unit["modules"] += len(t.linear_modules())
+            unit["bytes"] += encoded_size(list(t.outputs), b"")
+        return [units[key] for key in sorted(units)]
 
     def output_config(self) -> dict:
         config = strip_quantization_config(self.config)
@@ -197,7 +254,22 @@ class Plan:
             # block FP8: the TP sizes each engine release span loads the output at
             "block_fp8_tp": tp_summary(self.modules(), self.family.text_config(self.config),
                                        self.quantization_config()),
+            **(self.rung_record() if self.mixed else {}),
         }
+
+    def rung_record(self) -> dict:
+        """A mixed plan's rungs: per rung its Linears and bytes written, per unit (layer, role) its rung, and the
+        static input scales with the calibration they were measured on (the conversion manifest keeps it)."""
+        units = self.rung_units()
+        rungs: dict[str, dict] = {}
+        for unit in units:
+            total = rungs.setdefault(unit["rung"], {"label": unit["label"], "modules": 0, "bytes": 0})
+            total["modules"] += unit["modules"]
+            total["bytes"] += unit["bytes"]
+        calibration = self.calibration and {"path": str(self.calibration.path), "sha256": self.calibration.sha256,
+                                            "source": self.calibration.source}
+        return {"rungs": {rung: rungs[rung] for rung in RUNGS if rung in rungs}, "units": units,
+                "calibration": calibration, "static_scales": self.static_scales}
 
 
 def _index_warnings(checkpoint: Checkpoint) -> list[str]:
@@ -246,6 +318,10 @@ def _plan_fused(info: TensorInfo, spec: FusedTensor, family: Family, recipe: Rec
                         f"{family.name}'s manifest; fix fused_experts.names or the role patterns")
     role = roles.pop()
     quantize = recipe.action(role) == "quantize"
+    if quantize and _rung(recipe, role) not in ("", recipe.format):
+        raise PlanError(f"{where}: family {family.name} stores its routed experts fused, which quantgate writes at "
+                        f"the recipe's own format only; give this layer's routed experts {recipe.format} or keep them "
+                        "(format: bf16)")
     if not quantize:  # kept as the release stores it
         return TensorPlan(info, COPY, ((info.name, info.dtype, info.shape),), role.role, role.linear, role.mtp,
                           pieces=found)
@@ -306,16 +382,37 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
         raise PlanError(f"{where} has no elements: an empty Linear weight cannot be quantized; fix the source "
                         "checkpoint or keep this role bf16 in the recipe")
     fmt = get_codec(recipe.format)
-    problem = fmt.shape_problem(info.shape)
+    rung = _rung(recipe, role)
+    problem = None if rung == "fp8" else fmt.shape_problem(info.shape)  # FP8 per tensor takes any [out, in]
     if problem:
         raise PlanError(f"{where}: {problem}; keep this role bf16 in the recipe")
-    return TensorPlan(info, ENCODE, fmt.outputs(info.name, info.shape), role.role, role.linear, role.mtp)
+    return TensorPlan(info, ENCODE, rung_outputs(rung, info.name, tuple(info.shape), fmt), role.role, role.linear,
+                      role.mtp, rung=rung)
+
+
+def _rung(recipe: Recipe, role) -> str:
+    """The precision-ladder rung a quantized tensor is written at: only an mxfp4 recipe mixes them (another
+    recipe's ``fp8`` is block FP8, its codec, not the per-tensor rung): "" for other recipes."""
+    return recipe.rung(role) if recipe.format == "mxfp4" else ""
+
+
+def rung_outputs(rung: str, name: str, shape: tuple[int, int], codec: Codec) -> tuple[Entry, ...]:
+    """The tensors a weight is written as at ``rung`` (``quant.rungs``): MXFP4 codes and block scales (the
+    codec's), or FP8 e4m3 codes and one F32 ``weight_scale``; then, for a rung with static FP8 activations,
+    ``<module>.input_scale``."""
+    weight = ((name, "F8_E4M3", shape), (name + "_scale", "F32", SCALAR_SHAPE)) if rung == "fp8" \
+        else codec.outputs(name, shape)
+    if rung and RUNGS[rung].static_input_scale:
+        return (*weight, (name.removesuffix(".weight") + INPUT_SCALE, "F32", SCALAR_SHAPE))
+    return weight
 
 
 def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None,
-              serve: tuple[tuple[str, str], ...] = ()) -> Plan:
+              serve: tuple[tuple[str, str], ...] = (), calibration: Calibration | None = None) -> Plan:
     """The plan for converting ``source`` by ``recipe``; ``serve``: the (engine, release) pairs the output
-    is for (``quantize --serve``), refused where one of them would not load it."""
+    is for (``quantize --serve``), refused where one of them would not load it; ``calibration``: a
+    sensitivity pass's measurements, where the static input scales of a mixed recipe's W4A8 / W8A8 rungs come
+    from."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     source_dir, config = checkpoint.folder, checkpoint.config
     family = family or family_for(config)
@@ -332,6 +429,8 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
 
     _check_roles(shards, family)
     _check_distinct_outputs(shards, family)
+    shards, static_scales, scale_warnings = _with_input_scales(shards, recipe, calibration)
+    warnings += scale_warnings
     check_structure(checkpoint, family, declared)
     for finding in expert_id_findings(checkpoint, family, declared):  # the hash tables' values: small, read here
         raise PlanError(f"{checkpoint.folder}: {finding.module}: {finding.why}; {finding.fix}")
@@ -351,11 +450,41 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
     writes_blocks = any(t.blocks for s in shards for t in s.tensors)
     exclude = () if writes_blocks else build_exclude(kept, quantized, num_hidden_layers, family)
     plan = Plan(source_dir, config, get_codec(recipe.format), recipe.format, tuple(shards), aux_files(source_dir),
-                tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude))
+                tuple(warnings), family, recipe, num_hidden_layers, tuple(exclude),
+                calibration=calibration if static_scales else None, static_scales=static_scales or None)
     more, releases = _check_engines_load(plan, serve)
     # the default serving is TP 8: where the block-FP8 output does not load at it, say so
     more += [tp] if (tp := tp_warning(plan.modules(), family.text_config(config), plan.quantization_config())) else []
     return replace(plan, warnings=plan.warnings + tuple(more), releases=releases)
+
+
+def _with_input_scales(shards: list[ShardPlan], recipe: Recipe,
+                       calibration: Calibration | None) -> tuple[list[ShardPlan], dict, list[str]]:
+    """A mixed recipe's rungs checked, and each weight at a static-activation rung given its input scale.
+    Refused (exit 2): a mixed recipe with ``--weight-only`` (its rungs quantize activations), and one MoE
+    layer's routed experts at two rungs (both engines load a layer's experts with one scheme; sglang raises)."""
+    encoded = [t for s in shards for t in s.tensors if t.action == ENCODE and t.rung]
+    if recipe.weight_only and any(t.rung != recipe.format for t in encoded):
+        others = ", ".join(sorted({t.rung for t in encoded} - {recipe.format}))
+        raise RecipeError(f"recipe {recipe.name} writes some layers at other rungs ({others}), which quantize "
+                          "activations; a weight-only (W4A16) mixed checkpoint is not one the ladder "
+                          "writes: drop --weight-only / activations: none")
+    rungs_of: dict[str, dict[str, str]] = {}  # FusedMoE -> rung -> one of its modules
+    for t in encoded:
+        for aggregate, members in expert_groups({m for m, _ in t.linear_modules()}).items():
+            rungs_of.setdefault(aggregate, {}).setdefault(t.rung, min(members))
+    for aggregate, rungs in sorted(rungs_of.items()):
+        if len(rungs) > 1:
+            shown = ", ".join(f"{rung} ({module})" for rung, module in sorted(rungs.items()))
+            raise RecipeError(f"recipe {recipe.name} gives the routed experts of {aggregate} {len(rungs)} rungs: "
+                              f"{shown}; the engines load a layer's experts into one FusedMoE with one scheme (sglang "
+                              "raises loading it): give them one format")
+    static = [m for t in encoded if RUNGS[t.rung].static_input_scale for m, _ in t.linear_modules()]
+    scales, record, warnings = input_scales(static, calibration)
+    out = [replace(s, tensors=tuple(replace(t, input_scale=scales[t.source.name.removesuffix(".weight")])
+                                    if t.action == ENCODE and t.rung and RUNGS[t.rung].static_input_scale else t
+                                    for t in s.tensors)) for s in shards]
+    return out, record, warnings
 
 
 def check_structure(checkpoint: Checkpoint, family: Family, declared) -> None:

@@ -20,6 +20,7 @@ from quant.quark_config import mx_spec
 
 FP8_MAX = 448.0  # e4m3's largest finite value: a static scale maps the calibrated amax onto it
 INPUT_SCALE = ".input_scale"  # a static activation scale: "<module>.input_scale", F32, one value
+SCALAR_SHAPE: tuple[int, ...] = ()  # the stored shape of a per-tensor scale (weight_scale, input_scale)
 
 
 @dataclass(frozen=True)

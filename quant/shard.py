@@ -26,6 +26,7 @@ from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
 from quant.fused import Piece
 from quant.plan import ASSEMBLE, CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
+from quant.rungs import FP8_MAX
 from quant.safetensors_io import DTYPE_BYTES, ShardWriter, TensorInfo, file_identity, numel
 from quant.source import CHUNK_BYTES, SourceReader, first_non_finite
 from quant.strided import copy2d
@@ -66,9 +67,66 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
     else:
         row_bytes = info.nbytes // info.shape[0]
         rows = lambda start, count: reader.read(info.begin + start * row_bytes, count * row_bytes)  # noqa: E731
-        err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs, info.dtype, info.name, writer, job, advance,
-                                      timing)
-    return {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+        if tensor.rung == "fp8":  # its one scale needs the whole tensor's amax first: a scan that copies, ahead
+            scan = lambda start, count: reader.fetch(info.begin + start * row_bytes, count * row_bytes)  # noqa: E731
+            err_sq, ref_sq = _encode_fp8_tensor(rows, scan, info.shape, tensor.outputs[:2], info.dtype, info.name,
+                                                writer, advance, timing)
+        else:
+            err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs, info.dtype, info.name, writer, job,
+                                          advance, timing)
+    record = {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
+    if tensor.input_scale is not None:  # a static-activation rung: the scale measured on calibration data
+        writer.write(tensor.outputs[-1][0], 0, np.float32(tensor.input_scale).tobytes())
+        record["input_scale"] = tensor.input_scale
+    return {**record, "rung": tensor.rung} if tensor.rung else record
+
+
+def _encode_fp8_tensor(rows_at: Callable[[int, int], object], scan_at: Callable[[int, int], object],
+                       shape: tuple[int, int], outputs, dtype: str, what: str, writer: ShardWriter,
+                       advance: Callable[[int], None], timing: dict) -> tuple[float, float]:
+    """Encode a ``[rows, cols]`` matrix as FP8 e4m3 with ONE scale for the whole tensor (the W8A8 rung): a first
+    pass over the rows (``scan_at``: read ahead of the file position) finds its amax, refusing NaN/Inf; the second
+    (``rows_at``, in file order) encodes them in chunks of ``CHUNK_BYTES``; the F32 scale follows the codes, as
+    the plan laid them out. Returns the squared error and reference sums."""
+    import torch
+
+    rows, cols = shape
+    row_bytes = cols * DTYPE_BYTES[dtype]
+    step = max(1, CHUNK_BYTES // row_bytes)
+    (weight_name, _, _), (scale_name, _, _) = outputs
+    amax = 0.0
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        x = _float_rows(scan_at(start, count), dtype, count)
+        started = time.perf_counter()
+        if not torch.isfinite(x).all():
+            raise NonFiniteError(f"{what}: NaN/Inf at row {start + int((~torch.isfinite(x)).any(1).nonzero()[0])}; fix "
+                                 "the source checkpoint")
+        amax = max(amax, float(x.abs().max()))
+        timing["kernel"] += time.perf_counter() - started
+    scale = torch.tensor(amax / FP8_MAX if amax else 1.0, dtype=torch.float32)  # an all-zero weight: codes 0
+    err_sq = ref_sq = 0.0
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        x = _float_rows(rows_at(start, count), dtype, count)
+        started = time.perf_counter()
+        codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        err_sq += float(((codes.float() * scale - x) ** 2).sum())
+        ref_sq += float((x * x).sum())
+        timing["kernel"] += time.perf_counter() - started
+        writer.write(weight_name, start * cols, codes.view(torch.uint8).numpy().data)
+        advance(count * row_bytes)
+    writer.write(scale_name, 0, scale.numpy().tobytes())
+    return err_sq, ref_sq
+
+
+def _float_rows(raw, dtype: str, count: int) -> "torch.Tensor":
+    """``count`` rows given as raw bytes of safetensors ``dtype``, as float32."""
+    import torch
+
+    from quant.safetensors_io import torch_dtype
+
+    return torch.frombuffer(bytearray(raw), dtype=torch_dtype(dtype)).reshape(count, -1).float()
 
 
 def piece_rows(reader: SourceReader, piece: Piece, threads: int | None = None) -> Callable[[int, int], memoryview | np.ndarray]:
