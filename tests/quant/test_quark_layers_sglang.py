@@ -211,3 +211,79 @@ def test_experts_of_one_layer_with_two_specs_raise_from_0_5_21(release, raises):
 
 def test_linear_class_names_are_sglangs():
     assert [linear_class(m) for m, _ in MODULES[:5]] == [c for _, c in MODULES[:5]]
+
+
+def _with_layer_specs(src, dst, layer_quant_config: dict, input_scaled: str):
+    """A copy of the MXFP4 checkpoint ``src`` whose config gives modules their own specs, the modules starting
+    with ``input_scaled`` stored W4A8 (their MXFP4 tensors and a static FP8 input scale)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from quant.rungs import INPUT_SCALE
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    weights = index["weight_map"]
+    by_file: dict = {}
+    for name, file in list(weights.items()):
+        if name.startswith(input_scaled) and name.endswith(".weight_scale"):
+            by_file.setdefault(file, []).append(name[:-len(".weight_scale")])
+    for file, modules in by_file.items():
+        tensors = load_file(str(dst / file))
+        for module in modules:
+            tensors[module + INPUT_SCALE] = torch.tensor([0.01], dtype=torch.float32)
+            weights[module + INPUT_SCALE] = file
+        save_file(tensors, str(dst / file), metadata={"format": "pt"})
+    index["metadata"]["total_size"] = sum(t.nbytes for file in set(weights.values())
+                                          for t in load_file(str(dst / file)).values())
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["layer_quant_config"] = layer_quant_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mixed_checkpoints(glm_ckpt, tmp_path_factory):
+    import subprocess
+    import sys
+
+    from quant.layout import manifests_root
+
+    root = tmp_path_factory.mktemp("quark_layers_sglang")
+    recipe = manifests_root() / "recipes" / "mxfp4-all-linear.yaml"  # every decoder Linear W4A4
+    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--recipe", str(recipe),
+                           str(glm_ckpt), str(root / "mx")], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    experts = "model.layers.1.mlp.experts."
+    return {
+        "layer key": _with_layer_specs(root / "mx", root / "layer", {"model.layers.1.mlp.experts*": W4A8}, experts),
+        "per expert": _with_layer_specs(root / "mx", root / "per_expert", _per_expert(1, lambda e: W4A8), experts),
+        "experts disagree": _with_layer_specs(root / "mx", root / "disagree",
+                                              _per_expert(1, lambda e: W8A8 if e == 0 else W4A8), experts),
+        "attention": _with_layer_specs(root / "mx", root / "attention", {"model.layers.1.self_attn.o_proj": W4A8},
+                                       "model.layers.1.self_attn.o_proj"),
+    }
+
+
+@pytest.mark.parametrize("checkpoint, release, said", [
+    ("layer key", "0.5.14", "Unsupported FusedMoe scheme"), ("layer key", "0.5.15", None),
+    ("layer key", "0.5.23", None),
+    ("per expert", "0.5.20", "builds this FusedMoE as mxfp4"), ("per expert", "0.5.21", None),
+    ("experts disagree", "0.5.23", "different quantization configurations among the experts"),
+    ("attention", "0.5.23", "No quark compatible scheme was found"),
+])
+def test_gate_checkpoint_replays_each_release(mixed_checkpoints, release, checkpoint, said):
+    """gate checkpoint in a real process on an all-Linear W4A4 conversion given per-layer W4A8 specs: layer 1's experts
+    load from 0.5.15 (asked by a ...experts* key) or 0.5.21 (one key per expert); experts of one layer with two
+    specs, and a W4A8 Linear, raise."""
+    from tests.quant.test_compressed_tensors_engines import gate
+
+    code, out = gate(mixed_checkpoints[checkpoint], "--engine", f"sglang=={release}")
+    if said is None:
+        assert code == 0, out
+    else:
+        assert code == 1 and said in out, out
