@@ -111,7 +111,13 @@ def load_sensitivity(path: Path) -> Sensitivity:
 # --- the rungs' numerics ------------------------------------------------------------------------------------------
 
 def mxfp4_weight_qdq(weight: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
-    """A ``[rows, in]`` weight as its stored MXFP4 decodes (``mx.quantize`` then ``mx.dequantize``, on any device)."""
+    """A ``[rows, in]`` weight as its stored MXFP4 decodes (``mx.quantize`` then ``mx.dequantize``, on any device).
+    A bf16 weight on the CPU takes the converter's own encode and decode (numba kernels, the same bytes)."""
+    codec = CODECS["mxfp4"]
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and rule is ScaleRule.EVEN:
+        encoded = codec.encode(weight.contiguous().view(torch.uint8).numpy(), "BF16", rule)
+        decoded = codec.decode_bytes(encoded.weight, encoded.scales)
+        return torch.from_numpy(decoded).view(torch.bfloat16).reshape(weight.shape)
     codes, exponent = mx.encode(weight, MXFP4, rule)
     exponent = exponent.clamp(min=1 - 127)  # an E8M0 byte is stored >= 1 (mx.quantize)
     values = mx.code_values(MXFP4).to(weight.device)[codes.long()]
@@ -292,13 +298,6 @@ class Source:
                     tensor = self.codec.decode(tensor, g.get_tensor(scale), dtype)
         return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
-    def role(self, module: str) -> str:
-        return self.family.classify(module + ".weight", self.layers).role
-
-    def quantizable(self, module: str) -> bool:
-        role = self.family.classify(module + ".weight", self.layers)
-        return role.linear and role.quantizable
-
 
 def _layer_state(source: Source, prefix: str, layer: torch.nn.Module, dtype: torch.dtype, device: str) -> dict:
     """The layer's state dict read from the shards; per-expert checkpoint tensors stacked into the fused experts
@@ -321,23 +320,26 @@ def _layer_state(source: Source, prefix: str, layer: torch.nn.Module, dtype: tor
     return state
 
 
-def _modules(source: Source, prefix: str, layer: torch.nn.Module) -> list[Module]:
+def layer_modules(layer: torch.nn.Module, prefix: str, family, num_layers: int) -> list[Module]:
+    """The quantizable modules of a decoder layer (``prefix``: its checkpoint name, ``model.layers.1``), each with
+    its role (``family.classify`` of its checkpoint weight) and the shapes of the checkpoint weights it holds."""
     found = []
     for name, module in layer.named_modules():
         checkpoint = f"{prefix}.{name}"
-        if isinstance(module, torch.nn.Linear) and f"{checkpoint}.weight" in source.tensors:
-            if source.quantizable(checkpoint):
-                found.append(Module(name, module, source.role(checkpoint), [checkpoint],
-                                    [tuple(module.weight.shape)]))
+        if isinstance(module, torch.nn.Linear):
+            role = family.classify(checkpoint + ".weight", num_layers)
+            if role.linear and role.quantizable:
+                found.append(Module(name, module, role.role, [checkpoint], [tuple(module.weight.shape)]))
         elif hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
             if problem := _experts_layout_problem(module):
-                raise SensitivityError(f"{source.folder}: {checkpoint}: {problem}; the pass covers concatenated "
-                                       "[gate; up] experts without bias")
-            per_expert = [f"{checkpoint}.{e}.{p}" for e in range(module.num_experts)
-                          for p in ("gate_proj", "up_proj", "down_proj")]
-            if source.quantizable(per_expert[0]):
-                shapes = [tuple(source.tensors[n + ".weight"].shape) for n in per_expert]
-                found.append(Module(name, module, source.role(per_expert[0]), per_expert, shapes))
+                raise SensitivityError(f"{checkpoint}: {problem}; the pass covers concatenated [gate; up] experts "
+                                       "without bias")
+            role = family.classify(f"{checkpoint}.0.gate_proj.weight", num_layers)
+            if role.linear and role.quantizable:
+                experts, inner, hidden = module.num_experts, module.down_proj.shape[2], module.down_proj.shape[1]
+                names = [f"{checkpoint}.{e}.{p}" for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")]
+                shapes = [(inner, hidden), (inner, hidden), (hidden, inner)] * experts
+                found.append(Module(name, module, role.role, names, shapes))
     return found
 
 
@@ -404,27 +406,67 @@ def _relative_error(outputs: list[Batch], reference: list[Batch]) -> float:
     return (diff / norm) ** 0.5 if norm else 0.0
 
 
-def _quantize_unit(modules: list[Module], probe: Probe, rung: str, rule: ScaleRule) -> list:
+def _quantize_unit(modules: list[Module], probe: Probe, rung: str, rule: ScaleRule, cache: dict) -> list:
     """Put ``rung`` on a unit's modules: weights quantize-dequantized in place (their originals returned, to
-    restore) and the activation functions set on the probe."""
+    restore) and the activation functions set on the probe. ``cache``: weights already quantized for a rung
+    of the same weight format (W4A4 and W4A8 store the same MXFP4 weights)."""
     originals = []
     for m in modules:
+        params = [m.module.weight] if isinstance(m.module, torch.nn.Linear) else \
+            [m.module.gate_up_proj, m.module.down_proj]
+        for param in params:
+            originals.append((param, param.data))
+            key = (id(param), RUNGS[rung].weight)
+            if key not in cache:
+                cache.clear()  # one unit's quantized weights at a time: a layer's experts are the largest
+                cache[key] = _quantized_param(m, param, rung, rule)
+            param.data = cache[key]
+    for m in modules:
         if isinstance(m.module, torch.nn.Linear):
-            originals.append((m.module.weight, m.module.weight.data))
-            m.module.weight.data = weight_qdq(m.module.weight.data, rung, rule)
             probe.activations[m.module] = activation_qdq(rung, probe.amax.get(f"{probe.prefix}.{m.name}", 0.0))
             continue
-        experts = m.module
-        for param in (experts.gate_up_proj, experts.down_proj):
-            originals.append((param, param.data))
-            halves = 2 if param is experts.gate_up_proj else 1  # gate and up are separate checkpoint tensors
-            param.data = torch.stack([torch.cat([weight_qdq(part, rung, rule) for part in w.chunk(halves)])
-                                      for w in param.data])
         for kind, projection in (("gate_up", "gate_proj"), ("down", "down_proj")):
-            amax = max((probe.amax.get(f"{probe.prefix}.{n}", 0.0) for n in m.checkpoint if n.endswith(projection)),
-                       default=0.0)  # one scale per fused MoE: the engines take the experts' max
-            probe.activations[(experts, kind)] = activation_qdq(rung, amax)
+            amax = max((probe.amax.get(n, 0.0) for n in m.checkpoint if n.endswith(projection)), default=0.0)
+            probe.activations[(m.module, kind)] = activation_qdq(rung, amax)  # the engines take the experts' max
     return originals
+
+
+def _quantized_param(m: Module, param: torch.nn.Parameter, rung: str, rule: ScaleRule) -> torch.Tensor:
+    """A parameter as the rung stores it: a Linear's weight whole; fused experts one expert (and, for gate_up,
+    one projection: gate and up are separate checkpoint tensors with their own scales) at a time."""
+    if isinstance(m.module, torch.nn.Linear):
+        return weight_qdq(param.data, rung, rule)
+    out = torch.empty_like(param.data)
+    rows = param.shape[1] // (2 if param is m.module.gate_up_proj else 1)
+    for e in range(param.shape[0]):
+        for start in range(0, param.shape[1], rows):
+            out[e, start:start + rows] = weight_qdq(param.data[e, start:start + rows], rung, rule)
+    return out
+
+
+def measure_layer(layer: torch.nn.Module, modules: list[Module], prefix: str, batches: list["Batch"],
+                  contexts: list[dict], passes_on: str | None, rungs=MEASURED,
+                  scale_rule: ScaleRule = ScaleRule.EVEN) -> tuple[list[dict], "Probe", list["Batch"]]:
+    """One resident layer: its units' errors per rung, the probe holding its statistics, and its reference output
+    (the next layer's input)."""
+    probe = Probe(modules, prefix)
+    probe.recording = True
+    reference = _run(layer, probe, batches, contexts, passes_on)
+    probe.recording = False
+    units, cache = [], {}
+    for role in dict.fromkeys(m.role for m in modules):
+        unit = [m for m in modules if m.role == role]
+        errors = {}
+        for rung in rungs:
+            originals = _quantize_unit(unit, probe, rung, scale_rule, cache)
+            errors[rung] = _relative_error(_run(layer, probe, batches, contexts, passes_on), reference)
+            for param, data in originals:
+                param.data = data
+            probe.activations.clear()
+        cache.clear()
+        units.append({"layer": int(prefix.rpartition(".")[2]), "role": role, "mtp": False, "error": errors,
+                      "bytes": unit_bytes([s for m in unit for s in m.shapes])})
+    return units, probe, reference
 
 
 def measure(src: Path, calibration: Calibration, *, rungs=MEASURED, scale_rule: ScaleRule = ScaleRule.EVEN,
@@ -458,22 +500,10 @@ def measure(src: Path, calibration: Calibration, *, rungs=MEASURED, scale_rule: 
                 layer = layer_class(config, index)
             layer.load_state_dict(_layer_state(source, prefix, layer, dtype, device), assign=True, strict=True)
             layer.eval()
-            modules = _modules(source, prefix, layer)
-            probe = Probe(modules, prefix)
-            probe.recording = True
-            reference = _run(layer, probe, batches, contexts, passes_on)
-            probe.recording = False
-            for role in dict.fromkeys(m.role for m in modules):
-                unit = [m for m in modules if m.role == role]
-                errors = {}
-                for rung in rungs:
-                    originals = _quantize_unit(unit, probe, rung, scale_rule)
-                    errors[rung] = _relative_error(_run(layer, probe, batches, contexts, passes_on), reference)
-                    for param, data in originals:
-                        param.data = data
-                    probe.activations.clear()
-                shapes = [s for m in unit for s in m.shapes]
-                units.append({"layer": index, "role": role, "mtp": False, "error": errors, "bytes": unit_bytes(shapes)})
+            modules = layer_modules(layer, prefix, source.family, source.layers)
+            layer_units, probe, reference = measure_layer(layer, modules, prefix, batches, contexts, passes_on,
+                                                          rungs, scale_rule)
+            units += layer_units
             amax.update(probe.amax)
             counts.update(probe.tokens)
             if probe.expert_tokens:
