@@ -31,7 +31,15 @@ from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_SHAPE
 from quant.static_scales import Calibration, input_scales
-from quant.release_check import check_serve, failing_newest, named, outcomes, release_warnings, ways_out
+from quant.release_check import (
+    check_serve,
+    failing_newest,
+    named,
+    outcomes,
+    release_warnings,
+    rule_sets,
+    ways_out,
+)
 from quant.release_check import summary as release_summary
 from quant.safetensors_io import TensorInfo, encoded_size
 from quant.serving import NamingError, build_exclude, expert_groups
@@ -560,7 +568,7 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
             else (0, None)
         return block_findings(rules, modules, text, qconfig, replace(DEFAULT, check_tp=True), bool(fused))
 
-    results = outcomes(plan.family, replayed)
+    results = outcomes(plan.family, replayed, rule_sets(plan.family, qconfig))
     check_serve(results, plan.family, serve, at_default_tp)
     refused = [] if serve else failing_newest(results)
     if refused:

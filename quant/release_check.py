@@ -17,7 +17,8 @@ from functools import cached_property, partial
 
 from packaging.version import InvalidVersion, Version
 
-from quant.engines import Finding, RuleSet, UnknownEngine, select
+from quant.engines import Finding, RuleSet, UnknownEngine, quark_layers, select
+from quant.engines.format_rules import cut
 from quant.engines.rules import (
     ENGINES,
     release_states,
@@ -27,6 +28,7 @@ from quant.engines.rules import (
 )
 from quant.errors import QuantgateError
 from quant.layout import Family
+from quant.quark_config import config_kind
 
 
 class ServeError(QuantgateError, ValueError):
@@ -96,11 +98,24 @@ class Outcome:
         return not self.loads and not self.without_draft()
 
 
-def outcomes(family: Family, replayed: Callable[[RuleSet, bool], list[Finding]]) -> list[Outcome]:
-    """Each rule set read for the family's classes, replayed with and (where something fails) without
-    the MTP draft (``replayed(rules, with_draft)``)."""
+def rule_sets(family: Family, qconfig: dict) -> list[RuleSet]:
+    """The family's rule sets, each cut by the spans of the per-layer Quark rules where ``qconfig`` has per-layer
+    schemes: a release replays the rules its own quark.py was read into (``format_rules.cut``), as gate
+    checkpoint does."""
+    sets = select("all", family)
+    if not (config_kind(qconfig) == "quark" and quark_layers.per_layer(qconfig)):
+        return sets
+    cuts = {id(c): c for rules in sets for release, base in releases_replayed(rules.engine, family).items()
+            if rules.covers(base) for c in [cut(rules, quark_layers.KIND, release)]}
+    return list(cuts.values())
+
+
+def outcomes(family: Family, replayed: Callable[[RuleSet, bool], list[Finding]],
+             sets: list[RuleSet] | None = None) -> list[Outcome]:
+    """Each rule set read for the family's classes (``sets``: those, cut by ``rule_sets``), replayed with and
+    (where something fails) without the MTP draft (``replayed(rules, with_draft)``)."""
     out = []
-    for rules in select("all", family):
+    for rules in sets if sets is not None else select("all", family):
         found = replayed(rules, True)
         releases = tuple(v for v, base in releases_replayed(rules.engine, family).items() if rules.covers(base))
         fusion = tuple(f for f in found if f.check == "fusion")
@@ -162,8 +177,7 @@ def check_serve(results: list[Outcome], family: Family, serve: tuple[tuple[str, 
             rules = select(f"{engine}=={release}", family)[0]
         except UnknownEngine as exc:
             raise ServeError(f"--serve {engine}=={release}: {exc}") from None
-        outcome = next(o for o in results if (o.rules.engine, o.rules.first, o.rules.last) ==
-                       (engine, rules.first, rules.last))
+        outcome = next(o for o in results if o.rules.engine == engine and release in o.releases)
         found = list(outcome.findings + outcome.fusion)
         extra = also(rules) if also else []
         if not found and not extra:

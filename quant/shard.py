@@ -72,7 +72,7 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
             err_sq, ref_sq = _encode_fp8_tensor(rows, scan, info.shape, tensor.outputs[:2], info.dtype, info.name,
                                                 writer, advance, timing)
         else:
-            err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs, info.dtype, info.name, writer, job,
+            err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs[:2], info.dtype, info.name, writer, job,
                                           advance, timing)
     record = {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
     if tensor.input_scale is not None:  # a static-activation rung: the scale measured on calibration data

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,4 +178,90 @@ def test_only_an_mxfp4_checkpoint_is_laddered(glm_ckpt, tmp_path):
     out = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp6_e2m3", "--ladder", "--calibration", "arith",
                           str(glm_ckpt), str(tmp_path / "out")], capture_output=True, text=True)
     assert out.returncode == 2 and "only an mxfp4 checkpoint mixes rungs per layer; use --to mxfp4" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --- quantize --ladder end to end, on a sidecar written for the test (the pass itself: test_sensitivity.py) -------
+
+# per (layer, role) the relative errors at W4A4, W4A8, W8A8: layer 0's attention and layer 2's routed experts
+# matter, the rest does not
+ERRORS = {(0, "attention"): (0.30, 0.12, 0.02), (1, "attention"): (0.02, 0.01, 0.005),
+          (2, "attention"): (0.03, 0.02, 0.01), (0, "dense_mlp"): (0.05, 0.03, 0.01),
+          (1, "routed_expert"): (0.04, 0.03, 0.01), (2, "routed_expert"): (0.15, 0.06, 0.02),
+          (1, "shared_expert"): (0.02, 0.01, 0.005), (2, "shared_expert"): (0.02, 0.01, 0.005)}
+
+
+def write_sidecar(src: Path, path: Path, errors=ERRORS, source: str = "arith:train") -> Path:
+    """A sensitivity sidecar for ``src`` with ``errors``, the unit bytes the pass computes, and an input amax
+    for every Linear, in the pass's own schema (``write_sensitivity`` validates it)."""
+    from quant.hashing import sha256_of
+    from quant.plan import make_plan
+    from quant.sensitivity import unit_bytes, write_sensitivity
+
+    plan = make_plan(src, load_recipe(ALL_LINEAR))
+    shapes: dict[tuple[int, str], list] = {}
+    for t in plan.tensors:
+        layer = plan.family.layer_index(t.source.name)
+        if (layer, t.role) in errors and not t.mtp:
+            shapes.setdefault((layer, t.role), []).extend(shape for _, shape in t.linear_modules())
+    units = [{"layer": layer, "role": role, "mtp": False, "error": dict(zip(("mxfp4", "mxfp4_fp8", "fp8"), e)),
+              "bytes": unit_bytes(shapes[layer, role])} for (layer, role), e in sorted(errors.items())]
+    modules = [m for m in plan.modules() if ".layers.3." not in m]
+    write_sensitivity(path, {
+        "kind": "quantgate-sensitivity", "version": 1,
+        "source": {"path": str(src), "config_sha256": sha256_of(src / "config.json")},
+        "calibration": {"source": source, "items": 8, "tokens": 512, "item_sha256": ["0" * 64] * 8},
+        "rungs": ["mxfp4", "mxfp4_fp8", "fp8"], "units": units,
+        "amax": {m: 2.0 for m in modules}, "tokens": {m: 512 for m in modules}, "expert_tokens": {},
+        "seconds": 1.0, "peak_rss_bytes": 1, "seconds_per_layer": [0.3, 0.3, 0.4]})
+    return path
+
+
+SERVE = ("--serve", "sglang==0.5.23", "--serve", "vllm==0.33.0", "--serve", "vllm==0.34.0")
+
+
+def test_the_ladder_converts_its_choice_records_it_and_the_served_releases_load_it(glm_ckpt, tmp_path):
+    sidecar = write_sidecar(glm_ckpt, tmp_path / "sens.json")
+    dst = tmp_path / "ladder"
+    out = quantize("--ladder", "--calibration", "arith", "--sensitivity", sidecar, "--error-budget", "0.1", *SERVE,
+                   glm_ckpt, dst)
+    assert out.returncode == 0, out.stderr
+    assert "ladder      8 units: 6 W4A4, 1 W4A8, 1 W8A8; largest layer error 0.06" in out.stdout
+    manifest = json.loads((dst / "conversion_manifest.json").read_text())
+    ladder = manifest["ladder"]
+    chosen = {(u["layer"], u["role"]): u["rung"] for u in ladder["units"]}
+    # sglang builds no W4A8 Linear (only W4A8 experts): layer 0's attention, which W4A8 would do for, goes to W8A8
+    assert "sglang 0.5.23 would not load" in ladder["rungs_skipped"]["attention"]["mxfp4_fp8"]
+    assert "routed_expert" not in ladder["rungs_skipped"]
+    assert chosen[0, "attention"] == "fp8" and chosen[2, "routed_expert"] == "mxfp4_fp8"
+    assert chosen[0, "dense_mlp"] == "mxfp4"
+    assert ladder["sensitivity"]["path"] == str(sidecar) and not (dst / "sensitivity.json").exists()
+    assert ladder["bytes"]["start"] < ladder["bytes"]["chosen"] < ladder["bytes"]["fp8"]
+    assert manifest["recipe"]["name"] == "mxfp4-all-linear+ladder"
+    assert {"role": "attention", "layers": [0], "format": "fp8"}.items() <= manifest["recipe"]["rules"][0].items()
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert config["layer_quant_config"]["model.layers.2.mlp.experts*"]["input_tensors"]["dtype"] == "fp8_e4m3"
+    for release in ("sglang==0.5.23", "vllm==0.33.0", "vllm==0.34.0"):
+        checked = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", str(dst), "--engine", release],
+                                 capture_output=True, text=True)
+        assert checked.returncode == 0, (release, checked.stdout[-2000:], checked.stderr)
+
+
+@pytest.mark.parametrize("case, said", [
+    ("another source", "measured on"),
+    ("other calibration", "calibrated on arith:train, not --calibration gsm8k"),
+    ("budget", "--byte-budget 1: the start recipe's units alone take"),
+])
+def test_a_sidecar_or_budget_that_does_not_fit_is_refused_writing_nothing(glm_ckpt, dsv3_ckpt, tmp_path, case, said):
+    sidecar = write_sidecar(glm_ckpt, tmp_path / "sens.json")
+    src, extra = glm_ckpt, ["--calibration", "arith"]
+    if case == "another source":
+        src = dsv3_ckpt
+    if case == "other calibration":
+        extra = ["--calibration", "gsm8k"]
+    if case == "budget":
+        extra += ["--error-budget", "0.01", "--byte-budget", "1"]
+    out = quantize("--ladder", "--sensitivity", sidecar, *extra, src, tmp_path / "out")
+    assert out.returncode == 2, out.stderr
+    assert said in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
