@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what the sensitivity pass reads: a JSONL file of prompts (a 'question' or 'text' field "
                              "per line) or a benchmark name (arith, gsm8k: its train split); an item that is an "
                              "evaluation item is refused")
+    ladder.add_argument("--calibration-items", type=_positive_int, default=64, metavar="N",
+                        help="the first N prompts of --calibration (default 64)")
     ladder.add_argument("--sensitivity", type=Path, metavar="FILE",
                         help="the sensitivity sidecar: reused if it exists (measured on SRC), else the pass writes it "
                              "there; without it the pass's sidecar is kept as DST/sensitivity.json. Without --ladder: "
@@ -288,7 +290,7 @@ def _ladder_plan(args: argparse.Namespace, start, family, serve):
         if not args.json and not args.quiet:
             print(f"sensitivity {args.src} on {args.calibration}, one decoder layer at a time -> {sidecar}",
                   flush=True)
-        measure(args.src, args.calibration, sidecar)
+        measure(args.src, args.calibration, sidecar, items=args.calibration_items)
     plan, ladder = plan_ladder(args.src, start, family, serve, sidecar,
                                Budget(args.error_budget, args.byte_budget), args.calibration)
     if not args.sensitivity:
