@@ -287,3 +287,45 @@ def test_gate_checkpoint_replays_each_release(mixed_checkpoints, release, checkp
         assert code == 0, out
     else:
         assert code == 1 and said in out, out
+
+
+def _quantize(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_hand_written_mixed_recipe_converts_and_loads(glm_ckpt, tmp_path):
+    """One layer's experts FP8, the rest MXFP4 (quantize in a real process, the releases' rules cut where the
+    per-layer rules change): gate checkpoint says sglang's oldest and newest releases load it."""
+    from tests.quant.test_compressed_tensors_engines import gate
+    from tests.quant.test_mixed_convert import LAYER1_FP8, linear_modules, write_sidecar
+
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text(LAYER1_FP8)
+    sidecar = write_sidecar(tmp_path / "sensitivity.json", linear_modules(glm_ckpt))
+    done = _quantize("--recipe", recipe, "--sensitivity", sidecar, glm_ckpt, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    for release in ("0.5.9", "0.5.23"):
+        code, out = gate(tmp_path / "out", "--engine", f"sglang=={release}")
+        assert code == 0 and "loads correctly" in out, out
+
+
+def test_quantize_serve_refuses_w4a8_experts_for_a_release_without_the_scheme(glm_ckpt, tmp_path):
+    """quantize --serve sglang==0.5.14 replays that release's per-layer rules: no W4A8 MoE scheme, refused in one
+    line (exit 2, nothing written); 0.5.15 builds it."""
+    from tests.quant.test_mixed_convert import linear_modules, write_sidecar
+
+    recipe = tmp_path / "w4a8.yaml"
+    recipe.write_text("name: w4a8\nformat: mxfp4\nrules:\n  - {role: routed_expert, layers: [1], action: quantize, "
+                      "format: mxfp4_fp8}\n  - {role: routed_expert, action: quantize}\n")
+    sidecar = write_sidecar(tmp_path / "sensitivity.json", linear_modules(glm_ckpt))
+    refused = _quantize("--recipe", recipe, "--sensitivity", sidecar, "--serve", "sglang==0.5.14", glm_ckpt,
+                        tmp_path / "old")
+    assert refused.returncode == 2 and "Unsupported FusedMoe scheme" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "old").exists()
+    done = _quantize("--recipe", recipe, "--sensitivity", sidecar, "--serve", "sglang==0.5.15", glm_ckpt,
+                     tmp_path / "new")
+    assert done.returncode == 0, done.stderr
