@@ -46,12 +46,14 @@ from pathlib import Path
 import torch
 
 from evals.errors import BadInput
+from evals.served import ROUTED_EXPERT, W13, module_rungs, served_input_scales, served_weight_scales
 from quant.checkpoint import Checkpoint, config_int
 from quant.errors import CheckpointError
 from quant.formats import fp8, mx
 from quant.formats.codecs import CODECS, Codec, get_codec
 from quant.formats.constants import BLOCK, ScaleRule
 from quant.quark_config import config_kind
+from quant.rungs import RUNGS, rung_of_spec
 
 METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
@@ -66,6 +68,35 @@ PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.\w+$")
 
 class EmulationRefused(BadInput):
     """The checkpoint's quantization scheme is not one this emulation reproduces; says which (exit 2)."""
+
+
+# TEMPORARY until quant.formats.fp8_tensor lands: the engines' static FP8 activation qdq and per-tensor decode
+def fp8_static_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
+    s = torch.tensor(scale, dtype=torch.float32)
+    return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+
+def fp8_tensor_decode(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (weight.float() * scale.float().reshape(())).to(dtype)
+
+
+def requantize_fp8(weight: torch.Tensor, scale: torch.Tensor, served_scale: float) -> torch.Tensor:
+    """vLLM w8a8_utils.py per_tensor_dequantize (an fp16 product) then scaled_fp8_quant at ``served_scale``."""
+    dequantized = weight.to(torch.float16) * scale.float().reshape(())
+    return (dequantized.float() / served_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+class StaticFP8:
+    """An activation quantized to FP8 e4m3 with one static per-tensor scale and dequantized, as served."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_static_qdq(x, self.scale)
+
+    def __repr__(self):
+        return f"StaticFP8({self.scale})"
 
 
 @dataclass(frozen=True)
@@ -83,6 +114,13 @@ class Emulation:
     # the same way (docs/reference.md §2).
     rounding: str = "half_even"
     modules: list[str] = field(default_factory=list)  # checkpoint modules with quantized weights
+    # A per-layer Quark checkpoint (``layer_quant_config``): each quantized module's rung (quant.rungs), read
+    # from its tensors; the static FP8 activation scale each static-scale module is served with and the FP8
+    # weight scale a fused shard is requantized to, both as the engines collapse them (evals.served).
+    per_layer: bool = False
+    rungs: dict[str, str] = field(default_factory=dict)
+    input_scales: dict[str, float] = field(default_factory=dict)
+    weight_scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def weight_format(self) -> Codec:
@@ -90,6 +128,8 @@ class Emulation:
 
     @property
     def scheme(self) -> str:
+        if self.rungs:  # the rungs present, cheapest first: W4A4+W8A8
+            return "+".join(rung.label for name, rung in RUNGS.items() if name in self.rungs.values())
         bits = {"mxfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6, "fp8": 8}
         act = f"A{bits[self.activations]}" if self.activations else "A16"
         return f"W{bits[self.weights]}{act}"
@@ -98,6 +138,13 @@ class Emulation:
         if self.activations == "fp8":
             return fp8.quantize_dequantize(x, self.activation_group)
         return mx.quantize_dequantize(x, get_codec(self.activations).element, ScaleRule(self.activation_scale_rule))
+
+    def module_qdq(self, module: str):
+        """What a checkpoint module's input goes through: a per-layer checkpoint's static-scale rung quantizes it
+        to FP8 with the module's served scale; every other module, the checkpoint's activation scheme."""
+        if self.per_layer and RUNGS[self.rungs[module]].static_input_scale:
+            return StaticFP8(self.input_scales[module])
+        return self.activation_qdq
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,8 +179,7 @@ def _from_quark(qc: dict) -> Emulation:
     activations = act_rule = None
     if glob.get("input_tensors"):
         activations, act_rule = _quark_mx_format(glob["input_tensors"], "input_tensors", dynamic=True)
-    unsupported = {k: qc.get(k) for k in ("layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config")
-                   if qc.get(k)}
+    unsupported = {k: qc.get(k) for k in ("layer_type_quant_config", "kv_cache_quant_config") if qc.get(k)}
     unsupported.update({k: glob[k] for k in ("output_tensors", "bias") if glob.get(k)})
     if qc.get("softmax_quant_spec"):
         unsupported["softmax_quant_spec"] = qc["softmax_quant_spec"]
@@ -145,8 +191,38 @@ def _from_quark(qc: dict) -> Emulation:
         unsupported["export"] = {k: export.get(k) for k in ("weight_format", "pack_method")}
     if unsupported:
         raise EmulationRefused(f"Quark {weights} checkpoint with {sorted(unsupported)} = {unsupported} is not emulated "
-                               "(only a global weight / input_tensors MX spec is)")
-    return Emulation("quark", weights, weight_rule, activations, act_rule, BLOCK if activations else None)
+                               "(only a global weight / input_tensors MX spec is, with a layer_quant_config of "
+                               "the rungs in quant/rungs.py)")
+    per_layer = bool(qc.get("layer_quant_config"))
+    if per_layer:
+        _check_layer_specs(qc["layer_quant_config"], weights, act_rule)
+    return Emulation("quark", weights, weight_rule, activations, act_rule, BLOCK if activations else None,
+                     per_layer=per_layer)
+
+
+def _check_layer_specs(layers, weights: str, act_rule: str | None) -> None:
+    """A ``layer_quant_config`` emulated: a W4A4 global spec and, per key, a rung's spec (quant.rungs), an MX
+    one with the global spec's activation scale rule (the one every MX activation is quantized with)."""
+    if weights != "mxfp4" or act_rule is None:
+        raise EmulationRefused(f"Quark {weights} checkpoint without MXFP4 activations and with a layer_quant_config "
+                               "is not emulated; covered: a W4A4 (mxfp4) global spec with per-layer rungs")
+    if not isinstance(layers, dict):
+        raise EmulationRefused(f"Quark layer_quant_config is {type(layers).__name__}, not an object of name "
+                               "patterns to layer specs: not emulated")
+    for key, spec in layers.items():
+        rung = rung_of_spec(spec)
+        if rung is None:
+            parts = {part: ((spec or {}).get(part) or {}).get("dtype") for part in ("weight", "input_tensors")}
+            raise EmulationRefused(f"Quark layer_quant_config[{key!r}] (dtypes {parts}) is no rung and is not "
+                                   "emulated; covered: " + ", ".join(f"{n} ({r.label})" for n, r in RUNGS.items()
+                                                                     if r.weight) + " as quant/rungs.py specs them")
+        if RUNGS[rung].weight == "mxfp4":
+            _quark_mx_format(spec["weight"], f"layer_quant_config[{key!r}] weight", dynamic=False)
+        if RUNGS[rung].activations == "mxfp4":
+            _, rule = _quark_mx_format(spec["input_tensors"], f"layer_quant_config[{key!r}] input_tensors", True)
+            if rule != act_rule:
+                raise EmulationRefused(f"Quark layer_quant_config[{key!r}] input_tensors scale rule {rule!r} differs "
+                                       f"from the global spec's {act_rule!r}: not emulated")
 
 
 def _from_fp8(qc: dict) -> Emulation:
@@ -217,23 +293,25 @@ def quantized_modules(tensors: dict, fmt: Codec) -> list[str]:
 class ActivationQDQ:
     """Forward pre-hook: the input of a quantized Linear, quantize-dequantized."""
 
-    def __init__(self, emulation: Emulation):
-        self.emulation = emulation
+    def __init__(self, qdq):
+        self.qdq = qdq
 
     def __call__(self, module, args):
-        return (self.emulation.activation_qdq(args[0]), *args[1:])
+        return (self.qdq(args[0]), *args[1:])
 
     def __repr__(self):
-        return f"ActivationQDQ({self.emulation.activations})"
+        return f"ActivationQDQ({self.qdq!r})"
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers 5.24's eager experts loop (``DeepseekV3Experts.forward``, ``GlmMoeDsaExperts.forward``),
     with the input of ``gate_up_proj`` and of ``down_proj`` quantize-dequantized where this layer's
-    experts are quantized (``self.quantgate_qdq``). Activation blocks run along each token's features,
-    so quantizing the hidden states once equals quantizing every routed copy."""
+    experts are quantized (``self.quantgate_qdq``; the down input's ``self.quantgate_qdq_down`` where it
+    differs: a static FP8 scale of its own). Activation blocks (or one static scale) run along each token's
+    features, so quantizing the hidden states once equals quantizing every routed copy."""
     qdq = getattr(self, "quantgate_qdq", None) or (lambda t: t)
+    qdq_down = getattr(self, "quantgate_qdq_down", None) or qdq
     final_hidden_states = torch.zeros_like(hidden_states)
     hidden_states = qdq(hidden_states)
     with torch.no_grad():
@@ -245,7 +323,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         gate_up = _expert_linear(self, hidden_states[token_idx], "gate_up_proj", expert_idx)
-        current = _expert_linear(self, qdq(self._apply_gate(gate_up)), "down_proj", expert_idx)
+        current = _expert_linear(self, qdq_down(self._apply_gate(gate_up)), "down_proj", expert_idx)
         current = current * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
@@ -320,7 +398,7 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
                                  mtp_prefix: str | None = None) -> dict:
     """Hook every module the checkpoint quantizes; returns which modules were hooked and which were not loaded."""
     named = dict(model.named_modules())
-    linears, experts, not_loaded = [], {}, set()
+    linears, experts, not_loaded = {}, {}, set()  # linears: model name -> checkpoint module
     model_name = _model_names(model)
     per_expert_forms = []
     for name in emulation.modules:  # first: fused experts the checkpoint stores per expert
@@ -344,7 +422,7 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
         if match and match["experts"] in named and hasattr(named[match["experts"]], "gate_up_proj"):
             experts.setdefault(match["experts"], set()).add(name)
         elif isinstance(named.get(loaded), torch.nn.Linear):
-            linears.append(loaded)
+            linears[loaded] = name
         elif ((layer := LAYER.match(name)) and int(layer[1]) >= num_hidden_layers) or \
                 (mtp_prefix and name.startswith(mtp_prefix + ".")):
             # the MTP (next-n) layer, or the draft under its own prefix (Qwen3-Next's mtp.layers.0):
@@ -361,13 +439,42 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
         if module.has_bias or module.is_transposed or not module.has_gate or module.has_post_expert_norm:
             raise EmulationRefused(f"{name}: {type(module).__name__} has a layout the emulated experts loop does not "
                                    "cover (bias, transposed, ungated or post-norm experts)")
-    if activation := (ActivationQDQ(emulation) if emulation.activations else None):
-        for name in linears:
-            named[name].register_forward_pre_hook(activation)
-        for name in experts:
-            named[name].quantgate_qdq = activation.emulation.activation_qdq
-    return {"linear": linears, "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded),
+        if emulation.per_layer and len(rungs := {emulation.rungs[p] for p in projections}) > 1:
+            raise EmulationRefused(f"{name}: the checkpoint stores this layer's experts at several rungs "
+                                   f"({', '.join(sorted(rungs))}); the engines serve one scheme per layer's experts")
+    if emulation.activations:
+        for name, module in linears.items():
+            named[name].register_forward_pre_hook(ActivationQDQ(emulation.module_qdq(module)))
+        for name, projections in experts.items():
+            gate_up = next(p for p in sorted(projections) if ROUTED_EXPERT.match(p)["projection"] in W13)
+            down = next(p for p in sorted(projections) if ROUTED_EXPERT.match(p)["projection"] not in W13)
+            named[name].quantgate_qdq = emulation.module_qdq(gate_up)
+            named[name].quantgate_qdq_down = emulation.module_qdq(down)
+    return {"linear": sorted(linears), "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded),
             "per_expert_form": per_expert_forms}
+
+
+def decode_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmt: Codec,
+                  served_scale: float | None = None) -> torch.Tensor:
+    """A stored weight decoded into ``dtype``: an FP8 per-tensor one (e4m3 with one F32 scale: a per-layer
+    checkpoint's fp8 rung) requantized to ``served_scale`` first where the engines serve it with another
+    (evals.served), any other by the checkpoint's format."""
+    if weight.dtype == torch.float8_e4m3fn and scale.numel() == 1:
+        if served_scale is not None and served_scale != float(scale):
+            weight, scale = requantize_fp8(weight, scale, served_scale), torch.tensor(served_scale)
+        return fp8_tensor_decode(weight, scale, dtype)
+    return fmt.decode(weight, scale, dtype)
+
+
+def emulation_record(emulation: Emulation) -> dict:
+    """What run.json records of an emulation: its scheme and settings; a per-layer checkpoint's modules
+    counted per rung (the checkpoint's hash names the rest)."""
+    record = {k: v for k, v in emulation.to_dict().items()
+              if k not in ("modules", "rungs", "input_scales", "weight_scales")}
+    if emulation.per_layer:
+        record["rungs"] = {name: list(emulation.rungs.values()).count(name) for name in RUNGS
+                           if name in emulation.rungs.values()}
+    return {**record, "scheme": emulation.scheme}
 
 
 # --- the transformers quantizer ----------------------------------------------------------------------------------
@@ -418,10 +525,24 @@ def _register() -> None:
                     decoded = [w if dtype is None else w.to(dtype) for w in weights]
                 else:
                     scales = scales if isinstance(scales, list) else [scales]
-                    decoded = [fmt.decode(w, s, dtype or torch.bfloat16) for w, s in zip(weights, scales, strict=True)]
+                    served = self.served_scales(input_dict, full_layer_name, fmt.scale_suffix, len(weights))
+                    decoded = [decode_weight(w, s, dtype or torch.bfloat16, fmt, served[i])
+                               for i, (w, s) in enumerate(zip(weights, scales, strict=True))]
                 out[full_layer_name if key == "weight" and full_layer_name else key] = (
                     decoded if isinstance(value, list) else decoded[0])
             return out
+
+        def served_scales(self, input_dict, full_layer_name, suffix: str, count: int) -> list:
+            """Per collected weight, the FP8 per-tensor scale the engines serve it with (None: its own). A
+            Linear's from the checkpoint's fused modules (evals.served); a fused experts parameter's per expert,
+            the largest over the projections merged into it (an expert's gate and up: w13)."""
+            if not self.hf_quantizer.emulation.per_layer:
+                return [None] * count
+            if not (full_layer_name and FUSED_EXPERT.match(full_layer_name)):
+                return [self.hf_quantizer.served_weight_scales.get(full_layer_name)] * count
+            per_tensor = [v if isinstance(v, list) else [v] for k, v in input_dict.items() if k.endswith(suffix)]
+            per_tensor = [scales for scales in per_tensor if all(s.numel() == 1 for s in scales)]
+            return [max(float(scales[i]) for scales in per_tensor) if per_tensor else None for i in range(count)]
 
     class EmulationQuantizer(HfQuantizer):
         requires_calibration = False
@@ -437,8 +558,9 @@ def _register() -> None:
         def _process_model_before_weight_loading(self, model, **kwargs):
             hooked = install_activation_emulation(model, self.emulation, self.quantization_config.num_hidden_layers,
                                                   self.quantization_config.mtp_prefix)
-            record = {k: v for k, v in self.emulation.to_dict().items() if k != "modules"}
-            model.quantgate_emulation = {**record, "scheme": self.emulation.scheme, "modules": hooked}
+            model_name = _model_names(model)
+            self.served_weight_scales = {model_name(m) + ".weight": s for m, s in self.emulation.weight_scales.items()}
+            model.quantgate_emulation = {**emulation_record(self.emulation), "modules": hooked}
 
         def is_serializable(self):
             return False
@@ -530,6 +652,20 @@ def _load_gpt_oss_mxfp4(checkpoint: Checkpoint, emulation: Emulation, device: st
     return model.eval(), record
 
 
+def _per_layer(checkpoint: Checkpoint, emulation: Emulation) -> Emulation:
+    """A per-layer checkpoint's modules, each at the rung its tensors show (one its config names) with the
+    scales the engines serve it with (evals.served)."""
+    rungs = module_rungs(checkpoint.tensors())
+    named = {"mxfp4"} | {rung_of_spec(spec) for spec in checkpoint.config["quantization_config"]["layer_quant_config"]
+                         .values()}
+    if stray := sorted(m for m, rung in rungs.items() if rung not in named):
+        raise EmulationRefused(f"{checkpoint.config_path}: {stray[0]} is stored as {rungs[stray[0]]} "
+                               f"({RUNGS[rungs[stray[0]]].label}), a rung its quantization_config names for no "
+                               f"module ({len(stray)} such modules): reconvert it with quantize")
+    return replace(emulation, modules=sorted(rungs), rungs=rungs, input_scales=served_input_scales(checkpoint, rungs),
+                   weight_scales=served_weight_scales(checkpoint, rungs))
+
+
 def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
                activations: str | None = None):
     """``(model, emulation record or None)``: a local HF checkpoint ready for lm-eval, a quantized one emulated.
@@ -557,7 +693,10 @@ def load_model(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.bfl
         _refuse_unloaded_experts(checkpoint, info)
         return model.eval(), None
     fmt = emulation.weight_format
-    emulation = replace(emulation, modules=quantized_modules(checkpoint.tensors(), fmt))
+    if emulation.per_layer:
+        emulation = _per_layer(checkpoint, emulation)
+    else:
+        emulation = replace(emulation, modules=quantized_modules(checkpoint.tensors(), fmt))
     if not emulation.modules:
         raise EmulationRefused(f"{checkpoint.config_path} declares {emulation.weights} but no shard holds a "
                                f"{fmt.weight_dtype} weight with its {fmt.scale_suffix}: nothing to emulate")

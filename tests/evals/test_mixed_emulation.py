@@ -1,0 +1,234 @@
+"""A per-layer (mixed) Quark checkpoint evaluated as served: each module at the rung its tensors show (W4A4,
+W4A8, W8A8, bf16), static FP8 activation scales and FP8 weight scales collapsed as vLLM 0.33.0 and sglang
+0.5.23 collapse them (evals/served.py cites where)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from evals.bundle import pair, read_bundle
+from evals.emulation import load_model
+from evals.errors import BadInput
+from quant.formats.codecs import get_codec
+from quant.rungs import FP8_MAX, RUNGS
+from tests.evals.test_emulation import convert, logits
+from tests.evals.test_run import GEN, data_dir, run_cli  # noqa: F401  (data_dir is a fixture)
+
+E4M3 = torch.float8_e4m3fn
+LAYER0 = "model.layers.0.mlp"
+EXPERTS = 4
+
+
+def fp8_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 e4m3 by hand: scale = amax / 448 over the whole tensor."""
+    scale = weight.float().abs().max() / FP8_MAX
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3), scale.reshape(())
+
+
+def fp8_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """The engines' static activation quantization, written out: x / s, clamp to +-448, e4m3, times s."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * scale
+
+
+def scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+# the hand-written checkpoint's static activation scales: they differ per module so the collapse shows
+GATE_IN, UP_IN, DOWN_IN = (float(scalar(v)) for v in (0.011, 0.017, 0.013))  # as stored: F32
+
+
+def expert_input_scale(layer: int, expert: int, projection: str) -> float:
+    """As stored: an F32 value."""
+    return float(scalar((0.002 if projection == "down_proj" else 0.003) * (expert + 1) * layer))
+
+
+def write_mixed(bf16: Path, w4a4: Path, dst: Path) -> Path:
+    """The W4A4 conversion rewritten by hand into a mixed one: layer 1's routed experts FP8 W8A8, layer 2's
+    W4A8, the dense layer 0's gate/up FP8 W8A8 (two weight scales, two input scales: one fused gate_up_proj
+    when served) and its down_proj W4A8; the rest as converted. One shard, no manifest (hand-written)."""
+    source = {}
+    for shard in sorted(bf16.glob("*.safetensors")):
+        source.update(load_file(shard))
+    tensors = {}
+    for shard in sorted(w4a4.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    mxfp4 = get_codec("mxfp4")
+    for layer in (1, 2):
+        for expert in range(EXPERTS):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                module = f"model.layers.{layer}.mlp.experts.{expert}.{projection}"
+                if layer == 1:
+                    tensors[module + ".weight"], tensors[module + ".weight_scale"] = \
+                        fp8_encode(source[module + ".weight"])
+                # gate and up of one expert share their input, so they share its scale (as measured)
+                tensors[module + ".input_scale"] = scalar(expert_input_scale(layer, expert, projection))
+    for projection, input_scale in (("gate_proj", GATE_IN), ("up_proj", UP_IN)):
+        module = f"{LAYER0}.{projection}"
+        tensors[module + ".weight"], tensors[module + ".weight_scale"] = fp8_encode(source[module + ".weight"])
+        tensors[module + ".input_scale"] = scalar(input_scale)
+    down = f"{LAYER0}.down_proj"
+    del tensors[down + ".weight"]
+    tensors[down + ".weight"], tensors[down + ".weight_scale"] = mxfp4.quantize(source[down + ".weight"].float())
+    tensors[down + ".input_scale"] = scalar(DOWN_IN)
+
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (w4a4 / name).exists():
+            (dst / name).write_bytes((w4a4 / name).read_bytes())
+    config = json.loads((w4a4 / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [name for name in qc["exclude"] if not name.startswith(LAYER0 + ".")]
+    qc["layer_quant_config"] = {
+        "model.layers.1.mlp.experts*": RUNGS["fp8"].spec(),
+        "model.layers.2.mlp.experts*": RUNGS["mxfp4_fp8"].spec(),
+        f"{LAYER0}.gate_proj": RUNGS["fp8"].spec(), f"{LAYER0}.up_proj": RUNGS["fp8"].spec(),
+        f"{LAYER0}.down_proj": RUNGS["mxfp4_fp8"].spec(),
+    }
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mixed(glm_ckpt, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("mixed")
+    return write_mixed(glm_ckpt, convert(glm_ckpt, tmp / "w4a4", "mxfp4"), tmp / "mixed")
+
+
+def capture(module, store: dict):
+    """A module's raw input (before the emulation's own pre-hook) and its output."""
+    module.register_forward_pre_hook(lambda m, args: store.setdefault("x", args[0]), prepend=True)
+    module.register_forward_hook(lambda m, args, out: store.setdefault("out", out))
+
+
+def test_each_module_is_emulated_at_its_stored_rung(mixed):
+    model, record = load_model(mixed, dtype=torch.float32)
+    assert record["scheme"] == "W4A4+W4A8+W8A8" and record["per_layer"]
+    # the MTP layer's (3) experts stay W4A4; layer 0's down_proj and layer 2's experts W4A8; gate/up and layer 1 W8A8
+    assert record["rungs"] == {"mxfp4": 3 * EXPERTS, "mxfp4_fp8": 1 + 3 * EXPERTS, "fp8": 2 + 3 * EXPERTS}
+    assert {f"{LAYER0}.gate_proj", f"{LAYER0}.down_proj"} <= set(record["modules"]["linear"])
+    layer1, layer2 = (model.get_submodule(f"model.layers.{n}.mlp.experts") for n in (1, 2))
+    # one static scale per layer for the experts' gate/up input and one for their down input: the largest
+    for layer, experts in ((1, layer1), (2, layer2)):
+        assert experts.quantgate_qdq.scale == max(expert_input_scale(layer, e, "up_proj") for e in range(EXPERTS))
+        assert experts.quantgate_qdq_down.scale == max(expert_input_scale(layer, e, "down_proj")
+                                                       for e in range(EXPERTS))
+    assert record["modules"]["not_loaded_by_transformers"] == ["model.layers.3.mlp.experts"]
+
+
+def test_a_fused_fp8_linear_computes_the_engines_formula(mixed):
+    """Layer 0's gate_proj, FP8 W8A8, fused with up_proj into gate_up_proj when served: its weight requantized
+    to max(gate, up) weight scale (requantize_with_max_scale), its input quantized with max(gate, up) input
+    scale; the W4A8 down_proj: MXFP4 weights, its own static input scale."""
+    model, _ = load_model(mixed, dtype=torch.float32)
+    stored = load_file(mixed / "model.safetensors")
+    gate, down = {}, {}
+    capture(model.get_submodule(f"{LAYER0}.gate_proj"), gate)
+    capture(model.get_submodule(f"{LAYER0}.down_proj"), down)
+    logits(model)
+
+    scales = {p: float(stored[f"{LAYER0}.{p}.weight_scale"]) for p in ("gate_proj", "up_proj")}
+    served = max(scales.values())
+    assert scales["gate_proj"] != scales["up_proj"]
+    dequantized = stored[f"{LAYER0}.gate_proj.weight"].to(torch.float16) * scalar(scales["gate_proj"])
+    weight = (dequantized.float() / served).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * served
+    expected = torch.nn.functional.linear(fp8_qdq(gate["x"], max(GATE_IN, UP_IN)), weight)
+    assert torch.equal(gate["out"], expected)
+
+    weight = get_codec("mxfp4").decode(stored[f"{LAYER0}.down_proj.weight"], stored[f"{LAYER0}.down_proj.weight_scale"],
+                                       torch.float32)
+    assert torch.equal(down["out"], torch.nn.functional.linear(fp8_qdq(down["x"], DOWN_IN), weight))
+
+
+def test_fp8_experts_decode_with_gate_and_up_at_one_scale(mixed):
+    """An FP8 expert's gate and up halves of gate_up_proj requantized to the larger of its two scales (the MoE
+    methods' w13_weight_scale.max(dim=1)); down_proj decoded with its own."""
+    model, _ = load_model(mixed, dtype=torch.float32)
+    stored = load_file(mixed / "model.safetensors")
+    experts = model.get_submodule("model.layers.1.mlp.experts")
+    for e in range(EXPERTS):
+        name = f"model.layers.1.mlp.experts.{e}"
+        scales = {p: stored[f"{name}.{p}.weight_scale"] for p in ("gate_proj", "up_proj")}
+        served = float(max(scales.values()))
+        halves = []
+        for p in ("gate_proj", "up_proj"):
+            dequantized = stored[f"{name}.{p}.weight"].to(torch.float16) * scales[p]
+            halves.append((dequantized.float() / served).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * served)
+        assert torch.equal(experts.gate_up_proj[e], torch.cat(halves))
+        down = stored[f"{name}.down_proj.weight"].float() * stored[f"{name}.down_proj.weight_scale"]
+        assert torch.equal(experts.down_proj[e], down)
+
+
+def test_evals_run_evaluates_a_mixed_checkpoint_and_pairs_with_bf16(glm_ckpt, mixed, data_dir, tmp_path):
+    common = ["--benchmarks", "gsm8k", "--data-dir", data_dir, "--limit", 2, *GEN]
+    assert run_cli("--out", tmp_path / "bf16", "--model", glm_ckpt, *common) == 0
+    assert run_cli("--out", tmp_path / "mixed", "--model", mixed, *common) == 0
+    run, rows = read_bundle(tmp_path / "mixed")
+    emulation = run["local"]["emulation"]
+    assert emulation["scheme"] == "W4A4+W4A8+W8A8" and emulation["rungs"]["fp8"] == 2 + 3 * EXPERTS
+    assert emulation["modules"]["experts"] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    assert len(pair(read_bundle(tmp_path / "bf16")[1], rows)) == 4
+
+
+def edited(mixed: Path, dst: Path, tensors=None, config=None) -> Path:
+    """A copy of the mixed checkpoint with some tensors / its quantization_config changed."""
+    dst.mkdir()
+    for path in mixed.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    if tensors:
+        stored = load_file(mixed / "model.safetensors")
+        tensors(stored)
+        save_file(stored, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        data = json.loads((mixed / "config.json").read_text())
+        config(data["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+def _zero_scale(t):
+    t[f"{LAYER0}.up_proj.input_scale"] = scalar(0.0)
+
+
+def _no_input_scale(t):
+    del t[f"{LAYER0}.up_proj.input_scale"]
+
+
+def _two_rungs_in_one_layer(t):
+    del t["model.layers.2.mlp.experts.3.down_proj.input_scale"]
+
+
+def _unknown_spec(qc):
+    qc["layer_quant_config"]["model.layers.1.mlp.experts*"]["weight"]["dtype"] = "int8"
+
+
+def _rung_not_in_config(qc):
+    del qc["layer_quant_config"][f"{LAYER0}.down_proj"]
+    qc["layer_quant_config"]["model.layers.2.mlp.experts*"] = RUNGS["fp8"].spec()
+
+
+@pytest.mark.parametrize("tensors,config,named", [
+    (_zero_scale, None, f"{LAYER0}.up_proj.input_scale is 0.0"),
+    (_no_input_scale, None, f"{LAYER0}.up_proj.weight (F8_E4M3)"),
+    (_two_rungs_in_one_layer, None, "model.layers.2.mlp.experts: the checkpoint stores this layer's experts at several"),
+    (None, _unknown_spec, "layer_quant_config['model.layers.1.mlp.experts*'] (dtypes {'weight': 'int8'"),
+    (None, _rung_not_in_config, f"{LAYER0}.down_proj is stored as mxfp4_fp8"),
+])
+def test_what_the_emulation_cannot_serve_is_refused_by_name(mixed, tmp_path, tensors, config, named):
+    with pytest.raises(BadInput) as refused:  # EmulationRefused (a scheme) or MixedRefused (a tensor)
+        load_model(edited(mixed, tmp_path / "edited", tensors, config))
+    assert named in str(refused.value)
+
+
+def test_evals_run_refuses_a_bad_static_scale_in_one_line(mixed, data_dir, tmp_path, capsys):
+    ckpt = edited(mixed, tmp_path / "edited", _zero_scale)
+    out = tmp_path / "refused"
+    assert run_cli("--out", out, "--model", ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir, "--limit", 1) == 2
+    err = capsys.readouterr().err
+    assert f"{LAYER0}.up_proj.input_scale is 0.0" in err and "Traceback" not in err and not (out / "run.json").exists()
