@@ -6,6 +6,7 @@ names the module or tensor, why it fails and what to do.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -29,7 +30,7 @@ from quant.layout import UnknownFamilyError, family_for, weight_named
 from quant.quark_config import CONFIG_KINDS, THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
-from quant.rungs import stored_rung
+from quant.rungs import INPUT_SCALE, stored_rung
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -164,6 +165,32 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
     if why := tokenizer_problem(checkpoint.folder):
         findings.append(Finding("layout", None, "tokenizer", f"{why}; the engines cannot start without one",
                                 TOKENIZER_FIX))
+    return findings
+
+
+def _rung_findings(tensors) -> list[Finding]:
+    """A per-layer Quark checkpoint's FP8 weights and static activation scales (``quant.rungs``): each module
+    holding one must store a whole rung (an FP8 weight with one F32 weight_scale and an input_scale, or an
+    MXFP4 weight with its scales and an input_scale), each per-tensor scale one F32 value."""
+    findings = []
+    modules = {n.removesuffix(".weight") for n, i in tensors.items() if n.endswith(".weight") and i.dtype == "F8_E4M3"}
+    modules |= {n.removesuffix(INPUT_SCALE) for n in tensors if n.endswith(INPUT_SCALE)}
+    for module in sorted(modules):
+        if stored_rung(tensors, module) in ("", "bf16"):  # bf16: a kept weight with a stray input_scale
+            held = ", ".join(f"{n.removeprefix(module)} {tensors[n].dtype}" for n in sorted(tensors)
+                             if n.startswith(module + ".") and n.count(".") == module.count(".") + 1)
+            findings.append(Finding("layout", None, module, f"holds {held}: no rung's tensors (W4A8: U8 weight, U8 "
+                                    "weight_scale, F32 input_scale; W8A8: F8_E4M3 weight, F32 weight_scale, F32 "
+                                    "input_scale)", "re-export the module with all of its rung's tensors"))
+            continue
+        scalars = [module + INPUT_SCALE] + ([module + ".weight_scale"] if tensors[module + ".weight"].dtype ==
+                                            "F8_E4M3" else [])
+        for name in scalars:
+            info = tensors[name]
+            if info.dtype != "F32" or math.prod(info.shape) != 1:
+                findings.append(Finding("layout", None, name, f"{info.dtype}{list(info.shape)}: a per-tensor scale "
+                                        "is one F32 value (the engines load it into a one-element parameter)",
+                                        "re-export the checkpoint"))
     return findings
 
 
@@ -457,6 +484,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     report.findings += structure_findings(checkpoint, family, declared)
     report.findings += _layout_findings(checkpoint, fmt)
     report.findings += [Finding("layout", None, tensor, why, fix) for tensor, why, fix in stored_problems]
+    report.findings += _rung_findings(tensors) if layered else []
     if family.fused_experts:
         report.findings += _blocks_findings(tensors, family, text)
     has_quantized = any(i.dtype in ("U8", "F8_E4M3") for i in tensors.values())
@@ -479,6 +507,8 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         findings += layer_kind_findings(rules, text, family, roles_by_layer, num_hidden_layers)
         if kind == "quark":
             findings += quark_findings(rules, qconfig)
+        if layered:
+            findings += quark_layers.key_findings(rules, qconfig, {m: module.role for m, module in modules.items()})
         ctx = None
         if kind == "mxfp4" and not rules.values.get("mxfp4_native"):
             findings.append(Finding("config", rules.id, "quantization_config.quant_method",

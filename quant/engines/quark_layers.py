@@ -28,6 +28,21 @@ def per_layer(qconfig) -> bool:
     return isinstance(qconfig, dict) and any(qconfig.get(k) for k in ("layer_quant_config", "layer_type_quant_config"))
 
 
+def key_findings(rules: RuleSet, qconfig: dict, roles: dict[str, str]) -> list:
+    """A config finding for each ``layer_quant_config`` key that selects no module in this release (where the
+    engine's module says which names it asks: ``unmatched_keys``); ``roles``: checkpoint Linear -> its role."""
+    from quant.engines.replay import Finding  # here: the replay imports this module
+
+    unmatched = getattr(_ENGINES[rules.engine], "unmatched_keys", None)
+    if unmatched is None or not isinstance(qconfig.get("layer_quant_config"), dict):
+        return []
+    return [Finding("config", rules.id, f"layer_quant_config[{key!r}]",
+                    f"matches no module {rules.engine} asks for a scheme (a FusedMoE is asked by its own name "
+                    "...mlp.experts, a fused module by its shards' names): the spec applies to nothing",
+                    "key it by a name the engine asks (e.g. 'model.layers.N.mlp.experts*' for a layer's experts)")
+            for key in unmatched(qconfig, roles, rules)]
+
+
 def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet,
            members: tuple[str, ...] = ()) -> Decision:
     """The rung (``quant.rungs``) release ``rules`` builds engine module ``module`` with, a module the exclude

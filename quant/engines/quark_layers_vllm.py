@@ -139,4 +139,24 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
                     raises=built.get("raises") or f"no {what} scheme for {rung}")
 
 
-__all__ = ["KEY", "RULES", "decide", "key_matches", "matched_spec"]
+def asked_name(module: str, role: str) -> str:
+    """The name the release asks for a checkpoint Linear: its own, or a routed expert's FusedMoE
+    (``...mlp.experts``, get_moe_method's layer_name); a fused module asks through its shards' names."""
+    if role == "routed_expert" and ".experts." in module:
+        return module[:module.rindex(".experts.") + len(".experts")]
+    return module
+
+
+def unmatched_keys(qconfig: dict, roles: dict[str, str], rules: RuleSet) -> list[str]:
+    """The ``layer_quant_config`` keys that match no name the release asks for these modules (checkpoint
+    Linear name -> its role): a key that selects nothing, such as ``...experts.*`` for a FusedMoE asked as
+    ``...experts``."""
+    rule = rules.values.get(KEY)
+    if not rule:
+        return []
+    asked = {asked_name(m, role) for m, role in roles.items()}
+    return [key for key in qconfig.get("layer_quant_config") or {}
+            if not any(key_matches(name, key, rule["name_match"]) for name in asked)]
+
+
+__all__ = ["KEY", "RULES", "asked_name", "decide", "key_matches", "matched_spec", "unmatched_keys"]

@@ -54,7 +54,9 @@ def same(release: str, config: dict, module: str, moe: bool) -> None:
     """``decide`` and the release's own code agree on ``module``: the spec matched, the class or the error."""
     kind = "moe" if moe else "linear"
     rules = rule_set(release)
-    ours = qv.decide(module, moe=moe, draft=False, qconfig=copy.deepcopy(config), rules=rules)
+    members = tuple(f"{module}.{e}.{leaf}" for e in range(2) for leaf in ("gate_proj", "up_proj", "down_proj")) \
+        if moe else ()
+    ours = qv.decide(module, moe=moe, draft=False, qconfig=copy.deepcopy(config), rules=rules, members=members)
     theirs = _skip_unavailable(build, release, config, module, kind, PACKED)
     where = f"vllm {release}, {module}: theirs {theirs}, ours {ours}"
     spec = _skip_unavailable(matched, release, config, module, kind, PACKED)
@@ -131,3 +133,157 @@ def test_w4a8_builds_from_0_18_for_linear_and_0_17_for_experts():
            for r in ("0.16.0", "0.17.0", "0.33.0")}
     assert [d.raises is None for d in moe.values()] == [False, True, True]
     assert "MTP draft" in moe["0.33.0"].why and moe["0.33.0"].scheme == "mxfp4_fp8"
+
+
+# ---- gate checkpoint on a mixed checkpoint (per-layer Quark config), vLLM's releases
+
+def _rewrite(folder, edit) -> None:
+    """Apply ``edit(tensors) -> changed`` to every shard, then the index as the shards now are."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(shard)
+        if edit(tensors):
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        loaded = {s.name: load_file(s) for s in sorted(folder.glob("*.safetensors"))}
+        data["weight_map"] = {n: s for s, ts in loaded.items() for n in ts}
+        data["metadata"]["total_size"] = sum(t.numel() * t.element_size() for ts in loaded.values() for t in ts.values())
+        index.write_text(json.dumps(data))
+
+
+def _set_layer_config(folder, layers: dict) -> None:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["layer_quant_config"] = {k: RUNGS[r].spec() for k, r in layers.items()}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _mixed(tensors) -> bool:
+    """Layer 1's routed experts W8A8 (FP8 weights, one F32 weight_scale, a static input_scale), layer 2's W4A8
+    (their MXFP4 tensors and an input_scale): the tensors each rung stores (quant.rungs)."""
+    import torch
+
+    changed = False
+    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith(".weight")]:
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.1."):
+            rows, packed = tensors[name].shape
+            tensors[name] = torch.zeros(rows, packed * 2, dtype=torch.float8_e4m3fn)
+            tensors[module + ".weight_scale"] = torch.tensor(1.0)
+            tensors[module + ".input_scale"] = torch.tensor(0.01)
+            changed = True
+        elif name.startswith("model.layers.2."):
+            tensors[module + ".input_scale"] = torch.tensor(0.01)
+            changed = True
+    return changed
+
+
+MIXED_KEYS = {"model.layers.1.mlp.experts*": "fp8", "model.layers.2.mlp.experts*": "mxfp4_fp8"}
+
+
+@pytest.fixture(scope="module")
+def mixed(glm_ckpt, tmp_path_factory):
+    """quantize's default output (routed experts MXFP4 W4A4) with layer 1's experts W8A8 and layer 2's W4A8."""
+    from quant.convert import convert
+    from quant.plan import make_plan
+    from quant.recipe import load_recipe
+
+    dst = tmp_path_factory.mktemp("mixed") / "mxfp4"
+    convert(make_plan(glm_ckpt, load_recipe()), dst, show_progress=False)
+    _rewrite(dst, _mixed)
+    _set_layer_config(dst, MIXED_KEYS)
+    return dst
+
+
+def _gate(capsys, folder, engine: str) -> tuple[int, dict]:
+    import json
+
+    from evals.cli import main as gate
+
+    code = gate(["checkpoint", str(folder), "--engine", engine, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _problems(report: dict) -> list[str]:
+    return [f"[{f['check']}] {f['module']}: {f['why']}" for r in report["engines"].values() for f in r["findings"]]
+
+
+def test_mixed_checkpoint_loads_in_vllm_0_33_and_0_34(mixed, capsys):
+    for release in ("0.33.0", "0.34.0", "0.18.0"):
+        code, report = _gate(capsys, mixed, f"vllm=={release}")
+        assert code == 0 and report["ok"], _problems(report)
+
+
+def test_w4a8_experts_are_flagged_where_vllm_raises(mixed, capsys):
+    code, report = _gate(capsys, mixed, "vllm==0.16.0")
+    problems = _problems(report)
+    assert code == 1 and len(problems) == 1, problems
+    assert "model.layers.2.mlp.experts" in problems[0] and "Unsupported FusedMoe scheme" in problems[0]
+
+
+def test_an_expert_key_vllm_never_asks_is_named(mixed, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(mixed, tmp_path / "star")
+    _set_layer_config(folder, {"model.layers.1.mlp.experts.*": "fp8", "model.layers.2.mlp.experts*": "mxfp4_fp8"})
+    code, report = _gate(capsys, folder, "vllm==0.33.0")
+    problems = _problems(report)
+    assert code == 1, problems
+    assert any("[config] layer_quant_config['model.layers.1.mlp.experts.*']: matches no module" in p for p in problems)
+    assert any("fp8 on disk, but vllm builds this FusedMoE as mxfp4" in p for p in problems), problems
+
+
+def test_an_exact_expert_key_selects_the_whole_fused_moe(mixed, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(mixed, tmp_path / "exact")
+    _set_layer_config(folder, {"model.layers.1.mlp.experts.0.gate_proj": "fp8",
+                               "model.layers.2.mlp.experts*": "mxfp4_fp8"})
+    code, report = _gate(capsys, folder, "vllm==0.33.0")
+    assert code == 0, _problems(report)
+
+
+def test_rung_tensors_are_layout_checked(mixed, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    expert = "model.layers.1.mlp.experts.0.gate_proj"
+
+    def edited(name, edit):
+        folder = shutil.copytree(mixed, tmp_path / name)
+        _rewrite(folder, edit)
+        return _gate(capsys, folder, "vllm==0.33.0")
+
+    def one_element(tensors):  # [1] instead of []: one value all the same
+        if expert + ".input_scale" in tensors:
+            tensors[expert + ".input_scale"] = torch.ones(1)
+            tensors[expert + ".weight_scale"] = torch.ones(1)
+            return True
+        return False
+
+    code, report = edited("one", one_element)
+    assert code == 0, _problems(report)
+
+    def vector(tensors):
+        if expert + ".input_scale" in tensors:
+            tensors[expert + ".input_scale"] = torch.ones(4)
+            return True
+        return False
+
+    code, report = edited("vector", vector)
+    assert code == 1 and any(f"[layout] {expert}.input_scale: F32[4]: a per-tensor scale" in p
+                             for p in _problems(report)), _problems(report)
+
+    def dropped(tensors):
+        return tensors.pop(expert + ".input_scale", None) is not None
+
+    code, report = edited("dropped", dropped)
+    assert code == 1 and any(f"[layout] {expert}: holds .weight F8_E4M3, .weight_scale F32: no rung's" in p
+                             for p in _problems(report)), _problems(report)
