@@ -338,6 +338,118 @@ class BlockFP8Codec(Codec):
         return config_kind(qconfig) == "fp8"
 
 
+class TensorFP8Codec(Codec):
+    """Per-tensor FP8 (the W8A8 rung of a mixed Quark checkpoint, never a whole-model ``--to``): e4m3 weights and
+    ONE bf16 ``weight_scale`` of shape ``[]`` for the whole tensor, Quark 0.13's ``FP8E4M3PerTensorSpec``
+    bytes (``fp8_tensor``). A weight's chunks share its scale: the caller takes ``amax`` over every row first
+    (``amax``), then passes ``scale_of(amax)`` to each ``encode``."""
+
+    name = "fp8_tensor"
+    family = "fp8-tensor"
+    default_recipe = ""
+    weight_dtype = "F8_E4M3"
+    scale_suffix = "_scale"
+    scale_dtype = "BF16"
+    row_multiple = 1
+    bits = 8
+
+    def scale_shape(self, shape):
+        return ()
+
+    code_problem = BlockFP8Codec.code_problem
+
+    def scale_problem(self, scales):
+        import numpy as np
+        import torch
+
+        value = float(torch.frombuffer(bytearray(np.ascontiguousarray(scales).tobytes()), dtype=torch.bfloat16)[0])
+        if not math.isfinite(value) or value <= 0:
+            return f"weight_scale {value}: a NaN, Inf, zero or negative scale would decode to NaN, Inf or zeros"
+        return None
+
+    def amax(self, raw, dtype, *, row0=0, threads=None) -> float:
+        """The largest magnitude of rows given as raw bytes; refuses NaN/Inf naming the row and column."""
+        from quant.formats import fp8_tensor
+
+        if dtype == "BF16":
+            return fp8_tensor.amax_bf16(raw, row0, threads)
+        return float(self._rows(raw, dtype, row0).abs().amax()) if raw.size else 0.0
+
+    def scale_of(self, amax: float) -> float:
+        """The weight's scale (a bf16 value) from its ``amax``."""
+        from quant.formats import fp8_tensor
+
+        return float(fp8_tensor.scale_of(amax))
+
+    def quantize(self, x, rule=ScaleRule.EVEN):
+        """The whole tensor: ``(codes as uint8, its 0-d bf16 scale)``."""
+        import torch
+
+        from quant.formats import fp8_tensor
+
+        scale = fp8_tensor.weight_scale(x)
+        return fp8_tensor.quantize(x, scale).view(torch.uint8), scale
+
+    def decode(self, weight, scales, dtype=None):
+        import torch
+
+        from quant.formats import fp8_tensor
+
+        return fp8_tensor.dequantize(weight, scales.reshape(-1)[0], dtype or torch.bfloat16)
+
+    def decode_bytes(self, weight, scales, threads=None):
+        """``fp8_fast``'s numba decode with the one scale in every tile: the same bytes as ``decode``."""
+        import numpy as np
+        import torch
+
+        from quant.formats import fp8_fast
+
+        scale = float(torch.frombuffer(bytearray(np.ascontiguousarray(scales).tobytes()), dtype=torch.bfloat16)[0])
+        tiles = np.full((-(-weight.shape[0] // FP8_TILE), -(-weight.shape[1] // FP8_TILE)), scale, dtype=np.float32)
+        return fp8_fast.decode_bf16(weight, tiles, threads).view("uint8")
+
+    def quantize_dequantize(self, x, rule=ScaleRule.EVEN):
+        """What a weight becomes at this rung, its own per-tensor scale (``fp8_tensor.quantize_dequantize``)."""
+        from quant.formats import fp8_tensor
+
+        return fp8_tensor.quantize_dequantize(x)
+
+    def encode(self, raw, dtype, rule=ScaleRule.EVEN, *, device="cpu", row0=0, threads=None, scale=None):
+        """Rows of one weight under the whole weight's ``scale`` (required). ``Encoded.scales`` holds the
+        scale's two bf16 bytes for the chunk at ``row0 == 0`` and nothing for the others, so concatenating
+        the chunks' scales gives the ``[]`` tensor's bytes."""
+        import numpy as np
+        import torch
+
+        from quant.formats import fp8_tensor
+
+        if scale is None:
+            raise ValueError("per-tensor FP8 encodes with the whole weight's scale: pass scale=scale_of(amax)")
+        stored = torch.tensor(scale, dtype=torch.bfloat16).reshape(1)  # the value as stored is the one used
+        scale = float(stored)
+        scales = stored.view(torch.uint8).numpy() if row0 == 0 else np.empty(0, dtype=np.uint8)
+        if dtype == "BF16" and device == "cpu":
+            fp8_tensor.amax_bf16(raw, row0, threads)  # refuses NaN/Inf with its row and column
+            codes, err, ref = fp8_tensor.encode_bf16(raw, scale, ERROR_ROW_STRIDE, row0, threads)
+            return Encoded(codes, scales, float(err.sum()), float(ref.sum()))
+        x = self._rows(raw, dtype, row0).to(device)
+        codes = fp8_tensor.quantize(x, scale).view(torch.uint8)
+        xf = x.to(torch.float32)
+        err = float(((fp8_tensor.dequantize(codes, scale, torch.float32) - xf) ** 2).sum())
+        return Encoded(codes.cpu().numpy(), scales, err, float((xf * xf).sum()))
+
+    @staticmethod
+    def _rows(raw, dtype, row0):
+        import torch
+
+        from quant.safetensors_io import torch_dtype
+
+        x = torch.frombuffer(bytearray(raw), dtype=torch_dtype(dtype)).reshape(raw.shape[0], -1)
+        if not torch.isfinite(x).all():
+            raise _non_finite(x, row0)
+        return x
+
+
 class ThirdPartyCodec(Codec):
     """A checkpoint another tool wrote (compressed-tensors, ModelOpt), which quantgate decodes (``--to bf16``)
     and never writes: each module by its own scheme (``TensorPlan.scheme``, ``quant.formats.third_party_decode``)."""
@@ -363,9 +475,13 @@ DECODED_ONLY: dict[str, Codec] = {c.name: c for c in (ThirdPartyCodec("compresse
                                                        ThirdPartyCodec("modelopt"))}
 
 
+# A rung's weight codec that is no whole-model format (no --to name): a mixed recipe's modules use it.
+RUNG_CODECS: dict[str, Codec] = {c.name: c for c in (TensorFP8Codec(),)}
+
+
 def get_codec(name: str) -> Codec:
     try:
-        return CODECS[name] if name in CODECS else DECODED_ONLY[name]
+        return CODECS.get(name) or RUNG_CODECS.get(name) or DECODED_ONLY[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; known: {', '.join(CODECS)}") from None
 
