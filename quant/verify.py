@@ -499,6 +499,9 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         dict(qconfig, exclude=exclude) if kind == "quark" else qconfig or {}
     replayable = kind in ("fp8", "mxfp4", *THIRD_PARTY) or (kind == "quark" and exclude is not None)
 
+    namings = quark_layers.Namings({m: module.role for m, module in modules.items()}, num_hidden_layers,
+                                   family.name) if layered else None
+
     def rules_findings(rules, modules: dict[str, Module], mtp_layers: set[int], text: dict):
         """What one rule set finds for these modules and MTP layers, and the replay's context (None: the
         modules were not replayed)."""
@@ -508,7 +511,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         if kind == "quark":
             findings += quark_findings(rules, qconfig)
         if layered:
-            findings += quark_layers.key_findings(rules, qconfig, {m: module.role for m, module in modules.items()})
+            findings += quark_layers.key_findings(rules, qconfig, namings)
         ctx = None
         if kind == "mxfp4" and not rules.values.get("mxfp4_native"):
             findings.append(Finding("config", rules.id, "quantization_config.quant_method",

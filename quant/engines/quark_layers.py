@@ -28,9 +28,37 @@ def per_layer(qconfig) -> bool:
     return isinstance(qconfig, dict) and any(qconfig.get(k) for k in ("layer_quant_config", "layer_type_quant_config"))
 
 
-def key_findings(rules: RuleSet, qconfig: dict, roles: dict[str, str]) -> list:
+class Namings:
+    """The engines' names of a checkpoint's Linear modules (``replay.draft_name``: the class's prefixes, the MTP
+    draft's naming), computed once per distinct naming: what a ``layer_quant_config`` key is matched against."""
+
+    def __init__(self, roles: dict[str, str], num_hidden_layers: int, family: str):
+        self.roles, self.num_hidden_layers, self.family = roles, num_hidden_layers, family
+        self._memo: dict[str, dict[str, str]] = {}
+
+    def names(self, rules: RuleSet) -> dict[str, str]:
+        """Engine name -> role, for the modules ``rules``'s release loads."""
+        # imported here: the replay imports this module
+        from quant.engines.replay import draft_name
+
+        naming = repr((rules["mtp_naming"], rules.values.get("module_names")))
+        if naming not in self._memo:
+            self._memo[naming] = {n: role for m, role in self.roles.items()
+                                  if (n := draft_name(m, rules, self.num_hidden_layers))}
+        return self._memo[naming]
+
+    def renamed(self) -> set[str]:
+        """Names some release gives a module other than its checkpoint name (sglang's ``model.decoder.*`` for
+        the MTP layer): quantize writes a key for each, which the other releases never ask."""
+        from quant.engines.rules import select
+
+        return {n for rules in select("all", self.family) for n in self.names(rules)} - set(self.roles)
+
+
+def key_findings(rules: RuleSet, qconfig: dict, namings: Namings) -> list:
     """A config finding for each ``layer_quant_config`` key that selects no module in this release (where the
-    engine's module says which names it asks: ``unmatched_keys``); ``roles``: checkpoint Linear -> its role."""
+    engine's module says which names it asks: ``unmatched_keys``), a key for another release's name of a
+    module (its draft alias) left alone."""
     from quant.engines.replay import Finding  # here: the replay imports this module
 
     unmatched = getattr(_ENGINES[rules.engine], "unmatched_keys", None)
@@ -40,7 +68,7 @@ def key_findings(rules: RuleSet, qconfig: dict, roles: dict[str, str]) -> list:
                     f"matches no module {rules.engine} asks for a scheme (a FusedMoE is asked by its own name "
                     "...mlp.experts, a fused module by its shards' names): the spec applies to nothing",
                     "key it by a name the engine asks (e.g. 'model.layers.N.mlp.experts*' for a layer's experts)")
-            for key in unmatched(qconfig, roles, rules)]
+            for key in unmatched(qconfig, namings.names(rules), rules, namings.renamed())]
 
 
 def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet,

@@ -147,14 +147,15 @@ def asked_name(module: str, role: str) -> str:
     return module
 
 
-def unmatched_keys(qconfig: dict, roles: dict[str, str], rules: RuleSet) -> list[str]:
-    """The ``layer_quant_config`` keys that match no name the release asks for these modules (checkpoint
-    Linear name -> its role): a key that selects nothing, such as ``...experts.*`` for a FusedMoE asked as
-    ``...experts``."""
+def unmatched_keys(qconfig: dict, roles: dict[str, str], rules: RuleSet, others: set[str] = frozenset()) \
+        -> list[str]:
+    """The ``layer_quant_config`` keys that match no name the release asks for these modules (engine name ->
+    its role) nor one of ``others`` (other releases' names of them): a key that selects nothing, such as
+    ``...experts.*`` for a FusedMoE asked as ``...experts``."""
     rule = rules.values.get(KEY)
     if not rule:
         return []
-    asked = {asked_name(m, role) for m, role in roles.items()}
+    asked = {asked_name(m, role) for m, role in roles.items()} | set(others)
     return [key for key in qconfig.get("layer_quant_config") or {}
             if not any(key_matches(name, key, rule["name_match"]) for name in asked)]
 

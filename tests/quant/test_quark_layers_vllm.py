@@ -287,3 +287,40 @@ def test_rung_tensors_are_layout_checked(mixed, tmp_path, capsys):
     code, report = edited("dropped", dropped)
     assert code == 1 and any(f"[layout] {expert}: holds .weight F8_E4M3, .weight_scale F32: no rung's" in p
                              for p in _problems(report)), _problems(report)
+
+
+MTP_AND_ATTENTION = """\
+name: mtp-w4a8-attention-fp8
+format: mxfp4
+rules:
+  - {role: routed_expert, layers: [3], action: quantize, format: mxfp4_fp8}
+  - {role: attention, layers: [1], action: quantize, format: fp8}
+  - {role: routed_expert, action: quantize}
+"""
+
+
+def test_converted_mixed_checkpoint_with_draft_aliases_loads(glm_ckpt, tmp_path):
+    """quantize's own mixed output (real processes): the MTP layer's experts W4A8 under both its name and
+    sglang's draft alias (model.decoder.mlp.experts*, a key vLLM never asks and is not faulted for), layer 1's
+    attention W8A8 (its fused_qkv_a_proj's shards one spec): vLLM 0.33.0 and 0.34.0 load it."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.quant.test_mixed_convert import write_sidecar
+
+    weights = json.loads((glm_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    sidecar = write_sidecar(tmp_path / "sensitivity.json", sorted(n[:-7] for n in weights if n.endswith(".weight")))
+    (tmp_path / "recipe.yaml").write_text(MTP_AND_ATTENTION)
+    dst = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--recipe", tmp_path / "recipe.yaml",
+                           "--sensitivity", sidecar, glm_ckpt, dst], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    keys = json.loads((dst / "config.json").read_text())["quantization_config"]["layer_quant_config"]
+    assert "model.decoder.mlp.experts*" in keys and "model.layers.3.mlp.experts*" in keys
+    for release in ("0.33.0", "0.34.0"):
+        gate = subprocess.run([sys.executable, "-m", "evals.cli", "checkpoint", dst, "--engine", f"vllm=={release}",
+                               "--json"], capture_output=True, text=True, timeout=300, check=False)
+        report = json.loads(gate.stdout)
+        assert gate.returncode == 0 and report["ok"], _problems(report)
