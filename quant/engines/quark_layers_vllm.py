@@ -4,7 +4,8 @@ vLLM's quantization layer decides, the same for every model class (quark/quark.p
 QuarkMoEMethod); the rule values per release are in ``manifests/engines/quark_layers.vllm.yaml`` (schema
 ``RULES``). ``decide`` replays them for one engine module the exclude list leaves quantized:
 
-1. The spec (``_find_matched_config``): the first ``layer_quant_config`` key matching the module's name, a key
+1. The spec (``_find_matched_config``), the config's keys renamed first by the class's weight-name mapper
+   (QuarkConfig.apply_vllm_mapper, as for the exclude list: ``exclude_mapper``): the first ``layer_quant_config`` key matching the module's name, a key
    with ``*`` by fnmatch, one without as a string the name is contained in (``name_match``: so the exact key
    of one expert's projection, ``model.layers.1.mlp.experts.0.gate_proj``, contains the FusedMoE's name and
    selects the whole FusedMoE), else ``layer_type_quant_config`` (its keys compared with the layer's class
@@ -80,14 +81,33 @@ def key_matches(name: str, key: str, rule: dict) -> bool:
     return name in key if rule["plain"] == "contained" else name == key
 
 
+def mapped_key(key: str, rules: RuleSet) -> str | None:
+    """A ``layer_quant_config`` key as the release holds it: QuarkConfig.apply_vllm_mapper renames the keys
+    of the config's dicts by the class's weight-name mapper as it renames the exclude list (``exclude_mapper``;
+    None: dropped)."""
+    # imported here: the replay imports this module
+    from quant.engines.replay import mapped_entry
+
+    mapper = rules.values.get("exclude_mapper")
+    if not mapper or mapper.get("style") != "vllm" or "quark" not in mapper.get("kinds", ["quark"]):
+        return key
+    return mapped_entry(key, mapper)
+
+
+def held_config(qconfig: dict, rules: RuleSet) -> dict:
+    """The config with its ``layer_quant_config`` keys as the release holds them (``mapped_key``)."""
+    keys = qconfig.get("layer_quant_config") or {}
+    return {**qconfig, "layer_quant_config": {m: spec for key, spec in keys.items()
+                                              if (m := mapped_key(key, rules)) is not None}}
+
+
 def layer_spec(name: str, qconfig: dict, rule: dict) -> tuple[dict | None, str]:
     """The spec a module that is not fused gets, and where it came from."""
     for key, spec in (qconfig.get("layer_quant_config") or {}).items():
         if key_matches(name, key, rule["name_match"]):
             return spec, f"layer_quant_config key {key!r}"
-    from quant.engines.compressed_tensors import (
-        linear_class,  # here: compressed_tensors imports the replay
-    )
+    # imported here: compressed_tensors imports the replay
+    from quant.engines.compressed_tensors import linear_class
 
     by_type = qconfig.get("layer_type_quant_config") or {}
     if rule["layer_type"] == "class_name" and (cls := linear_class(name)) in by_type:  # a release keyed by name
@@ -117,7 +137,7 @@ def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet
     fused = {} if moe else (rules.values.get("quark_fused") or {})
     asked = module if not moe or rule["moe_asked"] == "module" or not members else members[0]
     try:
-        spec, why = matched_spec(asked, qconfig, fused, rule)
+        spec, why = matched_spec(asked, held_config(qconfig, rules), fused, rule)
     except _Raises as exc:
         return Decision(None, cites.get(exc.rule, ""), exc.fix, raises=str(exc))
     what = "FusedMoE" if moe else "Linear"
@@ -156,8 +176,8 @@ def unmatched_keys(qconfig: dict, roles: dict[str, str], rules: RuleSet, others:
     if not rule:
         return []
     asked = {asked_name(m, role) for m, role in roles.items()} | set(others)
-    return [key for key in qconfig.get("layer_quant_config") or {}
-            if not any(key_matches(name, key, rule["name_match"]) for name in asked)]
+    return [key for key in qconfig.get("layer_quant_config") or {} if (held := mapped_key(key, rules)) is None
+            or not any(key_matches(name, held, rule["name_match"]) for name in asked)]
 
 
 __all__ = ["KEY", "RULES", "asked_name", "decide", "key_matches", "matched_spec", "unmatched_keys"]

@@ -76,6 +76,7 @@ MUTATIONS = [
     code("decide", "fused = {} if moe else", "fused = {} if True else", "fused modules never expanded"),
     code("decide", "if rung is None:", "if False:", "a spec of no rung judged"),
     code("decide", 'if built.get("builds"):', "if True:", "nothing refused"),
+    code("mapped_key", "return mapped_entry(key, mapper)", "return key", "keys never renamed by the class mapper"),
     code("asked_name", 'if role == "routed_expert" and ".experts." in module:', "if False:",
          "experts asked per expert for the unmatched keys"),
     code("unmatched_keys", "if not any(key_matches(name, key, rule[\"name_match\"]) for name in asked)]", "if False]",

@@ -25,6 +25,7 @@ from functools import cache
 from typing import Any, NamedTuple, cast
 
 from tests.quant.ct_vllm_wheel import (
+    Mapper,
     _class,
     _Logger,
     _Platform,
@@ -39,8 +40,7 @@ QUARK = "vllm/model_executor/layers/quantization/quark/"
 OCP_MX = "vllm/model_executor/layers/quantization/utils/ocp_mx_utils.py"
 CONFIG_UTILS = "vllm/model_executor/layers/quantization/utils/config_utils.py"
 CONFIG_SKIPPED = {"get_linear_method", "get_supported_act_dtypes", "get_min_capability", "get_name",
-                  "get_config_filenames", "get_cache_scale", "get_cache_scale_mapper", "maybe_update_config",
-                  "apply_vllm_mapper"}
+                  "get_config_filenames", "get_cache_scale", "get_cache_scale_mapper", "maybe_update_config"}
 
 
 class Key:
@@ -171,10 +171,12 @@ def _logger_assign(node: ast.Assign) -> bool:
     return any(isinstance(t, ast.Name) and t.id == "logger" for t in node.targets)
 
 
-def _config(release: str, qconfig: dict, packed: dict | None):
+def _config(release: str, qconfig: dict, packed: dict | None, mapper: ListMapper | None = None):
     ns, layers = release_layer(release)
     config = ns["QuarkConfig"].from_config(copy.deepcopy(qconfig))
     config.packed_modules_mapping = dict(packed or {})
+    if mapper is not None:
+        config.apply_vllm_mapper(mapper)
     return ns, layers, config
 
 
@@ -187,10 +189,22 @@ def _layer(layers: dict, ns: dict, kind: str):
     return layer
 
 
-def build(release: str, qconfig: dict, module: str, kind: str, packed: dict | None = None):
+class ListMapper(Mapper):
+    """vLLM's WeightsMapper as QuarkConfig.apply_vllm_mapper uses it (models/utils.py apply_list, apply_dict:
+    each name or key through ``_map_name``, None dropping it)."""
+
+    def apply_list(self, values: list[str]) -> list[str]:
+        return [out for name in values if (out := self._map_name(name)) is not None]
+
+    def apply_dict(self, values: dict) -> dict:
+        return {out: value for name, value in values.items() if (out := self._map_name(name)) is not None}
+
+
+def build(release: str, qconfig: dict, module: str, kind: str, packed: dict | None = None,
+          mapper: ListMapper | None = None):
     """What ``release`` builds for engine module ``module`` (``kind``: linear | moe) of a checkpoint of ``qconfig``."""
     try:
-        ns, layers, config = _config(release, qconfig, packed)
+        ns, layers, config = _config(release, qconfig, packed, mapper)
         layer = _layer(layers, ns, kind)
         with vllm_stand_ins():
             method = config.get_quant_method(layer, module)
@@ -205,10 +219,11 @@ def build(release: str, qconfig: dict, module: str, kind: str, packed: dict | No
     return ("scheme", type(built).__name__)
 
 
-def matched(release: str, qconfig: dict, module: str, kind: str, packed: dict | None = None):
+def matched(release: str, qconfig: dict, module: str, kind: str, packed: dict | None = None,
+            mapper: ListMapper | None = None):
     """The release's ``_find_matched_config`` for ``module``: ``("config", dict)`` or ``("raises", type, message)``."""
     try:
-        ns, layers, config = _config(release, qconfig, packed)
+        ns, layers, config = _config(release, qconfig, packed, mapper)
         layer = _layer(layers, ns, kind)
         return ("config", config._find_matched_config(module, layer))
     except WheelUnavailable:
@@ -222,4 +237,4 @@ def _names(ns) -> frozenset[str]:
         getattr(ns["QuarkConfig"], "get_quant_method_target", ns["QuarkConfig"].get_quant_method).__code__.co_names)
 
 
-__all__ = ["WheelUnavailable", "build", "matched", "release_layer"]
+__all__ = ["ListMapper", "WheelUnavailable", "build", "matched", "release_layer"]

@@ -20,7 +20,7 @@ from quant.engines.rules import RuleSet, window
 from quant.formats.constants import ScaleRule
 from quant.quark_config import quantization_config
 from quant.rungs import RUNGS, rung_of_spec
-from tests.quant.quark_vllm_wheel import WheelUnavailable, build, matched
+from tests.quant.quark_vllm_wheel import ListMapper, WheelUnavailable, build, matched
 
 KIND = "quark-layers"
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -37,9 +37,10 @@ def qconfig(layers: dict, global_rung: str = "mxfp4", by_type: dict | None = Non
     return config
 
 
-def rule_set(release: str) -> RuleSet:
+def rule_set(release: str, mapper: dict | None = None) -> RuleSet:
     span = next(s for s in format_spans(KIND, "vllm") if s.covers(release))
-    return RuleSet("vllm", span.first, span.last, {qv.KEY: span.values, "quark_fused": PACKED},
+    return RuleSet("vllm", span.first, span.last, {qv.KEY: span.values, "quark_fused": PACKED,
+                                                   "exclude_mapper": mapper},
                    {f"{qv.KEY}.{k}": v for k, v in span.cites.items()}, release=release)
 
 
@@ -50,16 +51,19 @@ def _skip_unavailable(fn, *args):
         pytest.skip(f"cannot obtain vllm=={args[0]}: {exc}")
 
 
-def same(release: str, config: dict, module: str, moe: bool) -> None:
-    """``decide`` and the release's own code agree on ``module``: the spec matched, the class or the error."""
+def same(release: str, config: dict, module: str, moe: bool, mapper: dict | None = None) -> None:
+    """``decide`` and the release's own code agree on ``module``: the spec matched, the class or the error
+    (``mapper``: the class's weight-name mapper, our ``exclude_mapper``)."""
     kind = "moe" if moe else "linear"
-    rules = rule_set(release)
+    rules = rule_set(release, mapper)
+    wheel_mapper = ListMapper(**{k: mapper[k] for k in ("substr", "prefix", "suffix") if k in mapper}) \
+        if mapper else None
     members = tuple(f"{module}.{e}.{leaf}" for e in range(2) for leaf in ("gate_proj", "up_proj", "down_proj")) \
         if moe else ()
     ours = qv.decide(module, moe=moe, draft=False, qconfig=copy.deepcopy(config), rules=rules, members=members)
-    theirs = _skip_unavailable(build, release, config, module, kind, PACKED)
+    theirs = _skip_unavailable(build, release, config, module, kind, PACKED, wheel_mapper)
     where = f"vllm {release}, {module}: theirs {theirs}, ours {ours}"
-    spec = _skip_unavailable(matched, release, config, module, kind, PACKED)
+    spec = _skip_unavailable(matched, release, config, module, kind, PACKED, wheel_mapper)
     if spec[0] == "config":
         assert ours.scheme == rung_of_spec(spec[1]), where + f" (matched {rung_of_spec(spec[1])})"
     if theirs[0] == "raises":
@@ -109,6 +113,24 @@ def test_moe_built_match_each_release(release):
     for config in CONFIGS:
         for module in MOES:
             same(release, config, module, moe=True)
+
+
+# a multimodal class's mapper (its text model under language_model.), a mapper dropping layer 2's names
+MAPPERS = [{"kinds": ["quark"], "style": "vllm", "prefix": {"model.": "language_model.model."}},
+           {"kinds": ["quark"], "style": "vllm", "substr": {"layers.2.": None}}]
+MAPPED = [qconfig({"model.layers.1.mlp.experts*": "fp8", "model.layers.1.self_attn.o_proj": "mxfp4_fp8"}),
+          qconfig({"model.layers.2.mlp.experts*": "fp8", "*": "mxfp4_fp8"})]
+
+
+@pytest.mark.parametrize("release", ["0.16.0", "0.29.0", "0.33.0", "0.34.0"])
+def test_keys_renamed_by_the_class_mapper_match_each_release(release):
+    for mapper in MAPPERS:
+        prefix = "language_model.model." if "prefix" in mapper else "model."
+        for config in MAPPED:
+            for module in ("layers.1.self_attn.o_proj", "layers.2.self_attn.o_proj"):
+                same(release, config, prefix + module, moe=False, mapper=mapper)
+            for module in ("layers.1.mlp.experts", "layers.2.mlp.experts"):
+                same(release, config, prefix + module, moe=True, mapper=mapper)
 
 
 def test_rules_cover_the_window():
