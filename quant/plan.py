@@ -550,8 +550,8 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
     is a serving choice, not a checkpoint defect: the releases that fuse are named in a warning, with
     the ways out. Returns the warnings and the per-engine release ranges."""
     modules = plan.modules()
-    without_draft = {module: Module(t.action == ENCODE, shape, t.role) for t in plan.tensors if not t.mtp
-                     for module, shape in t.linear_modules()}
+    draft = {module for t in plan.tensors if t.mtp for module, _ in t.linear_modules()}
+    without_draft = {module: info for module, info in modules.items() if module not in draft}  # rungs kept
     kind = "mxfp4" if plan.writes_blocks else "fp8" if plan.recipe.format == "fp8" else "quark"
     if kind == "mxfp4":
         _check_native_rules(plan)
