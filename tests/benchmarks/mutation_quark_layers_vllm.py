@@ -79,7 +79,7 @@ MUTATIONS = [
     code("mapped_key", "return mapped_entry(key, mapper)", "return key", "keys never renamed by the class mapper"),
     code("asked_name", 'if role == "routed_expert" and ".experts." in module:', "if False:",
          "experts asked per expert for the unmatched keys"),
-    code("unmatched_keys", "if not any(key_matches(name, key, rule[\"name_match\"]) for name in asked)]", "if False]",
+    code("unmatched_keys", "or not any(key_matches(name, held, rule[\"name_match\"]) for name in asked)]", "or False]",
          "no key ever unmatched"),
 ]
 
