@@ -35,6 +35,8 @@ class Namings:
     def __init__(self, roles: dict[str, str], num_hidden_layers: int, family: str):
         self.roles, self.num_hidden_layers, self.family = roles, num_hidden_layers, family
         self._memo: dict[str, dict[str, str]] = {}
+        self._renamed: set[str] | None = None
+        self._unmatched: dict[str, list[str]] = {}  # per naming, mapper and matching rule: the keys matching none
 
     def names(self, rules: RuleSet) -> dict[str, str]:
         """Engine name -> role, for the modules ``rules``'s release loads."""
@@ -52,7 +54,18 @@ class Namings:
         the MTP layer): quantize writes a key for each, which the other releases never ask."""
         from quant.engines.rules import select
 
-        return {n for rules in select("all", self.family) for n in self.names(rules)} - set(self.roles)
+        if self._renamed is None:
+            self._renamed = {n for rules in select("all", self.family) for n in self.names(rules)} - set(self.roles)
+        return self._renamed
+
+    def unmatched(self, rules: RuleSet, qconfig: dict, find) -> list[str]:
+        """``find(qconfig, names, rules, renamed)`` once per distinct naming, mapper and rule values (a full-size
+        checkpoint has thousands of names, the window tens of rule sets)."""
+        memo = repr((rules.engine, rules["mtp_naming"], rules.values.get("module_names"),
+                     rules.values.get("exclude_mapper"), rules.values.get(KEY)))
+        if memo not in self._unmatched:
+            self._unmatched[memo] = find(qconfig, self.names(rules), rules, self.renamed())
+        return self._unmatched[memo]
 
 
 def key_findings(rules: RuleSet, qconfig: dict, namings: Namings) -> list:
@@ -68,7 +81,7 @@ def key_findings(rules: RuleSet, qconfig: dict, namings: Namings) -> list:
                     f"matches no module {rules.engine} asks for a scheme (a FusedMoE is asked by its own name "
                     "...mlp.experts, a fused module by its shards' names): the spec applies to nothing",
                     "key it by a name the engine asks (e.g. 'model.layers.N.mlp.experts*' for a layer's experts)")
-            for key in unmatched(qconfig, namings.names(rules), rules, namings.renamed())]
+            for key in namings.unmatched(rules, qconfig, unmatched)]
 
 
 def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet,
