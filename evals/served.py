@@ -25,7 +25,7 @@ import re
 
 from evals.errors import BadInput
 from quant.checkpoint import Checkpoint
-from quant.rungs import INPUT_SCALE, RUNGS, stored_rung
+from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_DTYPES, stored_rung
 
 QUANTIZED_RUNGS = tuple(name for name, rung in RUNGS.items() if rung.weight)
 # a routed expert's projection in the checkpoint: <layer>.mlp.experts.E.<projection>
@@ -59,7 +59,8 @@ def module_rungs(tensors: dict) -> dict[str, str]:
 
 
 def _scalars(checkpoint: Checkpoint, names: set[str]) -> dict[str, float]:
-    """The one-value F32 tensors ``names``, read from the shards, each checked finite and positive."""
+    """The one-value float tensors ``names`` (Quark writes them in the model's dtype, bf16; the engines load any
+    float into their float32 parameters), read from the shards, each checked finite and positive."""
     from safetensors import safe_open
 
     tensors, values = checkpoint.tensors(), {}
@@ -70,9 +71,9 @@ def _scalars(checkpoint: Checkpoint, names: set[str]) -> dict[str, float]:
         with safe_open(str(checkpoint.path(file)), "pt") as handle:
             for name in wanted:
                 info = tensors[name]
-                if info.dtype != "F32" or math.prod(info.shape) != 1:
-                    raise MixedRefused(f"{name}: {info.dtype} {list(info.shape)}, but a per-tensor scale is one F32 "
-                                       "value: reconvert it with quantize")
+                if info.dtype not in SCALAR_DTYPES or math.prod(info.shape) != 1:
+                    raise MixedRefused(f"{name}: {info.dtype} {list(info.shape)}, but a per-tensor scale is one "
+                                       f"{'/'.join(SCALAR_DTYPES)} value: reconvert it with quantize")
                 value = float(handle.get_tensor(name).reshape(()))
                 if not math.isfinite(value) or value <= 0:
                     raise MixedRefused(f"{name} is {value}, but a scale the engines divide by must be finite and "

@@ -30,7 +30,7 @@ from quant.layout import UnknownFamilyError, family_for, weight_named
 from quant.quark_config import CONFIG_KINDS, THIRD_PARTY, config_kind, format_kind
 from quant.release_check import named
 from quant.release_results import REPLAYED, ReleaseResult, check_spec, moe_shape, targets
-from quant.rungs import INPUT_SCALE, stored_rung
+from quant.rungs import INPUT_SCALE, SCALAR_DTYPES, stored_rung
 from quant.safe_files import open_regular_fd
 from quant.safetensors_io import DTYPE_BYTES, TensorInfo
 from quant.structure import declared_counts, expert_id_findings, structure_findings
@@ -170,8 +170,9 @@ def _layout_findings(checkpoint: Checkpoint, fmt: Codec | None) -> list[Finding]
 
 def _rung_findings(tensors) -> list[Finding]:
     """A per-layer Quark checkpoint's FP8 weights and static activation scales (``quant.rungs``): each module
-    holding one must store a whole rung (an FP8 weight with one F32 weight_scale and an input_scale, or an
-    MXFP4 weight with its scales and an input_scale), each per-tensor scale one F32 value."""
+    holding one must store a whole rung (an FP8 weight with one weight_scale and an input_scale, or an
+    MXFP4 weight with its scales and an input_scale), each per-tensor scale one float value (Quark 0.13 writes
+    bf16 for a bf16 model; the engines copy any float into their float32 parameters)."""
     findings = []
     modules = {n.removesuffix(".weight") for n, i in tensors.items() if n.endswith(".weight") and i.dtype == "F8_E4M3"}
     modules |= {n.removesuffix(INPUT_SCALE) for n in tensors if n.endswith(INPUT_SCALE)}
@@ -180,16 +181,17 @@ def _rung_findings(tensors) -> list[Finding]:
             held = ", ".join(f"{n.removeprefix(module)} {tensors[n].dtype}" for n in sorted(tensors)
                              if n.startswith(module + ".") and n.count(".") == module.count(".") + 1)
             findings.append(Finding("layout", None, module, f"holds {held}: no rung's tensors (W4A8: U8 weight, U8 "
-                                    "weight_scale, F32 input_scale; W8A8: F8_E4M3 weight, F32 weight_scale, F32 "
-                                    "input_scale)", "re-export the module with all of its rung's tensors"))
+                                    "weight_scale, BF16 input_scale; W8A8: F8_E4M3 weight, BF16 weight_scale, "
+                                    "BF16 input_scale; F32 scales load too)", "re-export the module with all of its rung's tensors"))
             continue
         scalars = [module + INPUT_SCALE] + ([module + ".weight_scale"] if tensors[module + ".weight"].dtype ==
                                             "F8_E4M3" else [])
         for name in scalars:
             info = tensors[name]
-            if info.dtype != "F32" or math.prod(info.shape) != 1:
+            if info.dtype not in SCALAR_DTYPES or math.prod(info.shape) != 1:
                 findings.append(Finding("layout", None, name, f"{info.dtype}{list(info.shape)}: a per-tensor scale "
-                                        "is one F32 value (the engines load it into a one-element parameter)",
+                                        f"is one {'/'.join(SCALAR_DTYPES)} value (the engines load it into a "
+                                        "one-element float32 parameter)",
                                         "re-export the checkpoint"))
     return findings
 

@@ -29,10 +29,21 @@ from quant.safetensors_io import TensorInfo
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+@pytest.fixture(scope="module")
+def quark_fp8(tmp_path_factory):
+    return quark_export(tmp_path_factory.mktemp("quark"), "fp8")
+
+
+@pytest.fixture(scope="module")
+def quark_w4a8(tmp_path_factory):
+    return quark_export(tmp_path_factory.mktemp("quark"), "mxfp4_fp8")
+
+
 def quark_export(tmp_path, scheme: str):
     """A one-layer bf16 Llama quantized by Quark 0.13 (``ModelQuantizer`` calibrated on 4 random prompts,
     ``export_safetensors``) with its template ``scheme``. Returns (source weights, each Linear's input amax
-    seen in calibration, exported tensors as (safetensors dtype, shape, tensor), the layer spec Quark wrote)."""
+    seen in calibration, exported tensors as (safetensors dtype, shape, tensor), the layer spec Quark wrote,
+    the exported folder)."""
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,15 +74,15 @@ def quark_export(tmp_path, scheme: str):
             tensors.update({n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()), f.get_tensor(n))
                             for n in f.keys()})  # noqa: SIM118 (safe_open is no dict)
     qconfig = json.loads((tmp_path / scheme / "config.json").read_text())["quantization_config"]
-    return source, amax, tensors, qconfig["global_quant_config"]
+    return source, amax, tensors, qconfig["global_quant_config"], tmp_path / scheme
 
 
 def infos(tensors) -> dict[str, TensorInfo]:
     return {n: TensorInfo(n, dtype, shape, 0, 0) for n, (dtype, shape, _) in tensors.items()}
 
 
-def test_w8a8_bytes_names_and_scalars_equal_quark(tmp_path):
-    source, amax, tensors, spec = quark_export(tmp_path, "fp8")
+def test_w8a8_bytes_names_and_scalars_equal_quark(quark_fp8):
+    source, amax, tensors, spec, _ = quark_fp8
     codec = get_codec(RUNGS["fp8"].weight)
     assert rung_of_spec(spec) == "fp8" and RUNGS["fp8"].spec() == spec
     for linear in LINEARS:
@@ -101,8 +112,8 @@ def test_w8a8_bytes_names_and_scalars_equal_quark(tmp_path):
         assert fp8_tensor.scale_of(amax[module]).view(torch.int16) == tensors[module + INPUT_SCALE][2].view(torch.int16)
 
 
-def test_w4a8_names_and_scalars_equal_quark(tmp_path):
-    source, amax, tensors, spec = quark_export(tmp_path, "mxfp4_fp8")
+def test_w4a8_names_and_scalars_equal_quark(quark_w4a8):
+    source, amax, tensors, spec, _ = quark_w4a8
     assert rung_of_spec(spec) == "mxfp4_fp8" and RUNGS["mxfp4_fp8"].spec() == spec
     mxfp4 = get_codec(RUNGS["mxfp4_fp8"].weight)
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
@@ -115,6 +126,19 @@ def test_w4a8_names_and_scalars_equal_quark(tmp_path):
         assert torch.equal(packed, tensors[module + ".weight"][2])
         assert torch.equal(scales, tensors[module + ".weight_scale"][2])
         assert fp8_tensor.scale_of(amax[module]).view(torch.int16) == tensors[module + INPUT_SCALE][2].view(torch.int16)
+
+
+@pytest.mark.parametrize("export", ["quark_fp8", "quark_w4a8"])
+def test_quark_exports_pass_the_rung_layout_check_and_their_scales_are_read(export, request):
+    """gate checkpoint's rung layout check and the emulation's scale reader take Quark's bf16 scalars."""
+    from evals.served import _scalars
+    from quant.checkpoint import Checkpoint
+    from quant.verify import _rung_findings
+
+    _, amax, tensors, _, folder = request.getfixturevalue(export)
+    assert _rung_findings(infos(tensors)) == []
+    scales = _scalars(Checkpoint.open(folder), {m + INPUT_SCALE for m in amax})
+    assert scales == {m + INPUT_SCALE: float(fp8_tensor.scale_of(a)) for m, a in amax.items()}
 
 
 def test_stored_rung_reads_float32_and_shape_one_scalars_the_engines_also_load():
