@@ -348,7 +348,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.to == "bf16":  # a fused family's experts go back into its release's fused tensors
         plan = make_decode_plan(args.src, family)
     else:
-        recipe = with_overrides(load_recipe(args.recipe or (LADDER_START if args.ladder else None), args.to, family), shared_experts=args.shared_experts,
+        start = args.recipe or (LADDER_START if args.ladder else None)
+        recipe = with_overrides(load_recipe(start, args.to, family), shared_experts=args.shared_experts,
                                 mtp_experts=args.mtp_experts, weight_only=args.weight_only or None,
                                 scale_rule=args.scale_rule)
         if args.ladder:

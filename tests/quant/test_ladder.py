@@ -70,11 +70,15 @@ def test_default_budget_is_the_worst_w8a8_unit(units, start):
 
 
 def test_a_rung_the_served_releases_do_not_build_is_skipped(units, start):
-    no_w4a8_moe = lambda role, rung: not (role == "routed_expert" and rung == "mxfp4_fp8")  # noqa: E731
+    def no_w4a8_moe(role: str, rung: str) -> bool:
+        return not (role == "routed_expert" and rung == "mxfp4_fp8")
+
+    def no_w4a4_attention(role: str, rung: str) -> bool:
+        return not (role == "attention" and rung == "mxfp4")
+
     chosen = rungs(choose(units, start, Budget(error=0.1), no_w4a8_moe))
     assert chosen[(2, "routed_expert")] == "fp8"  # W4A8 would do, but is not built: the next rung up
     assert chosen[(1, "attention")] == "mxfp4_fp8"
-    no_w4a4_attention = lambda role, rung: not (role == "attention" and rung == "mxfp4")  # noqa: E731
     assert rungs(choose(units, start, Budget(error=1.0), no_w4a4_attention))[(1, "attention")] == "mxfp4_fp8"
 
 
