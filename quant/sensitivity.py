@@ -410,15 +410,16 @@ def _quantize_unit(modules: list[Module], probe: Probe, rung: str, rule: ScaleRu
     """Put ``rung`` on a unit's modules: weights quantize-dequantized in place (their originals returned, to
     restore) and the activation functions set on the probe. ``cache``: weights already quantized for a rung
     of the same weight format (W4A4 and W4A8 store the same MXFP4 weights)."""
-    originals = []
+    originals, weights = [], RUNGS[rung].weight
+    for key in [k for k in cache if k[1] != weights]:
+        del cache[key]  # one weight format of one unit in memory at a time: a layer's experts are its largest part
     for m in modules:
         params = [m.module.weight] if isinstance(m.module, torch.nn.Linear) else \
             [m.module.gate_up_proj, m.module.down_proj]
         for param in params:
             originals.append((param, param.data))
-            key = (id(param), RUNGS[rung].weight)
+            key = (id(param), weights)
             if key not in cache:
-                cache.clear()  # one unit's quantized weights at a time: a layer's experts are the largest
                 cache[key] = _quantized_param(m, param, rung, rule)
             param.data = cache[key]
     for m in modules:
@@ -453,6 +454,9 @@ def measure_layer(layer: torch.nn.Module, modules: list[Module], prefix: str, ba
     probe.recording = True
     reference = _run(layer, probe, batches, contexts, passes_on)
     probe.recording = False
+    for name in (n for m in modules for n in m.checkpoint):  # an expert no token was routed to: measured, on nothing
+        probe.amax.setdefault(name, 0.0)
+        probe.tokens.setdefault(name, 0)
     units, cache = [], {}
     for role in dict.fromkeys(m.role for m in modules):
         unit = [m for m in modules if m.role == role]

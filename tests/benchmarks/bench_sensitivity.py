@@ -1,18 +1,19 @@
 """Time and peak memory of the sensitivity pass, on the built-in example and per GLM-5-sized decoder layer.
 
-    python3 -m tests.benchmarks.bench_sensitivity                      # CPU: the example, then GLM-5 slices
-    python3 -m tests.benchmarks.bench_sensitivity --device cuda --experts 256 --tokens 4096   # a whole GLM-5 layer
+    python3 -m tests.benchmarks.bench_sensitivity                 # CPU: the example, then three GLM-5 slices
+    python3 -m tests.benchmarks.bench_sensitivity --device cuda --skip-example --points 64:1024 128:1024 256:4096
 
 1. The example: ``quant.sensitivity.run`` on arith's train split (``--items`` prompts), as ``quantize --ladder``
    runs it: seconds, seconds per layer, peak RSS.
-2. One GLM-5 MoE decoder layer (``quant.example.glm5_config``: hidden 6144, MLA with 64 heads, the DSA indexer,
-   top-8 routed experts of 2048, a shared expert) built in memory with random weights, measured by the pass's own
-   ``measure_layer`` (the reference run and every unit at every rung) on ``--tokens`` calibration tokens. On a
-   CPU a whole layer (256 experts, 19 GB of bf16) does not fit, so it is measured with fewer experts (``--experts``,
-   each a separate run in this process): the routed matmuls are the same (top-8 of any count), what grows with the
-   expert count is the weights' quantization and the experts loop, so the per-layer time at 256 experts is the
-   line through the measured points. A run's peak is ``ru_maxrss`` (CPU) or the device's peak allocation.
-   Reading the layer from disk is not in the figure: the projection adds the layer's bytes at ``--read-gbps``.
+2. GLM-5 MoE decoder layers (``quant.example.glm5_config``: hidden 6144, MLA with 64 heads, the DSA indexer,
+   top-8 routed experts of 2048, a shared expert) built in memory with random weights and measured by the pass's
+   own ``measure_layer`` (the reference run and every unit at every rung) on random calibration activations.
+   A whole layer (256 experts, 19 GB of bf16) does not fit this CPU, so each point (``--points EXPERTS:TOKENS``)
+   has fewer experts: the routed matmuls are the same (top-8 of any count); what grows with the experts is the
+   weights' quantization and the experts loop, with the tokens every matmul. Three points fit
+   ``seconds = a + b x experts + c x tokens``, evaluated at 256 experts and ``--project-tokens``. Reading the
+   layer from disk is not in the measured time: the projection adds its bytes at ``--read-gbps``. A point's
+   peak is ``ru_maxrss`` of this process so far (CPU) or the device's peak allocation.
 """
 
 from __future__ import annotations
@@ -101,9 +102,12 @@ def bench_glm5_layer(experts: int, tokens: int, device: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=64, help="the example's calibration prompts (default 64)")
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 16],
-                        help="routed experts of the GLM-5 layers measured (default 8 16; GLM-5 has 256)")
-    parser.add_argument("--tokens", type=int, default=256, help="calibration tokens per GLM-5 layer (default 256)")
+    parser.add_argument("--points", nargs="+", default=["8:64", "16:64", "16:128"], metavar="EXPERTS:TOKENS",
+                        help="the GLM-5 layers measured: routed experts and calibration tokens of each (default "
+                             "8:64 16:64 16:128; GLM-5 has 256 experts; three points fit time = a + b x experts + "
+                             "c x tokens)")
+    parser.add_argument("--project-tokens", type=int, default=4096,
+                        help="calibration tokens of the projected pass (default 4096: 64 prompts of 64)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--read-gbps", type=float, default=2.0,
                         help="the source's read rate for the projection, GB/s (default 2: one NVMe drive)")
@@ -112,24 +116,28 @@ def main() -> None:
     if not args.skip_example:
         ex = bench_example(args.items)
         per_layer = ", ".join(f"{s:.1f}" for s in ex["seconds_per_layer"])
-        print(f"example   {args.items} prompts, {ex['tokens']} tokens: {ex['seconds']:.1f} s (per layer {per_layer} s), "
-              f"peak RSS {ex['peak_rss_gb']:.2f} GB")
-    points = []
-    for experts in args.experts:
-        r = bench_glm5_layer(experts, args.tokens, args.device)
-        points.append((experts, r["seconds"]))
-        print(f"GLM-5 MoE layer, {experts} experts ({r['experts_hit']} routed to), {r['tokens']} tokens on "
-              f"{args.device}: {r['seconds']:.1f} s, peak {r['peak_gb']:.2f} GB, layer {r['layer_gb']:.2f} GB bf16")
-    if len(points) >= 2:
-        (e0, t0), (e1, t1) = points[0], points[-1]
-        per_expert = (t1 - t0) / (e1 - e0)
-        at_256 = t0 + per_expert * (256 - e0)
+        print(f"example   {args.items} prompts, {ex['tokens']} tokens: {ex['seconds']:.1f} s "
+              f"(per layer {per_layer} s), peak RSS {ex['peak_rss_gb']:.2f} GB", flush=True)
+    rows, times = [], []
+    for point in args.points:
+        experts, tokens = map(int, point.split(":"))
+        r = bench_glm5_layer(experts, tokens, args.device)
+        rows.append([1.0, experts, tokens])
+        times.append(r["seconds"])
+        print(f"GLM-5 MoE layer, {experts} experts ({r['experts_hit']} routed to), {tokens} tokens on "
+              f"{args.device}: {r['seconds']:.1f} s, peak {r['peak_gb']:.2f} GB, layer {r['layer_gb']:.2f} GB bf16",
+              flush=True)
+    if len(rows) >= 3:
+        fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                 torch.tensor(times, dtype=torch.float64).unsqueeze(1)).solution.flatten().tolist()
+        a, per_expert, per_token = fit
+        layer = a + per_expert * 256 + per_token * args.project_tokens
         read = r["glm5_layer_gb"] / args.read_gbps
-        total = (GLM5_LAYERS - GLM5_DENSE) * (at_256 + read)
-        print(f"projection: {per_expert:.2f} s per expert -> {at_256:.0f} s per 256-expert layer + {read:.0f} s "
-              f"reading its {r['glm5_layer_gb']:.1f} GB at {args.read_gbps} GB/s; "
-              f"{GLM5_LAYERS - GLM5_DENSE} MoE layers: {total / 3600:.1f} h "
-              f"on {args.device} at {args.tokens} tokens (the dense layers add little)")
+        total = (GLM5_LAYERS - GLM5_DENSE) * (layer + read)
+        print(f"fit: {a:.1f} s + {per_expert:.3f} s per expert + {per_token * 1000:.2f} s per 1000 tokens; "
+              f"one 256-expert layer at {args.project_tokens} tokens: {layer:.0f} s + {read:.0f} s reading its "
+              f"{r['glm5_layer_gb']:.1f} GB at {args.read_gbps} GB/s; {GLM5_LAYERS - GLM5_DENSE} MoE layers: "
+              f"{total / 3600:.1f} h on {args.device} (the 3 dense layers add little)", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quant.calibration import CalibrationError, evaluation_hashes, load_calibration
-from quant.example import write_example
+from quant.example import tiny_config, write_checkpoint, write_example
 from quant.formats.constants import ScaleRule
 from quant.rungs import FP8_MAX
 from quant.sensitivity import (MEASURED, SensitivityError, fp8_static_qdq, load_sensitivity, measure, mxfp4_weight_qdq,
@@ -112,6 +112,8 @@ def test_the_sidecar_on_the_example(sidecar, example):
     assert all(sum(counts) == 2 * sens.calibration["tokens"] for counts in sens.expert_tokens.values())  # top-2
     assert sens.tokens["model.layers.0.self_attn.o_proj"] == sens.calibration["tokens"]
     assert sens.tokens["model.layers.1.mlp.experts.2.down_proj"] == sens.expert_tokens["1"][2]
+    assert all(f"model.layers.{layer}.mlp.experts.{e}.{p}" in sens.amax for layer in (1, 2) for e in range(4)
+               for p in ("gate_proj", "up_proj", "down_proj"))  # every expert named, routed to or not
     assert sens.input_scale("model.layers.1.mlp.experts.0.gate_proj") == sens.amax[
         "model.layers.1.mlp.experts.0.gate_proj"] / FP8_MAX
     assert len(sens.seconds_per_layer) == 3 and sens.peak_rss_bytes > 0
@@ -198,6 +200,38 @@ def test_weight_rungs_decode_as_stored():
     scale = weight.abs().amax().float() / FP8_MAX
     qdq = fp8_static_qdq(weight, scale)
     assert torch.equal((qdq.float() / scale).to(torch.float8_e4m3fn).float() * scale, qdq.float())
+
+
+def test_a_never_routed_expert_is_named_deepseek_v3(tmp_path):
+    """DeepSeek-V3's layout (no DSA indexer, nothing passed between layers), an expert the router's bias keeps
+    from every token: its projections are in the sidecar with 0 tokens, and it is named as never routed."""
+    config = tiny_config("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1)
+    bias = torch.tensor([0.0, 0.0, 0.0, -100.0])
+    src = write_checkpoint(tmp_path / "bf16", config,
+                           overrides={"model.layers.1.mlp.gate.e_score_correction_bias": bias})
+    out = tmp_path / "sens.json"
+    done = subprocess.run(sensitivity_cmd(src, "--calibration", "arith", "--items", 2, "--max-tokens", 32,
+                                          "--out", out), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "layer 1: experts rarely or never routed: 3 (0 tokens)" in done.stdout
+    sens = load_sensitivity(out)
+    assert sens.expert_tokens["1"][3] == 0 and sens.rare_experts["1"] == [3]
+    assert sens.tokens["model.layers.1.mlp.experts.3.down_proj"] == 0
+    assert sens.amax["model.layers.1.mlp.experts.3.gate_proj"] == 0.0
+    assert {u.role for u in sens.units if u.layer == 1} == {"attention", "routed_expert", "shared_expert"}
+
+
+def test_a_block_fp8_source_is_decoded_and_an_mxfp4_one_refused(example, tmp_path):
+    """A block-FP8 source is measured on its decoded weights; other quantized sources are refused by name."""
+    for fmt in ("fp8", "mxfp4"):
+        done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", fmt, str(example), str(tmp_path / fmt)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    sens = measure(tmp_path / "fp8", load_calibration("arith", 1), max_tokens=16)
+    assert {(u["layer"], u["role"]) for u in sens["units"]} >= {(0, "dense_mlp"), (2, "routed_expert")}
+    assert sens["tokens"]["model.layers.0.mlp.down_proj"] == 16
+    with pytest.raises(SensitivityError, match="reads a bf16 or block-FP8 source; decode this one first"):
+        measure(tmp_path / "mxfp4", load_calibration("arith", 1))
 
 
 def test_a_sidecar_that_is_not_one_is_refused(tmp_path):
