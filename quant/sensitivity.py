@@ -10,10 +10,11 @@ weights read from the shards and assigned (bf16, or a block-FP8 source decoded),
 - per unit (the layer's Linears of one role) and rung (``quant.rungs``), the same inputs run again with only
   that unit's weights and activations quantize-dequantized as the rung is served: MXFP4 weights and dynamic
   MXFP4 activations (W4A4), the same weights with static per-tensor FP8 activations (W4A8), per-tensor FP8
-  weights and static FP8 activations (W8A8). ``error`` is the relative L2 error of the layer's output
-  against the reference run's, over the calibration tokens. Static scales are ``amax / FP8_MAX`` of the
-  reference run; a layer's routed experts share the largest, one for gate/up and one for down, because
-  the engines collapse per-expert input scales to their max for the fused MoE.
+  weights and static FP8 activations (W8A8), with ``quant.formats.fp8_tensor``'s numerics. ``error`` is the
+  relative L2 error of the layer's output against the reference run's, over the calibration tokens. A static
+  scale is ``fp8_tensor.scale_of`` the reference run's amax (amax / 448); a layer's routed experts share the
+  largest, one for gate/up and one for down, because the engines collapse per-expert input scales to their
+  max for the fused MoE.
 
 Each layer reads the reference output of the layer before it, so a unit's error is its own, not the sum of
 what came before. The MTP (next-n) layer is not measured: transformers builds no module for it.
@@ -38,13 +39,14 @@ import torch
 from quant.calibration import Calibration, load_calibration
 from quant.checkpoint import Checkpoint
 from quant.errors import CheckpointError, QuantgateError
-from quant.formats import mx
+from quant.formats import fp8_tensor, mx
 from quant.formats.codecs import CODECS
 from quant.formats.constants import ScaleRule
 from quant.hashing import sha256_of
 from quant.layout import family_for
 from quant.outputs import write_atomic
-from quant.rungs import FP8_MAX, RUNGS
+from quant.rungs import RUNGS, SCALAR_DTYPE
+from quant.safetensors_io import DTYPE_BYTES
 from quant.safe_files import read_json
 from quant.schema import JsonValue, Schema, validate
 
@@ -52,6 +54,7 @@ KIND, VERSION = "quantgate-sensitivity", 1
 MEASURED = ("mxfp4", "mxfp4_fp8", "fp8")  # the quantized rungs; bf16 is the reference itself
 RARE_SHARE = 0.1  # an expert routed fewer tokens than this share of an even split is named as rarely routed
 MXFP4 = CODECS["mxfp4"].element
+SCALAR_BYTES = DTYPE_BYTES[SCALAR_DTYPE]  # a stored per-tensor scale
 
 
 class SensitivityError(QuantgateError, ValueError):
@@ -91,9 +94,10 @@ class Sensitivity(Schema):
         return next((u for u in self.units if u.layer == layer and u.role == role), None)
 
     def input_scale(self, module: str) -> float | None:
-        """The static FP8 activation scale of ``module`` measured here (``amax / FP8_MAX``), None if unmeasured."""
+        """The static FP8 activation scale of ``module`` alone measured here (``fp8_tensor.scale_of`` its amax),
+        None if unmeasured (a routed expert is served its layer's largest: ``quant.static_scales``)."""
         amax = self.amax.get(module)
-        return None if amax is None else amax / FP8_MAX
+        return None if amax is None else float(fp8_tensor.scale_of(amax))
 
 
 def load_sensitivity(path: Path) -> Sensitivity:
@@ -125,34 +129,24 @@ def mxfp4_weight_qdq(weight: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     return (values * scale).to(weight.dtype)
 
 
-def fp8_weight_qdq(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as per-tensor FP8 e4m3 stores it: one scale ``amax / FP8_MAX`` for the whole tensor."""
-    scale = weight.abs().amax().float() / FP8_MAX
-    return fp8_static_qdq(weight, scale)
-
-
-def fp8_static_qdq(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """``x`` divided by a static scale, clamped to e4m3's range, rounded to e4m3 and scaled back, in ``x``'s dtype."""
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    if not scale > 0:
-        return x
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
-
-
 def weight_qdq(weight: torch.Tensor, rung: str, rule: ScaleRule) -> torch.Tensor:
-    return fp8_weight_qdq(weight) if RUNGS[rung].weight == "fp8" else mxfp4_weight_qdq(weight, rule)
+    """A checkpoint weight as the rung stores it: MXFP4 with ``rule``, or per-tensor FP8 (one scale for all of it)."""
+    if RUNGS[rung].weight == "mxfp4":
+        return mxfp4_weight_qdq(weight, rule)
+    assert RUNGS[rung].weight == "fp8_tensor", rung  # a rung stored another way needs its numerics here
+    return fp8_tensor.quantize_dequantize(weight)
 
 
 def activation_qdq(rung: str, amax: float):
     """The function a rung applies to a Linear's input: dynamic MXFP4 blocks, or FP8 with the static scale."""
     if RUNGS[rung].activations == "fp8":
-        return lambda x: fp8_static_qdq(x, amax / FP8_MAX)
+        scale = fp8_tensor.scale_of(amax)  # the input_scale a conversion stores for this amax
+        return lambda x: fp8_tensor.fp8_static_qdq(x, scale)
     return lambda x: mx.quantize_dequantize(x, MXFP4, ScaleRule.EVEN)
 
 
 def unit_bytes(shapes: list[tuple[int, int]]) -> dict[str, int]:
-    """Bytes of a unit's stored tensors at each rung: weights, MX scales (one byte per 32 values), and the F32
+    """Bytes of a unit's stored tensors at each rung: weights, MX scales (one byte per 32 values), and the scalar
     ``weight_scale`` / ``input_scale`` a per-tensor rung stores per module."""
     out = {}
     for name, rung in RUNGS.items():
@@ -162,8 +156,8 @@ def unit_bytes(shapes: list[tuple[int, int]]) -> dict[str, int]:
             if rung.weight is None:
                 total += n * 2
                 continue
-            total += n * rung.bits // 8 + (n // 32 if rung.weight == "mxfp4" else 4)
-            total += 4 if rung.static_input_scale else 0
+            total += n * rung.bits // 8 + (n // 32 if rung.weight == "mxfp4" else SCALAR_BYTES)
+            total += SCALAR_BYTES if rung.static_input_scale else 0
         out[name] = total
     return out
 

@@ -102,9 +102,9 @@ def bench_glm5_layer(experts: int, tokens: int, device: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=64, help="the example's calibration prompts (default 64)")
-    parser.add_argument("--points", nargs="+", default=["8:64", "16:64", "16:128"], metavar="EXPERTS:TOKENS",
+    parser.add_argument("--points", nargs="+", default=["8:64", "16:64", "8:128"], metavar="EXPERTS:TOKENS",
                         help="the GLM-5 layers measured: routed experts and calibration tokens of each (default "
-                             "8:64 16:64 16:128; GLM-5 has 256 experts; three points fit time = a + b x experts + "
+                             "8:64 16:64 8:128; GLM-5 has 256 experts; three points fit time = a + b x experts + "
                              "c x tokens)")
     parser.add_argument("--project-tokens", type=int, default=4096,
                         help="calibration tokens of the projected pass (default 4096: 64 prompts of 64)")
@@ -119,6 +119,7 @@ def main() -> None:
         print(f"example   {args.items} prompts, {ex['tokens']} tokens: {ex['seconds']:.1f} s "
               f"(per layer {per_layer} s), peak RSS {ex['peak_rss_gb']:.2f} GB", flush=True)
     rows, times = [], []
+    bench_glm5_layer(8, 16, args.device)  # warm-up, not counted: numba compiles its kernels, torch its paths
     for point in args.points:
         experts, tokens = map(int, point.split(":"))
         r = bench_glm5_layer(experts, tokens, args.device)
