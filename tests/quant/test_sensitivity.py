@@ -244,6 +244,31 @@ def test_a_sidecar_that_is_not_one_is_refused(tmp_path):
         load_sensitivity(path)
 
 
+def test_one_decoder_layer_is_resident_at_a_time(example):
+    """After each layer is measured no decoder layer holds real memory: the model's skeleton is on the meta
+    device, and the layer built for the measurement is freed before the next is read."""
+    import gc
+
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
+
+    resident = []
+
+    def count(layer, seconds):
+        gc.collect()
+        resident.append(sum(1 for o in gc.get_objects() if type(o) is GlmMoeDsaDecoderLayer
+                            and any(p.device.type != "meta" for p in o.parameters())))
+
+    measure(example, load_calibration("arith", 1), max_tokens=8, progress=count)
+    assert resident == [0, 0, 0]
+
+
+def test_a_missing_source_is_one_line_exit_2(tmp_path):
+    done = subprocess.run(sensitivity_cmd(tmp_path / "nothing", "--calibration", "arith", "--out", tmp_path / "s.json"),
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'nothing'}: no such folder" in done.stderr and not (tmp_path / "s.json").exists()
+
+
 def test_a_missing_output_folder_is_refused_before_the_pass(example, tmp_path):
     with pytest.raises(SensitivityError, match="does not exist"):
         run(example, "arith", tmp_path / "missing" / "s.json", items=1)
