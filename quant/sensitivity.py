@@ -310,7 +310,10 @@ def _layer_state(source: Source, prefix: str, layer: torch.nn.Module, dtype: tor
             raise SensitivityError(f"{source.folder}: no tensor {name} (nor per-expert tensors to build it from) for "
                                    f"decoder layer {prefix}; the sensitivity pass reads checkpoints whose tensors "
                                    "transformers' model for the config loads")
-        state[key] = torch.stack([torch.cat([source.read(n, dtype, device) for n in row]) for row in names])
+        stacked = torch.empty(tensor.shape, dtype=dtype, device=device)  # filled expert by expert: no second copy
+        for e, row in enumerate(names):
+            stacked[e] = torch.cat([source.read(n, dtype, device) for n in row])
+        state[key] = stacked
     return state
 
 
