@@ -290,7 +290,7 @@ def _ladder_plan(args: argparse.Namespace, start, family, serve):
         if not args.json and not args.quiet:
             print(f"sensitivity {args.src} on {args.calibration}, one decoder layer at a time -> {sidecar}",
                   flush=True)
-        measure(args.src, args.calibration, sidecar, items=args.calibration_items)
+        measure(args.src, args.calibration, sidecar, items=args.calibration_items, scale_rule=start.scale_rule)
     plan, ladder = plan_ladder(args.src, start, family, serve, sidecar,
                                Budget(args.error_budget, args.byte_budget), args.calibration)
     if not args.sensitivity:

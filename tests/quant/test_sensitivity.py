@@ -272,3 +272,14 @@ def test_a_missing_source_is_one_line_exit_2(tmp_path):
 def test_a_missing_output_folder_is_refused_before_the_pass(example, tmp_path):
     with pytest.raises(SensitivityError, match="does not exist"):
         run(example, "arith", tmp_path / "missing" / "s.json", items=1)
+
+
+def test_the_ladder_measures_with_its_start_recipes_scale_rule(example, tmp_path):
+    """quantize --ladder from a floor-rule recipe measures the MXFP4 weights the conversion will store (floor)."""
+    floor = Path(__file__).resolve().parents[1] / "benchmarks" / "mxfp4-all-linear-floor.yaml"
+    out = tmp_path / "sens.json"
+    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "--ladder", "--recipe", str(floor),
+                           "--calibration", "arith", "--calibration-items", "1", "--sensitivity", str(out),
+                           "--dry-run", str(example), str(tmp_path / "dst")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert load_sensitivity(out).scale_rule == "floor"
