@@ -29,7 +29,7 @@ from quant.layout import Family, FusedTensor, family_for
 from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
-from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_SHAPE
+from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_DTYPE, SCALAR_SHAPE
 from quant.static_scales import Calibration, input_scales
 from quant.release_check import (
     check_serve,
@@ -391,7 +391,7 @@ def _plan_tensor(info: TensorInfo, family: Family, recipe: Recipe, num_hidden_la
                         "checkpoint or keep this role bf16 in the recipe")
     fmt = get_codec(recipe.format)
     rung = _rung(recipe, role)
-    problem = None if rung == "fp8" else fmt.shape_problem(info.shape)  # FP8 per tensor takes any [out, in]
+    problem = (get_codec(RUNGS[rung].weight) if rung else fmt).shape_problem(info.shape)
     if problem:
         raise PlanError(f"{where}: {problem}; keep this role bf16 in the recipe")
     return TensorPlan(info, ENCODE, rung_outputs(rung, info.name, tuple(info.shape), fmt), role.role, role.linear,
@@ -405,13 +405,12 @@ def _rung(recipe: Recipe, role) -> str:
 
 
 def rung_outputs(rung: str, name: str, shape: tuple[int, int], codec: Codec) -> tuple[Entry, ...]:
-    """The tensors a weight is written as at ``rung`` (``quant.rungs``): MXFP4 codes and block scales (the
-    codec's), or FP8 e4m3 codes and one F32 ``weight_scale``; then, for a rung with static FP8 activations,
-    ``<module>.input_scale``."""
-    weight = ((name, "F8_E4M3", shape), (name + "_scale", "F32", SCALAR_SHAPE)) if rung == "fp8" \
-        else codec.outputs(name, shape)
+    """The tensors a weight is written as at ``rung`` (``quant.rungs``; "": ``codec``'s): its weight codec's
+    (MXFP4 codes and block scales; FP8 e4m3 codes and one ``weight_scale``), then, for a rung with static FP8
+    activations, ``<module>.input_scale``, stored as Quark stores it."""
+    weight = (get_codec(RUNGS[rung].weight) if rung else codec).outputs(name, shape)
     if rung and RUNGS[rung].static_input_scale:
-        return (*weight, (name.removesuffix(".weight") + INPUT_SCALE, "F32", SCALAR_SHAPE))
+        return (*weight, (name.removesuffix(".weight") + INPUT_SCALE, SCALAR_DTYPE, SCALAR_SHAPE))
     return weight
 
 

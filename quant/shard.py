@@ -21,13 +21,13 @@ from typing import Callable, Iterator
 import numpy as np
 
 from quant.errors import NonFiniteError, SourceError
-from quant.formats.codecs import Codec
+from quant.formats.codecs import Codec, get_codec
 from quant.formats.constants import ScaleRule
 from quant.outputs import output_mode
 from quant.fused import Piece
 from quant.plan import ASSEMBLE, CONSUMED, COPY, DECODE, ENCODE, ShardPlan, TensorPlan
-from quant.rungs import FP8_MAX
-from quant.safetensors_io import DTYPE_BYTES, ShardWriter, TensorInfo, file_identity, numel
+from quant.rungs import RUNGS
+from quant.safetensors_io import DTYPE_BYTES, ShardWriter, TensorInfo, file_identity, numel, torch_dtype
 from quant.source import CHUNK_BYTES, SourceReader, first_non_finite
 from quant.strided import copy2d
 
@@ -70,63 +70,46 @@ def _encode_tensor(reader: SourceReader, tensor: TensorPlan, writer: ShardWriter
         if tensor.rung == "fp8":  # its one scale needs the whole tensor's amax first: a scan that copies, ahead
             scan = lambda start, count: reader.fetch(info.begin + start * row_bytes, count * row_bytes)  # noqa: E731
             err_sq, ref_sq = _encode_fp8_tensor(rows, scan, info.shape, tensor.outputs[:2], info.dtype, info.name,
-                                                writer, advance, timing)
+                                                writer, job, advance, timing)
         else:
             err_sq, ref_sq = _encode_rows(rows, info.shape, tensor.outputs[:2], info.dtype, info.name, writer, job,
                                           advance, timing)
     record = {"shape": list(info.shape), "rel_rms_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0}
     if tensor.input_scale is not None:  # a static-activation rung: the scale measured on calibration data
-        writer.write(tensor.outputs[-1][0], 0, np.float32(tensor.input_scale).tobytes())
+        writer.write(tensor.outputs[-1][0], 0, _scalar_bytes(tensor.input_scale, tensor.outputs[-1][1]))
         record["input_scale"] = tensor.input_scale
     return {**record, "rung": tensor.rung} if tensor.rung else record
 
 
-def _encode_fp8_tensor(rows_at: Callable[[int, int], object], scan_at: Callable[[int, int], object],
-                       shape: tuple[int, int], outputs, dtype: str, what: str, writer: ShardWriter,
-                       advance: Callable[[int], None], timing: dict) -> tuple[float, float]:
-    """Encode a ``[rows, cols]`` matrix as FP8 e4m3 with ONE scale for the whole tensor (the W8A8 rung): a first
-    pass over the rows (``scan_at``: read ahead of the file position) finds its amax, refusing NaN/Inf; the second
-    (``rows_at``, in file order) encodes them in chunks of ``CHUNK_BYTES``; the F32 scale follows the codes, as
-    the plan laid them out. Returns the squared error and reference sums."""
+def _scalar_bytes(value: float, dtype: str) -> bytes:
+    """One value stored as a ``[]`` tensor of safetensors ``dtype`` (a per-tensor scale)."""
     import torch
 
+    return torch.tensor([value], dtype=torch_dtype(dtype)).view(torch.uint8).numpy().tobytes()
+
+
+def _encode_fp8_tensor(rows_at: Callable[[int, int], object], scan_at: Callable[[int, int], object],
+                       shape: tuple[int, int], outputs, dtype: str, what: str, writer: ShardWriter, job: ShardJob,
+                       advance: Callable[[int], None], timing: dict) -> tuple[float, float]:
+    """Encode a ``[rows, cols]`` matrix as FP8 e4m3 with ONE scale for the whole tensor (the W8A8 rung,
+    ``fp8_tensor``): a first pass over the rows (``scan_at``: copies read ahead of the file position) takes
+    its amax, refusing NaN/Inf; then the rows are encoded in file order under that scale like any codec's."""
+    codec = get_codec(RUNGS["fp8"].weight)
     rows, cols = shape
     row_bytes = cols * DTYPE_BYTES[dtype]
     step = max(1, CHUNK_BYTES // row_bytes)
-    (weight_name, _, _), (scale_name, _, _) = outputs
     amax = 0.0
     for start in range(0, rows, step):
         count = min(step, rows - start)
-        x = _float_rows(scan_at(start, count), dtype, count)
+        raw = np.frombuffer(scan_at(start, count), np.uint8).reshape(count, row_bytes)
         started = time.perf_counter()
-        if not torch.isfinite(x).all():
-            raise NonFiniteError(f"{what}: NaN/Inf at row {start + int((~torch.isfinite(x)).any(1).nonzero()[0])}; fix "
-                                 "the source checkpoint")
-        amax = max(amax, float(x.abs().max()))
+        try:
+            amax = max(amax, codec.amax(raw, dtype, row0=start, threads=job.kernel_threads))
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"{what}: {exc}") from None
         timing["kernel"] += time.perf_counter() - started
-    scale = torch.tensor(amax / FP8_MAX if amax else 1.0, dtype=torch.float32)  # an all-zero weight: codes 0
-    err_sq = ref_sq = 0.0
-    for start in range(0, rows, step):
-        count = min(step, rows - start)
-        x = _float_rows(rows_at(start, count), dtype, count)
-        started = time.perf_counter()
-        codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        err_sq += float(((codes.float() * scale - x) ** 2).sum())
-        ref_sq += float((x * x).sum())
-        timing["kernel"] += time.perf_counter() - started
-        writer.write(weight_name, start * cols, codes.view(torch.uint8).numpy().data)
-        advance(count * row_bytes)
-    writer.write(scale_name, 0, scale.numpy().tobytes())
-    return err_sq, ref_sq
-
-
-def _float_rows(raw, dtype: str, count: int) -> "torch.Tensor":
-    """``count`` rows given as raw bytes of safetensors ``dtype``, as float32."""
-    import torch
-
-    from quant.safetensors_io import torch_dtype
-
-    return torch.frombuffer(bytearray(raw), dtype=torch_dtype(dtype)).reshape(count, -1).float()
+    return _encode_rows(rows_at, shape, outputs, dtype, what, writer, job, advance, timing, codec=codec,
+                        scale=codec.scale_of(amax))
 
 
 def piece_rows(reader: SourceReader, piece: Piece, threads: int | None = None) -> Callable[[int, int], memoryview | np.ndarray]:
@@ -141,12 +124,15 @@ def piece_rows(reader: SourceReader, piece: Piece, threads: int | None = None) -
 
 def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], outputs, dtype: str, what: str,
                  writer: ShardWriter, job: ShardJob, advance: Callable[[int], None], timing: dict,
-                 weight_base: int = 0, scales_out: list | None = None) -> tuple[float, float]:
+                 weight_base: int = 0, scales_out: list | None = None, codec: Codec | None = None,
+                 scale: float | None = None) -> tuple[float, float]:
     """Encode a ``[rows, cols]`` matrix whose rows ``rows_at(start, count)`` gives as raw bytes, in
     chunks of ``CHUNK_BYTES``; returns the squared error and reference sums. ``weight_base``: where in
     the weight tensor the matrix starts (one expert of a ``*_blocks`` tensor); ``scales_out``: collect
-    the scales there for the caller to write (after every expert's blocks), instead of writing them."""
-    codec = job.codec
+    the scales there for the caller to write (after every expert's blocks), instead of writing them.
+    ``codec``: another than the job's (a mixed plan's rung); ``scale``: a per-tensor codec's one scale."""
+    codec = codec or job.codec
+    per_tensor = {} if scale is None else {"scale": scale}
     rows, cols = shape
     row_bytes = cols * DTYPE_BYTES[dtype]
     step = max(codec.row_multiple, CHUNK_BYTES // row_bytes // codec.row_multiple * codec.row_multiple)
@@ -159,7 +145,7 @@ def _encode_rows(rows_at: Callable[[int, int], object], shape: tuple[int, int], 
         started = time.perf_counter()
         try:
             out = codec.encode(raw.reshape(count, row_bytes), dtype, job.scale_rule, device=job.device, row0=start,
-                               threads=job.kernel_threads)
+                               threads=job.kernel_threads, **per_tensor)
         except NonFiniteError as exc:
             raise NonFiniteError(f"{what}: {exc}") from None
         timing["kernel"] += time.perf_counter() - started

@@ -1,6 +1,6 @@
 """Static FP8 activation scales for the W4A8 / W8A8 rungs (``quant.rungs``): ``<module>.input_scale`` =
-amax / FP8_MAX, from the input amax a sensitivity pass measured on calibration data (its sidecar's ``amax``
-and ``tokens``, per checkpoint Linear).
+amax / 448 (``fp8_tensor.scale_of``: in bf16, as Quark computes and stores it), from the input amax a
+sensitivity pass measured on calibration data (its sidecar's ``amax`` and ``tokens``, per checkpoint Linear).
 
 A FusedMoE serves one input scale for its experts' gate/up projections and one for their down projections:
 both engines collapse the per-expert scales to their max when loading (vLLM 0.33.0 quark_moe.py
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from quant.errors import QuantgateError
 from quant.hashing import sha256_of
-from quant.rungs import FP8_MAX
+from quant.formats.codecs import get_codec
 from quant.safe_files import parse_json, read_regular
 
 # A scale set from fewer calibration tokens than this is named in a warning: its amax may be far from the range
@@ -75,8 +75,8 @@ def scale_group(module: str) -> str:
 
 
 def input_scales(modules: list[str], calibration: Calibration | None) -> tuple[dict[str, float], dict, list[str]]:
-    """For the modules stored with a static input scale: the F32 value each is written (amax of its scale
-    group / FP8_MAX), a record per group (amax, tokens, scale) and warnings naming groups calibrated on fewer
+    """For the modules stored with a static input scale: the value each is written (``scale_of`` the amax of
+    its scale group), a record per group (amax, tokens, scale) and warnings naming groups calibrated on fewer
     than ``MIN_SCALE_TOKENS`` tokens. Refused (exit 2) naming the module: no sidecar, a module it did not
     measure, or a group no token reached (a zero scale would divide activations by zero)."""
     if not modules:
@@ -100,7 +100,7 @@ def input_scales(modules: list[str], calibration: Calibration | None) -> tuple[d
             raise StaticScaleError(f"{calibration.path}: {group}: no calibration token reached it (input amax 0), so "
                                    "it has no static scale; calibrate on more data, or keep it at a rung with dynamic "
                                    "activations (mxfp4) or bf16")
-        scale = amax / FP8_MAX
+        scale = get_codec("fp8_tensor").scale_of(amax)  # amax / 448 as Quark stores it (bf16)
         if tokens < MIN_SCALE_TOKENS:
             warnings.append(f"{group}: static input scale from {tokens} calibration token(s) (fewer than "
                             f"{MIN_SCALE_TOKENS}); served activations may exceed its range and clip: calibrate on more "
