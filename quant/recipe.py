@@ -131,8 +131,8 @@ def load_recipe(path: Path | None = None, to: str | None = None, family: Family 
     ``family``: a family manifest given by hand, whose roles a rule may name too.
 
     MX recipes are format-agnostic in what they quantize: ``--to mxfp6_e2m3`` with the default
-    recipe quantizes the same roles to MXFP6. A recipe may not mix formats per role: no
-    engine is known here to load that (sglang's Quark loader takes fp4 only).
+    recipe quantizes the same roles to MXFP6. Only an mxfp4 recipe mixes formats, with the precision
+    ladder's rungs (``quant.rungs``: Quark's layer_quant_config, which both engines read per layer).
     """
     path = path or manifests_root() / "recipes" / f"{CODECS[to or 'mxfp4'].default_recipe}.yaml"
     data = load(path, RecipeFile, "recipe", RecipeError,
