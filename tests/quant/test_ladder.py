@@ -21,6 +21,7 @@ from quant.ladder import (
     start_rung,
     units_of,
 )
+from quant.hashing import sha256_of
 from quant.layout import manifests_root
 from quant.recipe import load_recipe
 
@@ -198,7 +199,6 @@ ERRORS = {(0, "attention"): (0.30, 0.12, 0.02), (1, "attention"): (0.02, 0.01, 0
 def write_sidecar(src: Path, path: Path, errors=ERRORS, source: str = "arith:train") -> Path:
     """A sensitivity sidecar for ``src`` with ``errors``, the unit bytes the pass computes, and an input amax
     for every Linear, in the pass's own schema (``write_sensitivity`` validates it)."""
-    from quant.hashing import sha256_of
     from quant.plan import make_plan
     from quant.sensitivity import unit_bytes, write_sensitivity
 
@@ -269,3 +269,29 @@ def test_a_sidecar_or_budget_that_does_not_fit_is_refused_writing_nothing(glm_ck
     assert out.returncode == 2, out.stderr
     assert said in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_ladder_measures_with_its_own_pass_and_keeps_the_sidecar_in_the_checkpoint(glm_ckpt, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": f"Tom has {n} apples and buys {n + 3} more."}) + "\n"
+                               for n in range(4)))
+    dst = tmp_path / "ladder"
+    out = quantize("--ladder", "--calibration", prompts, "--calibration-items", "2", "--error-budget", "0.5", *SERVE,
+                   glm_ckpt, dst)
+    assert out.returncode == 0, out.stderr
+    ladder = json.loads((dst / "conversion_manifest.json").read_text())["ladder"]
+    assert ladder["sensitivity"]["path"] == "sensitivity.json"
+    assert ladder["sensitivity"]["calibration"]["source"] == str(prompts)
+    assert ladder["sensitivity"]["calibration"]["items"] == 2
+    assert sha256_of(dst / "sensitivity.json") == ladder["sensitivity"]["sha256"]
+
+
+def test_calibration_data_holding_evaluation_items_is_refused_before_anything_is_measured(glm_ckpt, tmp_path):
+    test_item = json.loads((Path(__file__).resolve().parents[2] / "evals" / "benchmarks" / "data" / "arith" /
+                            "test.jsonl").read_text().splitlines()[0])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question": "How many legs do 3 cats have?"}) + "\n"
+                       + json.dumps({"question": test_item["question"].upper()}) + "\n")
+    out = quantize("--ladder", "--calibration", prompts, glm_ckpt, tmp_path / "out")
+    assert out.returncode == 2 and "1 of 2 calibration items are test items of arith" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
