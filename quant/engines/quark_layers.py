@@ -85,8 +85,12 @@ def key_findings(rules: RuleSet, qconfig: dict, namings: Namings) -> list:
 
 
 def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet,
-           members: tuple[str, ...] = ()) -> Decision:
+           members: tuple[str, ...] = (), family: str = "", num_hidden_layers: int = 0) -> Decision:
     """The rung (``quant.rungs``) release ``rules`` builds engine module ``module`` with, a module the exclude
     list leaves quantized. ``members``: the engine's names of the checkpoint modules loaded into it (a
-    FusedMoE's per-expert projections, a fused module's shards)."""
-    return _ENGINES[rules.engine].decide(module, moe=moe, draft=draft, qconfig=qconfig, rules=rules, members=members)
+    FusedMoE's per-expert projections, a fused module's shards); ``family``, ``num_hidden_layers``: how sglang's
+    MTP draft class renames the config's keys (``quark_layers_sglang.draft_keys``)."""
+    extra = {"draft_keys": quark_layers_sglang.draft_keys(rules, family, num_hidden_layers)} \
+        if rules.engine == "sglang" and draft else {}
+    return _ENGINES[rules.engine].decide(module, moe=moe, draft=draft, qconfig=qconfig, rules=rules, members=members,
+                                         **extra)

@@ -6,7 +6,11 @@ For a module the exclude list leaves quantized, ``decide`` replays, with the rul
 
 1. The config as the engine holds it: from 0.5.21 ``apply_weight_name_mapper`` renames the
    ``layer_quant_config`` keys with the class's weight-name mapper (``keys_mapped``: the mapper the exclude
-   list goes through, ``exclude_mapper``; the MTP draft's class has its own, ``draft_mapper``).
+   list goes through, ``exclude_mapper``). The MTP draft is another class (``draft_keys``, by the family's
+   ``draft_exclude`` rule): its own mapper (DeepSeek-V3's renames model.layers.61 to model.decoder, which only
+   a 61-layer model's keys name), or GLM's ``_resolve_nextn_quant_config``, which from 0.5.16 renames keys
+   under model.layers.{num_hidden_layers} to the names its draft block asks (model.decoder.*) in every
+   release; a key naming model.decoder.* (what quantgate's converter writes beside them) matches as written.
 2. ``_find_matched_config``: a fused module (the class's packed_modules_mapping, ``quark_fused``) is asked
    through its shards, whose specs must be equal (else ValueError); else the first ``layer_quant_config``
    key matching the name by ``fnmatch``, then the module's class name in ``layer_type_quant_config``,
@@ -143,15 +147,53 @@ def linear_class(module: str) -> str:
             "down_proj": "RowParallelLinear", "gate": "ReplicatedLinear"}.get(leaf, "ColumnParallelLinear")
 
 
-def held_config(qconfig: dict, rule: dict, mapper: dict | None) -> dict:
+@dataclass(frozen=True)
+class DraftKeys:
+    """How the MTP draft's class renames the config's keys: ``mapper`` (its weight-name mapper, applied where
+    the release maps keys: ``keys_mapped``) and ``remap`` (GLM's model.layers.{N} prefix, renamed always)."""
+    mapper: dict | None = None
+    remap: str | None = None
+
+
+# GlmMoeDsaForCausalLMNextN._NEXTN_SPEC_WEIGHT_NAMES: the draft's own modules, named model.<x> (the block's are
+# model.decoder.<x>)
+_NEXTN_SPEC = ("shared_head.norm", "eh_proj", "enorm", "hnorm")
+
+
+def draft_keys(rules: RuleSet, family: str, num_hidden_layers: int) -> DraftKeys:
+    """The draft class's renaming of the config's keys in release ``rules``, by the family's ``draft_exclude``
+    (quant.engines.replay.draft_exclude reads the same rule for the exclude list)."""
+    from quant.engines.replay import nextn_mapper
+
+    how = rules["draft_exclude"].get(family, "none")
+    if how in ("nextn_mapper", "nextn_mapper_target"):
+        return DraftKeys(nextn_mapper(how, num_hidden_layers, rules.values.get("exclude_mapper")))
+    if how.startswith("mapper_61"):  # DeepseekV3ForCausalLMNextN.hf_to_sglang_mapper
+        return DraftKeys({"style": "sglang", "substr": {"model.layers.61": "model.decoder"}})
+    if how == "glm_remap":  # an empty WeightsMapper; _resolve_nextn_quant_config renames the keys itself
+        return DraftKeys(remap=f"model.layers.{num_hidden_layers}")
+    return DraftKeys()
+
+
+def _glm_remapped(key: str, prefix: str) -> str:
+    """glm4_moe.py GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config, _map_mtp_ckpt_name."""
+    if not key.startswith(prefix + "."):
+        return key
+    return key.replace(prefix, "model" if any(part in key for part in _NEXTN_SPEC) else "model.decoder", 1)
+
+
+def held_config(qconfig: dict, rule: dict, mapper: dict | None, remap: str | None = None) -> dict:
     """``layer_quant_config`` as the release holds it: from 0.5.21 its keys renamed by the class's weight-name
-    mapper (QuarkConfig.apply_weight_name_mapper: WeightsMapper.apply_dict drops a key mapped to None)."""
+    mapper (QuarkConfig.apply_weight_name_mapper: WeightsMapper.apply_dict drops a key mapped to None), then
+    by the GLM draft's own renaming (``remap``: the draft layer's prefix; a later key wins a name)."""
     from quant.engines.replay import mapped_entry
 
-    keys = qconfig.get("layer_quant_config") or {}
-    if not rule.get("keys_mapped") or not mapper:
-        return dict(keys)
-    return {m: spec for k, spec in keys.items() if (m := mapped_entry(k, mapper)) is not None}
+    keys = dict(qconfig.get("layer_quant_config") or {})
+    if rule.get("keys_mapped") and mapper:
+        keys = {m: spec for k, spec in keys.items() if (m := mapped_entry(k, mapper)) is not None}
+    if remap:
+        keys = {_glm_remapped(k, remap): spec for k, spec in keys.items()}
+    return keys
 
 
 def _same(a, b) -> bool:
@@ -235,18 +277,17 @@ def _built(spec: dict, kind: str, rule: dict) -> str:
 
 
 def decide(module: str, *, moe: bool, draft: bool, qconfig: dict, rules: RuleSet,
-           members: tuple[str, ...] = (), draft_mapper: dict | None = None) -> Decision:
+           members: tuple[str, ...] = (), draft_keys: DraftKeys | None = None) -> Decision:
     """The rung sglang release ``rules`` builds engine module ``module`` with (a FusedMoE as
-    ``...mlp.experts``). ``draft``: a module of the MTP draft, whose class maps the keys with its own weight-name
-    mapper (``draft_mapper``, as the replay maps the draft's exclude list); ``members``: unused by sglang (a
-    FusedMoE is asked by its own name)."""
+    ``...mlp.experts``). ``draft``: a module of the MTP draft, whose class renames the keys its own way
+    (``draft_keys``; None: not at all); ``members``: unused by sglang (a FusedMoE is asked by its own name)."""
     rule = rules.values[KEY]
     cites = {k.split(".", 1)[1]: v.split(" (")[0] for k, v in rules.cites.items() if k.startswith(KEY + ".")}
-    mapper = draft_mapper if draft else rules.values.get("exclude_mapper")
-    mapper = mapper if mapper and mapper.get("style") == "sglang" else None
+    renamed = (draft_keys or DraftKeys()) if draft else DraftKeys(rules.values.get("exclude_mapper"))
+    mapper = renamed.mapper if renamed.mapper and renamed.mapper.get("style") == "sglang" else None
     kind = "moe" if moe else "linear"
     try:
-        keys = held_config(qconfig, rule, mapper)
+        keys = held_config(qconfig, rule, mapper, renamed.remap)
         spec, why = matched(module, "FusedMoE" if moe else linear_class(module), qconfig, keys,
                             rules.fused("quark") or {}, rule)
         scheme = _built(spec, kind, rule)
@@ -281,4 +322,5 @@ def shared_fusion_reason(qconfig: dict, rules: RuleSet) -> str | None:
     return None
 
 
-__all__ = ["KEY", "RULES", "SCHEMES", "decide", "held_config", "linear_class", "matched", "shared_fusion_reason"]
+__all__ = ["KEY", "RULES", "SCHEMES", "DraftKeys", "decide", "draft_keys", "held_config", "linear_class", "matched",
+           "shared_fusion_reason"]

@@ -550,7 +550,8 @@ def _decided(ctx: ReplayContext, em: EngineModule, name: str, what: str, on_disk
         return
     if kind == quark_layers.KIND:  # the engine's names of its members: a FusedMoE asks per expert
         extra = {"members": tuple(name + m[m.rindex(".experts.") + len(".experts"):] if em.moe and ".experts." in m
-                                  else m for m in em.members)}
+                                  else m for m in em.members), "family": ctx.family,
+                 "num_hidden_layers": ctx.num_hidden_layers}
     else:
         extra = {"expert_leaves": leaves} if kind == "compressed-tensors" and (leaves := _expert_leaves(em)) else {}
     decision = format_rules.format_module(kind).decide(name, moe=em.moe, draft=em.draft, qconfig=ctx.qconfig,

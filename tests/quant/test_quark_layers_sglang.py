@@ -19,7 +19,7 @@ import os
 import pytest
 
 from quant.engines.format_rules import format_spans
-from quant.engines.quark_layers_sglang import KEY, SCHEMES, decide, linear_class, shared_fusion_reason
+from quant.engines.quark_layers_sglang import KEY, SCHEMES, DraftKeys, decide, linear_class, shared_fusion_reason
 from quant.engines.rules import RuleSet, window
 from quant.rungs import RUNGS, fp8_tensor_spec
 from tests.quant.engine_sources import WheelUnavailable
@@ -152,7 +152,7 @@ def test_decide_matches_each_release(sglang_releases):
                 mapper = DRAFT_MAPPER if draft else MAPPER if mapped else None
                 built = release.build(qconfig, PACKED, module, cls, Mapper(mapper["substr"]) if mapper else None)
                 decision = decide(module, moe=cls == "FusedMoE", draft=draft, qconfig=qconfig, rules=rules,
-                                  draft_mapper=DRAFT_MAPPER)
+                                  draft_keys=DraftKeys(DRAFT_MAPPER))
                 ours = ("raises", None) if decision.raises else ("builds", decision.scheme)
                 cells += 1
                 if ours != _theirs(built):
@@ -329,3 +329,65 @@ def test_quantize_serve_refuses_w4a8_experts_for_a_release_without_the_scheme(gl
     done = _quantize("--recipe", recipe, "--sensitivity", sidecar, "--serve", "sglang==0.5.15", glm_ckpt,
                      tmp_path / "new")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("release", ["0.5.16", "0.5.23"])
+def test_glm_draft_renames_its_layers_keys_as_the_release_does(release):
+    """GlmMoeDsaForCausalLMNextN._resolve_nextn_quant_config's renaming (its own _map_mtp_ckpt_name, run from the
+    wheel) beside the replay's: keys under model.layers.{N} name the draft's model.decoder / model.* modules."""
+    from quant.engines.quark_layers_sglang import _glm_remapped
+    from tests.quant.engine_sources import methods, wheel
+
+    glm = methods(wheel("sglang", release), "sglang/srt/models/glm4_moe.py", "GlmMoeDsaForCausalLMNextN",
+                  ["_map_mtp_ckpt_name", "_NEXTN_SPEC_WEIGHT_NAMES"])["cls"]
+    keys = ["model.layers.3.mlp.experts*", "model.layers.3.self_attn.o_proj", "model.layers.3.eh_proj",
+            "model.layers.3.shared_head.norm", "model.layers.30.mlp.experts*", "model.layers.1.mlp.experts*"]
+    theirs = [glm._map_mtp_ckpt_name(k, "model.layers.3") if k.startswith("model.layers.3.") else k for k in keys]
+    assert [_glm_remapped(k, "model.layers.3") for k in keys] == theirs
+
+
+def test_the_draft_asks_the_keys_its_class_renames():
+    """The GLM draft (glm_remap from 0.5.16) finds its layer's key under model.decoder in every release; the
+    DeepSeek-V3 draft's mapper renames only model.layers.61 (a 4-layer model's draft layer keeps the global spec),
+    and only from 0.5.21, when the keys are mapped."""
+    from quant.engines.quark_layers_sglang import draft_keys
+
+    for release, family, layers, built in [("0.5.16", "glm_moe_dsa", 3, "fp8"), ("0.5.23", "glm_moe_dsa", 3, "fp8"),
+                                           ("0.5.15", "glm_moe_dsa", 3, "mxfp4"),
+                                           ("0.5.20", "deepseek_v3", 61, "mxfp4"), ("0.5.21", "deepseek_v3", 61, "fp8"),
+                                           ("0.5.23", "deepseek_v3", 3, "mxfp4")]:
+        span = next(s for s in format_spans("quark-layers", "sglang") if s.covers(release))
+        rules = _rules(span, None)
+        how = {"glm_moe_dsa": "glm_remap" if release >= "0.5.16" else "mapper_61", "deepseek_v3": "mapper_61"}
+        rules = RuleSet(rules.engine, rules.first, rules.last, {**rules.values, "draft_exclude": how}, rules.cites)
+        qconfig = _quark({f"model.layers.{layers}.mlp.experts*": W8A8})  # the draft layer's experts W8A8
+        decision = decide("model.decoder.mlp.experts", moe=True, draft=True, qconfig=qconfig, rules=rules,
+                          draft_keys=draft_keys(rules, family, layers))
+        assert decision.scheme == built, (release, family, decision)
+
+
+def test_a_draft_key_without_its_model_decoder_alias_loads_where_the_glm_draft_renames_it(glm_ckpt, tmp_path):
+    """The MTP layer's experts at W8A8, converted (quantize writes the key and its model.decoder.* alias), then the
+    alias dropped: gate checkpoint in a real process flags sglang 0.5.15 (the draft asks model.decoder.mlp.experts,
+    which no key names: the global W4A4) and loads in 0.5.16 (GLM's draft renames model.layers.3.* itself)."""
+    import json
+
+    from tests.quant.test_compressed_tensors_engines import gate
+    from tests.quant.test_mixed_convert import linear_modules, write_sidecar
+
+    recipe = tmp_path / "mtp.yaml"
+    recipe.write_text("name: mtp\nformat: mxfp4\nrules:\n  - {role: routed_expert, layers: [3], action: quantize, "
+                      "format: fp8}\n  - {role: routed_expert, action: quantize}\n")
+    sidecar = write_sidecar(tmp_path / "sensitivity.json", linear_modules(glm_ckpt))
+    out = tmp_path / "out"
+    done = _quantize("--recipe", recipe, "--sensitivity", sidecar, glm_ckpt, out)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    keys = config["quantization_config"]["layer_quant_config"]
+    assert set(keys) == {"model.layers.3.mlp.experts*", "model.decoder.mlp.experts*"}
+    del keys["model.decoder.mlp.experts*"]
+    (out / "config.json").write_text(json.dumps(config))
+    code, said = gate(out, "--engine", "sglang==0.5.15")
+    assert code == 1 and "model.decoder.mlp.experts" in said and "builds this FusedMoE as mxfp4" in said, said
+    code, said = gate(out, "--engine", "sglang==0.5.16")
+    assert code == 0, said
