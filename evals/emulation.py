@@ -49,9 +49,9 @@ from evals.errors import BadInput
 from evals.served import ROUTED_EXPERT, W13, module_rungs, served_input_scales, served_weight_scales
 from quant.checkpoint import Checkpoint, config_int
 from quant.errors import CheckpointError
-from quant.formats import fp8, mx
+from quant.formats import fp8, fp8_tensor, mx
 from quant.formats.codecs import CODECS, Codec, get_codec
-from quant.formats.constants import BLOCK, ScaleRule
+from quant.formats.constants import BLOCK, E4M3_MAX, ScaleRule
 from quant.quark_config import config_kind
 from quant.rungs import RUNGS, rung_of_spec
 
@@ -70,33 +70,26 @@ class EmulationRefused(BadInput):
     """The checkpoint's quantization scheme is not one this emulation reproduces; says which (exit 2)."""
 
 
-# TEMPORARY until quant.formats.fp8_tensor lands: the engines' static FP8 activation qdq and per-tensor decode
-def fp8_static_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
-    s = torch.tensor(scale, dtype=torch.float32)
-    return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
-
-
-def fp8_tensor_decode(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (weight.float() * scale.float().reshape(())).to(dtype)
-
-
-def requantize_fp8(weight: torch.Tensor, scale: torch.Tensor, served_scale: float) -> torch.Tensor:
-    """vLLM w8a8_utils.py per_tensor_dequantize (an fp16 product) then scaled_fp8_quant at ``served_scale``."""
-    dequantized = weight.to(torch.float16) * scale.float().reshape(())
-    return (dequantized.float() / served_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-
-
 class StaticFP8:
-    """An activation quantized to FP8 e4m3 with one static per-tensor scale and dequantized, as served."""
+    """An activation quantized to FP8 e4m3 with one static per-tensor scale and dequantized, as served: in
+    float32 times the scale's reciprocal (``fp8_tensor.fp8_static_qdq``: the FP8 kernels and MoE methods), or,
+    for a W4A8 Linear (``divide``), divided by the scale in the activation's own dtype: vLLM 0.33.0
+    quark/schemes/quark_w4a8_mxfp4_fp8.py QuarkW4A8_MXFP4_FP8._apply_emulation and _apply_aiter_kernel compute
+    ``x / input_scale`` with a 0-d float32 scale, which leaves a bf16 ``x`` bf16 (sglang 0.5.23 builds no W4A8
+    Linear)."""
 
-    def __init__(self, scale: float):
-        self.scale = scale
+    def __init__(self, scale: float, divide: bool = False):
+        self.scale, self.divide = scale, divide
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_static_qdq(x, self.scale)
+        if not self.divide:
+            return fp8_tensor.fp8_static_qdq(x, self.scale)
+        scale = torch.tensor(self.scale, dtype=torch.float32)
+        codes = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return (codes.to(x.dtype) * scale).to(x.dtype)
 
     def __repr__(self):
-        return f"StaticFP8({self.scale})"
+        return f"StaticFP8({self.scale}{', divide' if self.divide else ''})"
 
 
 @dataclass(frozen=True)
@@ -142,8 +135,9 @@ class Emulation:
     def module_qdq(self, module: str):
         """What a checkpoint module's input goes through: a per-layer checkpoint's static-scale rung quantizes it
         to FP8 with the module's served scale; every other module, the checkpoint's activation scheme."""
-        if self.per_layer and RUNGS[self.rungs[module]].static_input_scale:
-            return StaticFP8(self.input_scales[module])
+        rung = self.rungs.get(module)
+        if rung and RUNGS[rung].static_input_scale:
+            return StaticFP8(self.input_scales[module], divide=rung == "mxfp4_fp8" and not ROUTED_EXPERT.match(module))
         return self.activation_qdq
 
     def to_dict(self) -> dict:
@@ -456,13 +450,16 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
 
 def decode_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmt: Codec,
                   served_scale: float | None = None) -> torch.Tensor:
-    """A stored weight decoded into ``dtype``: an FP8 per-tensor one (e4m3 with one F32 scale: a per-layer
+    """A stored weight decoded into ``dtype``: an FP8 per-tensor one (e4m3 with one scalar scale: a per-layer
     checkpoint's fp8 rung) requantized to ``served_scale`` first where the engines serve it with another
     (evals.served), any other by the checkpoint's format."""
     if weight.dtype == torch.float8_e4m3fn and scale.numel() == 1:
-        if served_scale is not None and served_scale != float(scale):
-            weight, scale = requantize_fp8(weight, scale, served_scale), torch.tensor(served_scale)
-        return fp8_tensor_decode(weight, scale, dtype)
+        if served_scale is None or served_scale == float(scale):
+            return fp8_tensor.dequantize(weight, scale, dtype)
+        # w8a8_utils.py requantize_with_max_scale: per_tensor_dequantize (e4m3 in float16 times the float32
+        # scale: a float16 product), then scaled_fp8_quant at the served scale, decoded as the GEMM does
+        dequantized = weight.to(torch.float16) * scale.to(torch.float32).reshape(())
+        return fp8_tensor.fp8_static_qdq(dequantized.to(torch.float32), served_scale).to(dtype)
     return fmt.decode(weight, scale, dtype)
 
 

@@ -5,6 +5,8 @@ W4A8, W8A8, bf16), static FP8 activation scales and FP8 weight scales collapsed 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,12 @@ from safetensors.torch import load_file, save_file
 from evals.bundle import pair, read_bundle
 from evals.emulation import load_model
 from evals.errors import BadInput
+from quant.formats import fp8_tensor
 from quant.formats.codecs import get_codec
 from quant.rungs import FP8_MAX, RUNGS
 from tests.evals.test_emulation import convert, logits
 from tests.evals.test_run import GEN, data_dir, run_cli  # noqa: F401  (data_dir is a fixture)
+from tests.quant.test_mixed_convert import linear_modules, quantize, write_sidecar
 
 E4M3 = torch.float8_e4m3fn
 LAYER0 = "model.layers.0.mlp"
@@ -25,14 +29,22 @@ EXPERTS = 4
 
 
 def fp8_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8 e4m3 by hand: scale = amax / 448 over the whole tensor."""
-    scale = weight.float().abs().max() / FP8_MAX
-    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3), scale.reshape(())
+    """Per-tensor FP8 e4m3 as Quark writes it: one bf16 scale (amax / 448) for the whole tensor."""
+    scale = fp8_tensor.weight_scale(weight)
+    return fp8_tensor.quantize(weight, scale), scale
 
 
 def fp8_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """The engines' static activation quantization, written out: x / s, clamp to +-448, e4m3, times s."""
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * scale
+    """The engines' static activation quantization, written out: x times the float32 reciprocal of s, clamped
+    to +-448, e4m3, times s (vLLM QuantFP8.forward_native, sglang _static_quant_fp8)."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (x.float() * s.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * s
+
+
+def w4a8_linear_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM 0.33.0 QuarkW4A8_MXFP4_FP8._apply_emulation's, written out: x / s in x's dtype, clamp, e4m3, times s."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    return ((x / s).clamp(-FP8_MAX, FP8_MAX).to(E4M3).to(x.dtype) * s).to(x.dtype)
 
 
 def scalar(value: float) -> torch.Tensor:
@@ -137,13 +149,13 @@ def test_a_fused_fp8_linear_computes_the_engines_formula(mixed):
     served = max(scales.values())
     assert scales["gate_proj"] != scales["up_proj"]
     dequantized = stored[f"{LAYER0}.gate_proj.weight"].to(torch.float16) * scalar(scales["gate_proj"])
-    weight = (dequantized.float() / served).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * served
+    weight = fp8_qdq(dequantized.float(), served)
     expected = torch.nn.functional.linear(fp8_qdq(gate["x"], max(GATE_IN, UP_IN)), weight)
     assert torch.equal(gate["out"], expected)
 
     weight = get_codec("mxfp4").decode(stored[f"{LAYER0}.down_proj.weight"], stored[f"{LAYER0}.down_proj.weight_scale"],
                                        torch.float32)
-    assert torch.equal(down["out"], torch.nn.functional.linear(fp8_qdq(down["x"], DOWN_IN), weight))
+    assert torch.equal(down["out"], torch.nn.functional.linear(w4a8_linear_qdq(down["x"], DOWN_IN), weight))
 
 
 def test_fp8_experts_decode_with_gate_and_up_at_one_scale(mixed):
@@ -158,10 +170,10 @@ def test_fp8_experts_decode_with_gate_and_up_at_one_scale(mixed):
         served = float(max(scales.values()))
         halves = []
         for p in ("gate_proj", "up_proj"):
-            dequantized = stored[f"{name}.{p}.weight"].to(torch.float16) * scales[p]
-            halves.append((dequantized.float() / served).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * served)
+            dequantized = stored[f"{name}.{p}.weight"].to(torch.float16) * scales[p].float()
+            halves.append(fp8_qdq(dequantized.float(), served))
         assert torch.equal(experts.gate_up_proj[e], torch.cat(halves))
-        down = stored[f"{name}.down_proj.weight"].float() * stored[f"{name}.down_proj.weight_scale"]
+        down = stored[f"{name}.down_proj.weight"].float() * stored[f"{name}.down_proj.weight_scale"].float()
         assert torch.equal(experts.down_proj[e], down)
 
 
@@ -232,3 +244,42 @@ def test_evals_run_refuses_a_bad_static_scale_in_one_line(mixed, data_dir, tmp_p
     assert run_cli("--out", out, "--model", ckpt, "--benchmarks", "gsm8k", "--data-dir", data_dir, "--limit", 1) == 2
     err = capsys.readouterr().err
     assert f"{LAYER0}.up_proj.input_scale is 0.0" in err and "Traceback" not in err and not (out / "run.json").exists()
+
+
+RECIPE = """name: mixed
+format: mxfp4
+rules:
+  - {role: routed_expert, layers: [1], action: quantize, format: fp8}
+  - {role: routed_expert, layers: [2], action: quantize, format: mxfp4_fp8}
+  - {role: routed_expert, action: quantize}
+  - {role: dense_mlp, layers: [0], action: quantize, format: fp8}
+  - {role: shared_expert, action: keep}
+"""
+
+
+def test_a_converted_mixed_recipe_is_evaluated_as_served(glm_ckpt, data_dir, tmp_path):
+    """The converter's own output (layer 1's experts FP8, layer 2's W4A8, the dense MLP FP8, static scales from
+    a sensitivity file's amax), evaluated by `evals run --model` in a real process: each module at its rung,
+    gate and up (one fused gate_up_proj when served) at the larger of their measured scales."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    modules = linear_modules(glm_ckpt)
+    amax = {m: 1.0 + i / 10 for i, m in enumerate(modules)}  # every module's own, so the collapse shows
+    sidecar = write_sidecar(tmp_path / "sensitivity.json", modules, amax=amax.__getitem__)
+    ckpt = tmp_path / "mixed"
+    converted = quantize("--recipe", tmp_path / "recipe.yaml", "--sensitivity", sidecar, glm_ckpt, ckpt)
+    assert converted.returncode == 0, converted.stderr
+
+    model, record = load_model(ckpt)
+    assert record["rungs"] == {"mxfp4": 3 * EXPERTS, "mxfp4_fp8": 3 * EXPERTS, "fp8": 3 + 3 * EXPERTS}
+    gate_up = max(amax[f"{LAYER0}.gate_proj"], amax[f"{LAYER0}.up_proj"]) / FP8_MAX
+    for projection in ("gate_proj", "up_proj"):
+        served = model.get_submodule(f"{LAYER0}.{projection}")._forward_pre_hooks
+        assert [hook.qdq.scale for hook in served.values()] == [pytest.approx(gate_up, rel=1e-6)]
+
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-c", "import sys; from evals.cli import evals_main; sys.exit(evals_main())",
+                          "run", "--model", str(ckpt), "--out", str(out),
+                          "--benchmarks", "gsm8k", "--data-dir", str(data_dir), "--limit", "2", *GEN],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert read_bundle(out)[0]["local"]["emulation"]["scheme"] == "W4A4+W4A8+W8A8"
