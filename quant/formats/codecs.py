@@ -429,9 +429,10 @@ class TensorFP8Codec(Codec):
         scale = float(stored)
         scales = stored.view(torch.uint8).numpy() if row0 == 0 else np.empty(0, dtype=np.uint8)
         if dtype == "BF16" and device == "cpu":
-            fp8_tensor.amax_bf16(raw, row0, threads)  # refuses NaN/Inf with its row and column
-            codes, err, ref = fp8_tensor.encode_bf16(raw, scale, ERROR_ROW_STRIDE, row0, threads)
-            return Encoded(codes, scales, float(err.sum()), float(ref.sum()))
+            codes, flags, err, ref = fp8_tensor.encode_bf16(raw, scale, ERROR_ROW_STRIDE, row0, threads)
+            if not flags.any():
+                return Encoded(codes, scales, float(err.sum()), float(ref.sum()))
+            self._rows(raw, dtype, row0)  # refuses the NaN/Inf with its row and column
         x = self._rows(raw, dtype, row0).to(device)
         codes = fp8_tensor.quantize(x, scale).view(torch.uint8)
         xf = x.to(torch.float32)

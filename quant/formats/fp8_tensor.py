@@ -129,15 +129,21 @@ def amax_bf16(raw: np.ndarray, row0: int = 0, threads: int | None = None) -> flo
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _encode_rows(words, scale, values, error_stride, row_offset, out, err_sq, ref_sq):  # pragma: no cover
+def _encode_rows(words, scale, values, error_stride, row_offset, out, flags, err_sq, ref_sq):  # pragma: no cover
     """Per row: ``|x| / scale`` in float32 rounded to bf16 (torch's bf16 division), ``min(., 448)``, its e4m3
-    magnitude, ``x``'s sign put back (so -0 and negatives that round to zero keep it, as in torch)."""
+    magnitude, ``x``'s sign put back (so -0 and negatives that round to zero keep it, as in torch). A row
+    holding NaN/Inf is flagged (its codes are garbage: the caller refuses the weight)."""
     rows, cols = words.shape
     for r in numba.prange(rows):
+        largest = np.uint16(0)
         for j in range(cols):
             w = words[r, j]
+            largest = max(largest, np.uint16(w & 0x7FFF))
             y = _float(np.uint32(_bf16(_float(np.uint32(w & 0x7FFF) << np.uint32(16)) / scale)) << np.uint32(16))
             out[r, j] = np.uint8(_e4m3_magnitude(min(y, _MAX)) | ((w >> 8) & 0x80))
+        flags[r] = largest >= 0x7F80
+        if flags[r]:
+            continue
         row_err = row_ref = 0.0
         if (r + row_offset) % error_stride == 0:  # the error sample, float64 sums
             for j in range(cols):
@@ -150,14 +156,15 @@ def _encode_rows(words, scale, values, error_stride, row_offset, out, err_sq, re
 
 
 def encode_bf16(raw: np.ndarray, scale: float, error_stride: int = 64, row_offset: int = 0,
-                threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(codes uint8 [rows, in], err_sq, ref_sq)`` of bf16 rows given as raw bytes ``[rows, in * 2]`` under
-    the weight's ``scale`` (a bf16 value, from ``scale_of``). The rows must be finite (``amax_bf16`` refused
-    the weight otherwise). ``err_sq``/``ref_sq`` as in ``mxfp4_fast.quantize_bf16``."""
+                threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes uint8 [rows, in], row_flags, err_sq, ref_sq)`` of bf16 rows given as raw bytes ``[rows, in * 2]``
+    under the weight's ``scale`` (a bf16 value, from ``scale_of``). A flagged row holds NaN/Inf: refuse it.
+    ``err_sq``/``ref_sq`` as in ``mxfp4_fast.quantize_bf16``."""
     words = raw.view(np.uint16)
     codes = np.empty(words.shape, dtype=np.uint8)
+    flags = np.zeros(words.shape[0], dtype=np.bool_)
     err_sq = np.zeros(words.shape[0], dtype=np.float64)
     ref_sq = np.zeros(words.shape[0], dtype=np.float64)
     with numba_threads(threads):
-        _encode_rows(words, np.float32(scale), _VALUES, error_stride, row_offset, codes, err_sq, ref_sq)
-    return codes, err_sq, ref_sq
+        _encode_rows(words, np.float32(scale), _VALUES, error_stride, row_offset, codes, flags, err_sq, ref_sq)
+    return codes, flags, err_sq, ref_sq
