@@ -303,3 +303,16 @@ def test_w4a8_layer_converts_with_mxfp4_weights_and_a_static_input_scale(glm_ckp
                                "checkpoint", "--engine", engine, str(tmp_path / "out")], capture_output=True,
                               text=True, timeout=300)
         assert gate.returncode == 0 and "verdict: loads correctly" in gate.stdout, (engine, gate.stdout)
+
+
+def test_fused_experts_at_another_rung_are_refused(tmp_path):
+    """Qwen3.5-MoE stores each layer's experts as one fused tensor, which the converter writes at the recipe's own
+    format only: a rule giving them another rung is refused naming the tensor, nothing written."""
+    from tests.quant.family_checkpoints import write_family_checkpoint
+
+    src = write_family_checkpoint(tmp_path / "bf16", "qwen3_5_moe")
+    recipe = tmp_path / "fused.yaml"
+    recipe.write_text(LAYER1_FP8.replace("layers: [1]", "layers: [0]"))
+    line = refused(quantize("--recipe", recipe, src, tmp_path / "out"))
+    assert "stores its routed experts fused" in line and ".mlp.experts" in line
+    assert not (tmp_path / "out").exists()
