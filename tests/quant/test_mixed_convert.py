@@ -316,3 +316,12 @@ def test_fused_experts_at_another_rung_are_refused(tmp_path):
     line = refused(quantize("--recipe", recipe, src, tmp_path / "out"))
     assert "stores its routed experts fused" in line and ".mlp.experts" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scale_from_few_tokens_is_named_in_a_warning(glm_ckpt, recipe, tmp_path):
+    sidecar = write_sidecar(tmp_path / "side.json", linear_modules(glm_ckpt), tokens=lambda m: 1)
+    proc = quantize("--recipe", recipe, "--sensitivity", sidecar, glm_ckpt, tmp_path / "out", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stdout.splitlines() if line.startswith("warning") and "calibration token" in line]
+    assert {w.split()[1] for w in warned} == {"model.layers.1.mlp.experts.*.gate_up:",
+                                              "model.layers.1.mlp.experts.*.down:"}
