@@ -74,7 +74,7 @@ def bench_glm5_layer(experts: int, tokens: int, device: str) -> dict:
     layer, config, rotary = glm5_layer(experts, device)
     prefix = f"model.layers.{GLM5_DENSE}"
     modules = layer_modules(layer, prefix, family_named("glm_moe_dsa"), GLM5_DENSE + 1)
-    per_prompt = 64
+    per_prompt = min(64, tokens)  # tokens per calibration prompt
     generator = torch.Generator(device).manual_seed(1)
     batches = []
     for start in range(0, tokens, 16 * per_prompt):
