@@ -244,7 +244,7 @@ def shared_fusion(config: dict, family: Family, rules: RuleSet | None, setup: Se
     qconfig = config.get("quantization_config") or {}
     kind = config_kind(qconfig)
     entries = exclude_entries(qconfig, rules, kind, setup) if kind else []
-    return main_model_fusion(rules, family, config, kind, entries, setup)
+    return main_model_fusion(rules, family, config, kind, entries, setup, qconfig)
 
 
 def _require(config: dict, key: str, path: Path) -> int:

@@ -563,8 +563,8 @@ def _check_engines_load(plan: Plan, serve: tuple[tuple[str, str], ...]) -> tuple
 
     def at_default_tp(rules) -> list:  # a release served builds block FP8 per rank at the default TP 8
         fused, _ = main_model_fusion(rules, plan.family, plan.config, kind,
-                                     exclude_entries(qconfig, rules, kind), DEFAULT) if rules.engine == "sglang" \
-            else (0, None)
+                                     exclude_entries(qconfig, rules, kind), DEFAULT, qconfig) \
+            if rules.engine == "sglang" else (0, None)
         return block_findings(rules, modules, text, qconfig, replace(DEFAULT, check_tp=True), bool(fused))
 
     results = outcomes(plan.family, replayed, rule_sets(plan.family, qconfig))

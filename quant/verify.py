@@ -547,7 +547,7 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
         fused = 0
         if rules.engine == "sglang" and usable is not None:
             entries = exclude_entries(usable, rules, kind, serving) if kind else []
-            fused, why = main_model_fusion(rules, family, config, kind, entries, serving)
+            fused, why = main_model_fusion(rules, family, config, kind, entries, serving, usable)
             report.fusion[rules.id] = {"fused": bool(fused), "why": why}
         built = modules if serving.speculative else {m: i for m, i in modules.items() if m not in draft}
         report.findings += block_findings(rules, built, text, usable, serving, shared_fused=bool(fused))

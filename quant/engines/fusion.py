@@ -11,6 +11,8 @@ vLLM's fusion (ROCm AITER, opt-in by environment variable) checks each layer's s
 
 from __future__ import annotations
 
+from quant.engines.quark_layers import per_layer
+from quant.engines.quark_layers_sglang import shared_fusion_reason
 from quant.engines.rules import RuleSet
 from quant.engines.serving import Serving, capabilities
 from quant.layout import Family
@@ -49,21 +51,24 @@ def loader_mapped(entries: list[str], rules: RuleSet, family: str) -> list[str]:
 
 
 def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entries: list[str], serving: Serving,
-                     draft: bool) -> str | None:
+                     draft: bool, qconfig: dict | None = None) -> str | None:
     """None when the release fuses the shared expert of this model (main or draft); else why not,
-    in the engine's terms. ``entries``: the exclude list this runner's quant config holds."""
+    in the engine's terms. ``entries``: the exclude list this runner's quant config holds; ``qconfig``: the
+    quantization_config, whose per-layer specs a Quark release compares at the layers it probes."""
     if not rules.values.get("shared_experts_fusion"):
         return "no shared-expert fusion in this engine or model class"
     rule = rules["shared_experts_fusion"]
     if serving.disable_shared_experts_fusion:
         return "--disable-shared-experts-fusion"
     if rule["decided_by"] == "can_fuse_shared_expert":
-        return _qwen2_moe_reason(rules, config, kind, entries, serving)
+        return _qwen2_moe_reason(rules, config, kind, entries, serving, qconfig)
     vetoes = _vetoes(rules, entries, config) if rule["decided_by"] == "shared_experts_fusion_disable_reason" and \
         kind == "quark" else []
     if vetoes:
         return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
                 "can_fuse_shared_expert)")
+    if rule["decided_by"] == "shared_experts_fusion_disable_reason" and (veto := _spec_veto(rules, kind, qconfig)):
+        return veto
     architectures = config.get("architectures") or [None]
     if rule["arch"] is None:  # the class compares no architecture (and no expert counts beyond a shared one)
         pass
@@ -92,14 +97,23 @@ def no_fusion_reason(rules: RuleSet, family: str, config: dict, kind: str, entri
     return None
 
 
+def _spec_veto(rules: RuleSet, kind: str | None, qconfig: dict | None) -> str | None:
+    """can_fuse_shared_expert's comparison of a per-layer Quark config's routed and shared expert specs at the
+    layers the release probes (``quark_layers`` rules, on rule sets cut for a per-layer checkpoint)."""
+    if kind != "quark" or not per_layer(qconfig) or not rules.values.get("quark_layers"):
+        return None
+    reason = shared_fusion_reason(qconfig, rules)
+    return reason and f"{reason} (quark.py: can_fuse_shared_expert)"
+
+
 def main_model_fusion(rules: RuleSet, family: Family, config: dict, kind: str | None, entries: list[str],
-                      serving: Serving) -> tuple[int, str]:
+                      serving: Serving, qconfig: dict | None = None) -> tuple[int, str]:
     """How many shared experts this release folds into the main model's routed FusedMoE (0 when it
     does not) and the decision in words: the one answer ``gate checkpoint`` replays and ``gate
     kernels`` sizes the MoE by. ``config``: config.json (the family reads its text config from it);
     ``entries``: the exclude list as the release matches it."""
     text = family.text_config(config)
-    reason = no_fusion_reason(rules, family.name, text, kind, entries, serving, draft=False)
+    reason = no_fusion_reason(rules, family.name, text, kind, entries, serving, draft=False, qconfig=qconfig)
     if reason is not None:
         return 0, f"not fused ({rules.id}): {reason}"
     shared = text.get("n_shared_experts") or 1  # a Qwen2-MoE-style block has one (get_num_shared_experts)
@@ -107,7 +121,8 @@ def main_model_fusion(rules: RuleSet, family: Family, config: dict, kind: str | 
     return shared, f"fused as expert {routed} (topk + {shared}; {rules.id})"
 
 
-def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str], serving: Serving) -> str | None:
+def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str], serving: Serving,
+                      qconfig: dict | None = None) -> str | None:
     """sglang's Qwen2-MoE block decision (Qwen3-Next): on the platforms the class fuses on, one
     shared expert (get_num_shared_experts) of the routed experts' size, and a quant config whose
     can_fuse_shared_expert does not veto (Quark: no excluded shared expert; FP8 has no such hook)."""
@@ -124,7 +139,7 @@ def _qwen2_moe_reason(rules: RuleSet, config: dict, kind: str, entries: list[str
     if vetoes:
         return (f"the exclude list keeps shared experts unquantized ({vetoes[0]!r}; quark.py: "
                 "can_fuse_shared_expert)")
-    return None
+    return _spec_veto(rules, kind, qconfig)
 
 
 def fusing_gpus(rules: RuleSet) -> str:

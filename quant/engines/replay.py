@@ -640,33 +640,55 @@ def _shared_modules(modules: dict[str, Module], rules: RuleSet, num_hidden_layer
     return out
 
 
+def _routed_rungs(modules: dict[str, Module], rules: RuleSet) -> dict[str, str]:
+    """Each MoE block (``<layer>.mlp``) -> the rung its routed experts are stored in, for a per-layer checkpoint:
+    the rung the FusedMoE's expert slots are built in (one scheme per FusedMoE)."""
+    shared = f".{rules['shared_experts_fusion'].get('shared', 'shared_experts')}."
+    out: dict[str, str] = {}
+    for module, info in modules.items():
+        if info.role != "shared_expert" and ".experts." in module and shared not in module and info.scheme:
+            out.setdefault(module[:module.index(".experts.")], info.scheme if info.quantized else "bf16")
+    return out
+
+
 def fusion_findings(ctx: ReplayContext, entries: list[str], slots: dict[str, bool]) -> list[Finding]:
     """A fused shared expert whose dtype on disk differs from its FusedMoE's expert slots: one
     finding per runner (main model, MTP draft), naming the ways out (``entries``, ``slots``: from
-    ``_replay``)."""
+    ``_replay``). A per-layer Quark checkpoint compares rungs (the shared expert's stored rung against its
+    layer's routed rung): the release probes only some layers' specs (quark.py: can_fuse_shared_expert), so a
+    layer it does not probe can still meet a slot of another rung."""
     rules, modules, family, num_hidden_layers = ctx.rules, ctx.modules, ctx.family, ctx.num_hidden_layers
-    kind, fmt_name, config, serving = ctx.kind, ctx.fmt_name, ctx.config, ctx.serving
+    kind, fmt_name, config, serving, qconfig = ctx.kind, ctx.fmt_name, ctx.config, ctx.serving, ctx.qconfig
     if rules.engine != "sglang" or not rules.values.get("shared_experts_fusion"):
         return []
+    layered = kind == "quark" and quark_layers.per_layer(qconfig)
+    routed = _routed_rungs(modules, rules) if layered else {}
+    marker = f".{rules['shared_experts_fusion'].get('shared', 'shared_experts')}."
+
+    def rungs(moe: str, shared: str) -> tuple[str, str]:  # (the slot's, the shared expert's on disk)
+        if layered and shared[:shared.index(marker)] in routed:
+            disk = modules[shared].scheme if modules[shared].quantized and modules[shared].scheme else "bf16"
+            return (routed[shared[:shared.index(marker)]] if slots[moe] else "bf16"), disk
+        return (fmt_name if slots[moe] else "bf16"), (fmt_name if modules[shared].quantized else "bf16")
+
     clashes: dict[bool, list[tuple[str, str]]] = {}
     by_layer = lambda item: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0])]
     for moe, shared in sorted(_shared_by_moe(modules, rules, num_hidden_layers).items(), key=by_layer):
         if moe not in slots:
             continue
         draft = is_draft(shared[0], rules, num_hidden_layers)
-        bad = [s for s in shared if modules[s].quantized != slots[moe]]
+        bad = [s for s in shared if len(set(rungs(moe, s))) > 1]
         if bad:
             clashes.setdefault(draft, []).append((moe, bad[0]))
     findings = []
     for draft, clash in sorted(clashes.items()):
         runner_entries = loader_mapped(entries, rules, family) if draft else entries
-        if no_fusion_reason(rules, family, config, kind, runner_entries, serving, draft) is not None:
+        if no_fusion_reason(rules, family, config, kind, runner_entries, serving, draft, qconfig) is not None:
             continue
         moe, shared = clash[0]
-        slot = fmt_name if slots[moe] else "bf16"
-        disk = fmt_name if modules[shared].quantized else "bf16"
+        slot, disk = rungs(moe, shared)
         runner = "the MTP draft" if draft else "the main model"
-        ok = [r for r in rule_sets("sglang", family) if no_fusion_reason(
+        ok = [] if layered else [r for r in rule_sets("sglang", family) if no_fusion_reason(
             r, family, config, kind, loader_mapped(entries, r, family) if draft else entries, serving, draft)]
         slot_index = config.get(rules["shared_experts_fusion"].get("experts_key", "n_routed_experts"),
                                 config.get("num_local_experts"))
@@ -674,9 +696,11 @@ def fusion_findings(ctx: ReplayContext, entries: list[str], slots: dict[str, boo
             "fusion", rules.id, moe,
             f"{rules.engine} fuses {runner}'s shared expert into the routed FusedMoE as expert {slot_index} "
             f"({fusion_cite(rules)}; {serving.label()}): the {disk} shared expert "
-            f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))",
+            f"({shared}) meets the FusedMoE's {slot} expert slots; load fails ({len(clash)} MoE layer(s))"
+            + ("; quark.py: can_fuse_shared_expert compares the specs only at the layers it probes" if layered else ""),
             (f"serve with {release_spans(ok, family)}, or " if ok else "")
             + "start sglang with --disable-shared-experts-fusion"
+            + (f", or give the shared expert its layer's routed rung ({slot})" if layered else "")
             + (", or store the draft's shared and routed experts in one dtype" if draft else "")))
     return findings + _unloaded_draft_slot(ctx, entries)
 
@@ -689,10 +713,11 @@ def _draft_fuses_unloaded(rules: RuleSet, ctx: ReplayContext, entries: list[str]
         return False
     draft_entries, whole_bf16 = draft_exclude(entries, rules, ctx.family, ctx.num_hidden_layers, ctx.kind)
     draft_kind = None if whole_bf16 else ctx.kind  # a draft built bf16 has no quant config to veto
-    if no_fusion_reason(rules, ctx.family, ctx.config, draft_kind, draft_entries, ctx.serving, True) is not None:
+    if no_fusion_reason(rules, ctx.family, ctx.config, draft_kind, draft_entries, ctx.serving, True,
+                        ctx.qconfig) is not None:
         return False
     return rule.get("draft_decision", "own") == "own" or \
-        no_fusion_reason(rules, ctx.family, ctx.config, ctx.kind, entries, ctx.serving, False) is None
+        no_fusion_reason(rules, ctx.family, ctx.config, ctx.kind, entries, ctx.serving, False, ctx.qconfig) is None
 
 
 def _unloaded_draft_slot(ctx: ReplayContext, entries: list[str]) -> list[Finding]:

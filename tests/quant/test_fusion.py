@@ -22,9 +22,10 @@ from quant.safetensors_io import encode_header
 from tests.conftest import write_sparse_checkpoint
 
 
-def write_planned(src, dst, recipe, edit_qconfig=None):
-    """quantgate's output for ``recipe`` as headers over holes (the converter's exact layout)."""
-    plan = make_plan(src, recipe)
+def write_planned(src, dst, recipe, edit_qconfig=None, calibration=None):
+    """quantgate's output for ``recipe`` as headers over holes (the converter's exact layout); ``calibration``:
+    a sensitivity file's measurements, for a mixed recipe's static input scales."""
+    plan = make_plan(src, recipe, calibration=calibration)
     dst.mkdir()
     for shard in plan.shards:
         header, _ = encode_header(shard.entries)
