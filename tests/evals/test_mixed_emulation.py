@@ -228,7 +228,7 @@ def _rung_not_in_config(qc):
 @pytest.mark.parametrize("tensors,config,named", [
     (_zero_scale, None, f"{LAYER0}.up_proj.input_scale is 0.0"),
     (_no_input_scale, None, f"{LAYER0}.up_proj.weight (F8_E4M3)"),
-    (_two_rungs_in_one_layer, None, "model.layers.2.mlp.experts: the checkpoint stores this layer's experts at several"),
+    (_two_rungs_in_one_layer, None, "model.layers.2.mlp.experts: the checkpoint stores this layer's experts"),
     (None, _unknown_spec, "layer_quant_config['model.layers.1.mlp.experts*'] (dtypes {'weight': 'int8'"),
     (None, _rung_not_in_config, f"{LAYER0}.down_proj is stored as mxfp4_fp8"),
 ])
@@ -271,10 +271,10 @@ def test_a_converted_mixed_recipe_is_evaluated_as_served(glm_ckpt, data_dir, tmp
 
     model, record = load_model(ckpt)
     assert record["rungs"] == {"mxfp4": 3 * EXPERTS, "mxfp4_fp8": 3 * EXPERTS, "fp8": 3 + 3 * EXPERTS}
-    gate_up = max(amax[f"{LAYER0}.gate_proj"], amax[f"{LAYER0}.up_proj"]) / FP8_MAX
+    gate_up = float(fp8_tensor.scale_of(max(amax[f"{LAYER0}.gate_proj"], amax[f"{LAYER0}.up_proj"])))
     for projection in ("gate_proj", "up_proj"):
         served = model.get_submodule(f"{LAYER0}.{projection}")._forward_pre_hooks
-        assert [hook.qdq.scale for hook in served.values()] == [pytest.approx(gate_up, rel=1e-6)]
+        assert [hook.qdq.scale for hook in served.values()] == [gate_up]
 
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-c", "import sys; from evals.cli import evals_main; sys.exit(evals_main())",
@@ -283,3 +283,77 @@ def test_a_converted_mixed_recipe_is_evaluated_as_served(glm_ckpt, data_dir, tmp
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert read_bundle(out)[0]["local"]["emulation"]["scheme"] == "W4A4+W4A8+W8A8"
+
+
+# --- the engines' own code, run from the vLLM 0.33.0 wheel (tests/quant/engine_sources.py) -------------------------
+
+VLLM = "vllm/model_executor/layers/quantization"
+
+
+def _replace_parameter(layer, name, value):
+    """vllm/model_executor/utils.py replace_parameter, as it acts on these plain tensors."""
+    setattr(layer, name, torch.nn.Parameter(torch.as_tensor(value), requires_grad=False))
+
+
+def test_a_w4a8_linear_is_emulated_as_vllms_scheme_computes_it(monkeypatch):
+    """QuarkW4A8_MXFP4_FP8.process_weights_after_loading (a fused module's input scales -> their max) and
+    _apply_emulation, run from the wheel, on a fused q/k/v of three stored input scales: equal, bit for bit in
+    bf16, to the emulation's decode and StaticFP8 at the largest scale."""
+    from types import ModuleType, SimpleNamespace
+
+    from evals.emulation import StaticFP8, decode_weight
+    from tests.quant import engine_sources
+
+    mxfp4 = get_codec("mxfp4")
+    utils = ModuleType("mxfp4_utils")  # the weight side: the engines' MXFP4 decode (bit-exact, tested elsewhere)
+    utils.dequant_mxfp4 = lambda w, s, dtype: mxfp4.decode(w, s, dtype)
+    monkeypatch.setitem(sys.modules, f"{VLLM.replace('/', '.')}.utils.mxfp4_utils", utils)
+    scheme = engine_sources.methods(
+        engine_sources.wheel("vllm", "0.33.0"), f"{VLLM}/quark/schemes/quark_w4a8_mxfp4_fp8.py", "QuarkW4A8_MXFP4_FP8",
+        ["process_weights_after_loading", "_apply_emulation"],
+        {"torch": torch, "F": torch.nn.functional, "replace_parameter": _replace_parameter})
+    cls = scheme["cls"]
+    this = SimpleNamespace(fp8_min=-FP8_MAX, fp8_max=FP8_MAX, fp8_dtype=E4M3)
+
+    gen = torch.Generator().manual_seed(0)
+    weight, scales = mxfp4.quantize(torch.randn(96, 64, generator=gen))
+    stored = [0.004, 0.0075, 0.006]  # q, k, v: one input, measured three times
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale = weight, scales
+    layer.input_scale = torch.nn.Parameter(torch.tensor(stored), requires_grad=False)
+    cls.process_weights_after_loading(this, layer)
+    x = (torch.randn(5, 64, generator=gen) * 2).to(torch.bfloat16)
+    served = cls._apply_emulation(this, layer, x)
+
+    ours = StaticFP8(max(float(scalar(s)) for s in stored), divide=True)
+    expected = torch.nn.functional.linear(ours(x), decode_weight(weight, scales, torch.bfloat16, mxfp4))
+    assert float(layer.input_scale) == ours.scale and torch.equal(served, expected)
+
+
+def test_fused_fp8_shards_decode_as_vllms_requantize_with_max_scale():
+    """w8a8_utils.py requantize_with_max_scale and per_tensor_dequantize run from the wheel on a fused
+    gate_up_proj of two FP8 shards; its static FP8 cast (the CUDA scaled_fp8_quant, not loadable here) is the
+    float32-reciprocal one fp8_tensor reproduces. The emulation's decode of each shard at the served scale
+    equals the requantized weight times the max scale."""
+    from types import SimpleNamespace
+
+    from evals.emulation import decode_weight
+    from tests.quant import engine_sources
+
+    def scaled_fp8_quant(x, scale):
+        s = scale.to(torch.float32)
+        return (x.to(torch.float32) * s.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(E4M3), s
+
+    ns = engine_sources.load(engine_sources.wheel("vllm", "0.33.0"), f"{VLLM}/utils/w8a8_utils.py",
+                             ["requantize_with_max_scale", "per_tensor_dequantize"],
+                             {"torch": torch, "ops": SimpleNamespace(scaled_fp8_quant=scaled_fp8_quant)})
+    gen = torch.Generator().manual_seed(1)
+    shards = [fp8_encode(torch.randn(32, 64, generator=gen).to(torch.bfloat16) * k) for k in (1.0, 3.0)]
+    weight = torch.cat([codes for codes, _ in shards])
+    scale = torch.stack([s.to(torch.float32) for _, s in shards])  # the engine's float32 parameter
+    served_scale, requantized = ns["requantize_with_max_scale"](weight.clone(), scale, [32, 32])
+    served = (requantized.to(torch.float32) * served_scale).to(torch.bfloat16)
+    ours = torch.cat([decode_weight(codes, s, torch.bfloat16, get_codec("mxfp4"), float(served_scale))
+                      for codes, s in shards])
+    assert not torch.equal(requantized[:32], weight[:32])  # the smaller-scale shard really moved
+    assert torch.equal(ours, served)
