@@ -182,7 +182,8 @@ def _rung_findings(tensors) -> list[Finding]:
                              if n.startswith(module + ".") and n.count(".") == module.count(".") + 1)
             findings.append(Finding("layout", None, module, f"holds {held}: no rung's tensors (W4A8: U8 weight, U8 "
                                     "weight_scale, BF16 input_scale; W8A8: F8_E4M3 weight, BF16 weight_scale, "
-                                    "BF16 input_scale; F32 scales load too)", "re-export the module with all of its rung's tensors"))
+                                    "BF16 input_scale; F32 scales load too)",
+                                    "re-export the module with all of its rung's tensors"))
             continue
         scalars = [module + INPUT_SCALE] + ([module + ".weight_scale"] if tensors[module + ".weight"].dtype ==
                                             "F8_E4M3" else [])
@@ -427,7 +428,8 @@ def verify(folder: Path, engine: str = "all", deep: bool = False, serving: Servi
     # a Quark config with per-layer schemes (the ladder's mixed checkpoints): each module's rung is read from its
     # tensors, and each release's per-layer matching has its own rule file (quant.engines.quark_layers)
     layered = not malformed and config_kind(qconfig) == "quark" and quark_layers.per_layer(qconfig)
-    if third_party or layered:  # each release replayed with its own format rules: a family rule set cut where they change
+    # each release replayed with its own format rules: a family rule set cut where they change
+    if third_party or layered:
         cut_kind = third_party or quark_layers.KIND
         try:
             asked = [replace(t, rules=cut(t.rules, cut_kind, t.state.release)) if t.rules else t for t in asked]

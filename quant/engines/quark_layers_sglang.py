@@ -143,8 +143,9 @@ def linear_class(module: str) -> str:
     """The sglang Linear class a leaf is built as (layers/linear.py), what ``layer_type_quant_config`` is
     asked with."""
     leaf = module.rsplit(".", 1)[-1]
-    return {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear", "o_proj": "RowParallelLinear",
-            "down_proj": "RowParallelLinear", "gate": "ReplicatedLinear"}.get(leaf, "ColumnParallelLinear")
+    return {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
+            "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear",
+            "gate": "ReplicatedLinear"}.get(leaf, "ColumnParallelLinear")
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ QuarkMoEMethod); the rule values per release are in ``manifests/engines/quark_la
 ``RULES``). ``decide`` replays them for one engine module the exclude list leaves quantized:
 
 1. The spec (``_find_matched_config``), the config's keys renamed first by the class's weight-name mapper
-   (QuarkConfig.apply_vllm_mapper, as for the exclude list: ``exclude_mapper``): the first ``layer_quant_config`` key matching the module's name, a key
-   with ``*`` by fnmatch, one without as a string the name is contained in (``name_match``: so the exact key
-   of one expert's projection, ``model.layers.1.mlp.experts.0.gate_proj``, contains the FusedMoE's name and
-   selects the whole FusedMoE), else ``layer_type_quant_config`` (its keys compared with the layer's class
-   object, never equal to a string: ``layer_type`` ``never``), else ``global_quant_config``. A fused module
-   (the class's packed_modules_mapping, ``quark_fused``) is asked through its shards, which must resolve to
+   (QuarkConfig.apply_vllm_mapper, as for the exclude list: ``exclude_mapper``): the first ``layer_quant_config`` key
+   matching the module's name, a key with ``*`` by fnmatch, one without as a string the name is contained in
+   (``name_match``: so the exact key of one expert's projection, ``model.layers.1.mlp.experts.0.gate_proj``, contains
+   the FusedMoE's name and selects the whole FusedMoE), else ``layer_type_quant_config`` (its keys compared with the
+   layer's class object, never equal to a string: ``layer_type`` ``never``), else ``global_quant_config``. A fused
+   module (the class's packed_modules_mapping, ``quark_fused``) is asked through its shards, which must resolve to
    one spec, else the release raises (``mixed_shards_error``).
 2. A FusedMoE is asked once, by its own name (``model.layers.N.mlp.experts``, ``moe_asked``: ``module``),
    never per expert: a ``...experts.*`` key does not match it, ``...experts*`` does.

@@ -21,8 +21,9 @@ from tests.benchmarks.mutation_compressed_tensors import data as _data
 from tests.benchmarks.mutation_compressed_tensors import main
 from tests.benchmarks.mutation_compressed_tensors import versions as _versions
 
-TESTS = ["tests/quant/test_quark_layers_sglang.py", "-k", "not gate_checkpoint and not hand_written and not serve_refuses "
-         "and not alias"]  # the differential and rule tests (the real-process ones take minutes per mutation)
+# the differential and rule tests (the real-process ones take minutes per mutation)
+TESTS = ["tests/quant/test_quark_layers_sglang.py", "-k",
+         "not gate_checkpoint and not hand_written and not serve_refuses and not alias"]
 FUSION_0_5_14 = {"compares": True, "bases": ["model.layers.0", "model.language_model.layers.0"],
                  "leaves": ["gate_proj", "up_proj", "gate_up_proj", "down_proj"], "shared": "shared_expert"}
 

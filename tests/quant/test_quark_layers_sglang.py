@@ -80,13 +80,14 @@ def _configs():
         yield f"attention/{name}", _quark({"*self_attn*": spec}), False
         yield f"global/{name}", _quark({"model.layers.1.mlp.experts*": W4A4}, glob=spec), False
         yield f"per_expert/{name}", _quark(_per_expert(1, lambda e, s=spec: s)), False
-        yield f"type/{name}", _quark({"*self_attn.o_proj": W4A4}, types={"FusedMoE": spec, "RowParallelLinear": spec}), \
-            False
+        types = {"FusedMoE": spec, "RowParallelLinear": spec}
+        yield f"type/{name}", _quark({"*self_attn.o_proj": W4A4}, types=types), False
     yield "per_expert_mixed", _quark(_per_expert(1, lambda e: W8A8 if e == 0 else W4A4)), False
     yield "per_expert_gap", _quark(_per_expert(1, lambda e: W8A8, experts=(0, 2))), False
     yield "per_expert_from_1", _quark(_per_expert(1, lambda e: W8A8, experts=(1, 2))), False
-    yield "per_expert_projections_differ", _quark({**_per_expert(1, lambda e: W8A8, experts=(0,)),
-                                                   **_per_expert(1, lambda e: W8A8, experts=(1,), leaves=LEAVES[:1])}), False
+    differ = {**_per_expert(1, lambda e: W8A8, experts=(0,)), **_per_expert(1, lambda e: W8A8, experts=(1,),
+                                                                          leaves=LEAVES[:1])}
+    yield "per_expert_projections_differ", _quark(differ), False
     yield "per_expert_bad_suffix", _quark({"model.layers.1.mlp.experts.w1": W8A8}), False
     yield "per_expert_and_pattern", _quark({"*mlp.experts": W4A8, **_per_expert(1, lambda e: W8A8)}), False
     yield "per_expert_one_projection", _quark(_per_expert(1, lambda e: W8A8, leaves=("down_proj",))), False

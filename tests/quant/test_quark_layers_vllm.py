@@ -75,7 +75,8 @@ def same(release: str, config: dict, module: str, moe: bool, mapper: dict | None
 
 
 LINEARS = ["model.layers.1.self_attn.o_proj", "model.layers.11.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
-           "model.layers.1.self_attn.qkv_proj", "model.layers.0.mlp.down_proj", "model.layers.3.mlp.shared_experts.down_proj"]
+           "model.layers.1.self_attn.qkv_proj", "model.layers.0.mlp.down_proj",
+           "model.layers.3.mlp.shared_experts.down_proj"]
 MOES = ["model.layers.1.mlp.experts", "model.layers.11.mlp.experts", "model.layers.3.mlp.experts"]
 CONFIGS = [
     qconfig({}),  # global only
@@ -174,7 +175,8 @@ def _rewrite(folder, edit) -> None:
         data = json.loads(index.read_text())
         loaded = {s.name: load_file(s) for s in sorted(folder.glob("*.safetensors"))}
         data["weight_map"] = {n: s for s, ts in loaded.items() for n in ts}
-        data["metadata"]["total_size"] = sum(t.numel() * t.element_size() for ts in loaded.values() for t in ts.values())
+        data["metadata"]["total_size"] = sum(t.numel() * t.element_size() for ts in loaded.values()
+                                             for t in ts.values())
         index.write_text(json.dumps(data))
 
 
@@ -335,8 +337,9 @@ def test_converted_mixed_checkpoint_with_draft_aliases_loads(glm_ckpt, tmp_path)
     sidecar = write_sidecar(tmp_path / "sensitivity.json", sorted(n[:-7] for n in weights if n.endswith(".weight")))
     (tmp_path / "recipe.yaml").write_text(MTP_AND_ATTENTION)
     dst = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--recipe", tmp_path / "recipe.yaml",
-                           "--sensitivity", sidecar, glm_ckpt, dst], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-m", "quant.cli", "--to", "mxfp4", "-q", "--recipe",
+                           tmp_path / "recipe.yaml", "--sensitivity", sidecar, glm_ckpt, dst],
+                          capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr
     keys = json.loads((dst / "config.json").read_text())["quantization_config"]["layer_quant_config"]
