@@ -22,7 +22,7 @@ from quant.plan import Plan, PlanError, make_plan
 from quant.recipe import load_recipe, with_overrides
 from quant.release_check import parse_serve
 from quant.safe_files import refuse_link
-from quant.static_scales import load_calibration
+from quant.static_scales import load_measured_inputs
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 LADDER_START = manifests_root() / "recipes" / "mxfp4-all-linear.yaml"  # --ladder's default start: every Linear W4A4
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.ladder:
             plan, ladder, sidecar = _ladder_plan(args, recipe, family, serve)
         else:  # a mixed recipe's static input scales come from a sensitivity file
-            calibration = load_calibration(args.sensitivity) if args.sensitivity else None
+            calibration = load_measured_inputs(args.sensitivity) if args.sensitivity else None
             plan = make_plan(args.src, recipe, family, serve, calibration)
     if args.dry_run:
         print(json.dumps({**plan.summary(), **({"ladder": ladder} if args.ladder else {})}, indent=2) if args.json

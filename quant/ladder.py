@@ -227,7 +227,7 @@ def plan_ladder(src: Path, start: Recipe, family, serve: tuple[tuple[str, str], 
     from quant.hashing import sha256_of
     from quant.plan import make_plan
     from quant.sensitivity import load_sensitivity
-    from quant.static_scales import load_calibration
+    from quant.static_scales import load_measured_inputs
 
     checkpoint = Checkpoint.open(src)
     sens = load_sensitivity(sidecar_path)
@@ -244,7 +244,7 @@ def plan_ladder(src: Path, start: Recipe, family, serve: tuple[tuple[str, str], 
     if not units:
         raise LadderError(f"{start.name} quantizes none of the units {sidecar_path} measured; start from a recipe "
                           "that quantizes decoder Linears (--recipe FILE)")
-    scales = load_calibration(Path(sidecar_path))
+    scales = load_measured_inputs(Path(sidecar_path))
 
     def build(recipe: Recipe):
         return make_plan(checkpoint, recipe, family, serve, scales)

@@ -30,7 +30,7 @@ from quant.outputs import INDEX_NAME, aux_files
 from quant.quark_config import strip_quantization_config
 from quant.recipe import Recipe, RecipeError
 from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_DTYPE, SCALAR_SHAPE
-from quant.static_scales import Calibration, input_scales
+from quant.static_scales import MeasuredInputs, input_scales
 from quant.release_check import (
     check_serve,
     failing_newest,
@@ -132,7 +132,7 @@ class Plan:
     exclude: tuple[str, ...] = ()
     releases: dict | None = None  # per engine: the release ranges that load the output, fail, are not read
     # a mixed plan's static input scales: the sensitivity sidecar read, and per scale group its amax, tokens, scale
-    calibration: Calibration | None = None
+    calibration: MeasuredInputs | None = None
     static_scales: dict | None = None
 
     @property
@@ -415,7 +415,7 @@ def rung_outputs(rung: str, name: str, shape: tuple[int, int], codec: Codec) -> 
 
 
 def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None = None,
-              serve: tuple[tuple[str, str], ...] = (), calibration: Calibration | None = None) -> Plan:
+              serve: tuple[tuple[str, str], ...] = (), calibration: MeasuredInputs | None = None) -> Plan:
     """The plan for converting ``source`` by ``recipe``; ``serve``: the (engine, release) pairs the output
     is for (``quantize --serve``), refused where one of them would not load it; ``calibration``: a
     sensitivity pass's measurements, where the static input scales of a mixed recipe's W4A8 / W8A8 rungs come
@@ -466,7 +466,7 @@ def make_plan(source: Path | Checkpoint, recipe: Recipe, family: Family | None =
 
 
 def _with_input_scales(shards: list[ShardPlan], recipe: Recipe,
-                       calibration: Calibration | None) -> tuple[list[ShardPlan], dict, list[str]]:
+                       calibration: MeasuredInputs | None) -> tuple[list[ShardPlan], dict, list[str]]:
     """A mixed recipe's rungs checked, and each weight at a static-activation rung given its input scale.
     Refused (exit 2): a mixed recipe with ``--weight-only`` (its rungs quantize activations), and one MoE
     layer's routed experts at two rungs (both engines load a layer's experts with one scheme; sglang raises)."""

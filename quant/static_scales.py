@@ -35,7 +35,7 @@ class StaticScaleError(QuantgateError, ValueError):
 
 
 @dataclass(frozen=True)
-class Calibration:
+class MeasuredInputs:
     """What a conversion reads from a sensitivity sidecar: per checkpoint Linear, its input's absolute max and
     how many calibration tokens reached it."""
     path: Path
@@ -45,7 +45,7 @@ class Calibration:
     tokens: dict[str, int]
 
 
-def load_calibration(path: Path) -> Calibration:
+def load_measured_inputs(path: Path) -> MeasuredInputs:
     """The sidecar at ``path`` (``quant.sensitivity``'s JSON), refused naming the file where it is not one."""
     fix = "pass the file a sensitivity pass wrote (quantize --ladder --calibration DATA, python -m quant.sensitivity)"
     try:
@@ -62,7 +62,7 @@ def load_calibration(path: Path) -> Calibration:
         raise StaticScaleError(f"{path}: amax / tokens must map module names to finite non-negative numbers; {fix}")
     calibration = data.get("calibration")
     source = calibration.get("source", "") if isinstance(calibration, dict) else ""
-    return Calibration(path, sha256_of(raw), str(source), {k: float(v) for k, v in amax.items()}, dict(tokens))
+    return MeasuredInputs(path, sha256_of(raw), str(source), {k: float(v) for k, v in amax.items()}, dict(tokens))
 
 
 def scale_group(module: str) -> str:
@@ -74,7 +74,7 @@ def scale_group(module: str) -> str:
     return f"{match['layer']}.*.{'down' if match['proj'] in DOWN_PROJECTIONS else 'gate_up'}"
 
 
-def input_scales(modules: list[str], calibration: Calibration | None) -> tuple[dict[str, float], dict, list[str]]:
+def input_scales(modules: list[str], calibration: MeasuredInputs | None) -> tuple[dict[str, float], dict, list[str]]:
     """For the modules stored with a static input scale: the value each is written (``scale_of`` the amax of
     its scale group), a record per group (amax, tokens, scale) and warnings naming groups calibrated on fewer
     than ``MIN_SCALE_TOKENS`` tokens. Refused (exit 2) naming the module: no sidecar, a module it did not

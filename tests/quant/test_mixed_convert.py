@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from quant.rungs import FP8_MAX
-from quant.static_scales import MIN_SCALE_TOKENS, Calibration, StaticScaleError, input_scales, scale_group
+from quant.static_scales import MIN_SCALE_TOKENS, MeasuredInputs, StaticScaleError, input_scales, scale_group
 
 LAYER1_FP8 = """\
 name: layer1-experts-fp8
@@ -121,8 +121,8 @@ def test_one_moe_layer_at_two_rungs_is_refused(glm_ckpt, tmp_path):
     assert "model.layers.2.mlp.experts" in line and "mxfp4_fp8" in line and "mxfp4 (" in line
 
 
-def calibration(amax: dict, tokens: dict) -> Calibration:
-    return Calibration(Path("side.json"), "0" * 64, "arith:train", amax, tokens)
+def calibration(amax: dict, tokens: dict) -> MeasuredInputs:
+    return MeasuredInputs(Path("side.json"), "0" * 64, "arith:train", amax, tokens)
 
 
 def test_moe_experts_share_their_layers_max_scale_and_few_tokens_are_named():

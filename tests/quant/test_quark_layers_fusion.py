@@ -14,7 +14,7 @@ from evals.cli import main as gate
 from quant.example import tiny_config
 from quant.recipe import load_recipe
 from quant.rungs import RUNGS
-from quant.static_scales import load_calibration
+from quant.static_scales import load_measured_inputs
 from tests.conftest import write_sparse_checkpoint
 from tests.quant.test_fusion import write_planned
 from tests.quant.test_mixed_convert import linear_modules, write_sidecar
@@ -44,7 +44,7 @@ def mixed(root, shared_rung: str, name: str, edit_qconfig=None):
     recipe.write_text(SHARED_AT % shared_rung)
     sidecar = write_sidecar(root / f"{name}.json", linear_modules(root / "bf16"))
     write_planned(root / "bf16", root / name, load_recipe(recipe), edit_qconfig,
-                  calibration=load_calibration(sidecar))
+                  calibration=load_measured_inputs(sidecar))
     return root / name
 
 
