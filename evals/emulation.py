@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from evals.errors import BadInput
-from evals.served import ROUTED_EXPERT, W13, module_rungs, served_input_scales, served_weight_scales
+from evals.served import module_rungs, served_input_scales, served_weight_scales
 from quant.checkpoint import Checkpoint, config_int
 from quant.errors import CheckpointError
 from quant.formats import fp8, fp8_tensor, mx
@@ -54,6 +54,7 @@ from quant.formats.codecs import CODECS, Codec, get_codec
 from quant.formats.constants import BLOCK, E4M3_MAX, ScaleRule
 from quant.quark_config import config_kind
 from quant.rungs import RUNGS, rung_of_spec
+from quant.static_scales import scale_group
 
 METHOD = "quantgate-emulation"
 EXPERTS_IMPLEMENTATION = "quantgate-emulation"
@@ -137,7 +138,7 @@ class Emulation:
         to FP8 with the module's served scale; every other module, the checkpoint's activation scheme."""
         rung = self.rungs.get(module)
         if rung and RUNGS[rung].static_input_scale:
-            return StaticFP8(self.input_scales[module], divide=rung == "mxfp4_fp8" and not ROUTED_EXPERT.match(module))
+            return StaticFP8(self.input_scales[module], divide=rung == "mxfp4_fp8" and scale_group(module) == module)
         return self.activation_qdq
 
     def to_dict(self) -> dict:
@@ -440,8 +441,8 @@ def install_activation_emulation(model: torch.nn.Module, emulation: Emulation, n
         for name, module in linears.items():
             named[name].register_forward_pre_hook(ActivationQDQ(emulation.module_qdq(module)))
         for name, projections in experts.items():
-            gate_up = next(p for p in sorted(projections) if ROUTED_EXPERT.match(p)["projection"] in W13)
-            down = next(p for p in sorted(projections) if ROUTED_EXPERT.match(p)["projection"] not in W13)
+            gate_up = next(p for p in sorted(projections) if scale_group(p).endswith(".gate_up"))
+            down = next(p for p in sorted(projections) if scale_group(p).endswith(".down"))
             named[name].quantgate_qdq = emulation.module_qdq(gate_up)
             named[name].quantgate_qdq_down = emulation.module_qdq(down)
     return {"linear": sorted(linears), "experts": sorted(experts), "not_loaded_by_transformers": sorted(not_loaded),

@@ -21,17 +21,13 @@ collapsed value (read in vLLM 0.33.0 and sglang 0.5.23; tests/evals/test_mixed_e
 from __future__ import annotations
 
 import math
-import re
 
 from evals.errors import BadInput
 from quant.checkpoint import Checkpoint
 from quant.rungs import INPUT_SCALE, RUNGS, SCALAR_DTYPES, stored_rung
+from quant.static_scales import scale_group
 
 QUANTIZED_RUNGS = tuple(name for name, rung in RUNGS.items() if rung.weight)
-# a routed expert's projection in the checkpoint: <layer>.mlp.experts.E.<projection>
-ROUTED_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.(?P<projection>\w+)$")
-# the projections the engines fuse into w13 (gate and up: GLM/DeepSeek/Qwen names, Mixtral/MiniMax w1/w3)
-W13 = {"gate_proj", "up_proj", "w1", "w3"}
 # the releases whose fused modules group the Linears (both build the same ones for the families read)
 RULES_OF = ("vllm", "0.33.0")
 
@@ -83,7 +79,7 @@ def _scalars(checkpoint: Checkpoint, names: set[str]) -> dict[str, float]:
 
 
 def _fused_groups(modules, config: dict) -> dict[str, str]:
-    """Checkpoint module -> the module it is served in: a routed expert's ``<experts>:w13`` / ``<experts>:w2``,
+    """Checkpoint module -> the module it is served in: a routed expert's ``<experts>.*.gate_up`` / ``.down``,
     a fused Linear's shard its fused module (the family's ``built_fused`` in ``RULES_OF``), else itself."""
     from quant.engines.replay import fused_into, shards_of
     from quant.engines.rules import rule_sets
@@ -94,13 +90,9 @@ def _fused_groups(modules, config: dict) -> dict[str, str]:
         fused = shards_of(next(r for r in sets if r.covers(RULES_OF[1]))["built_fused"])
     except (UnknownFamilyError, StopIteration):
         fused = {}
-    groups = {}
-    for module in modules:
-        if match := ROUTED_EXPERT.match(module):
-            groups[module] = f"{match['experts']}:{'w13' if match['projection'] in W13 else 'w2'}"
-        else:
-            groups[module] = fused_into(module, fused) or module
-    return groups
+    # a routed expert's projection: its FusedMoE's w13 or w2 scale, as the converter writes it (scale_group)
+    return {module: group if (group := scale_group(module)) != module else fused_into(module, fused) or module
+            for module in modules}
 
 
 def _group_max(values: dict[str, float], groups: dict[str, str]) -> dict[str, float]:
@@ -121,7 +113,7 @@ def served_input_scales(checkpoint: Checkpoint, rungs: dict[str, str]) -> dict[s
 def served_weight_scales(checkpoint: Checkpoint, rungs: dict[str, str]) -> dict[str, float]:
     """FP8 Linear (not a routed expert: the decode sees an expert's gate and up together) -> the per-tensor
     weight scale the engines requantize it to, where that differs from its own (a fused module's shard)."""
-    fp8 = [m for m, rung in rungs.items() if rung == "fp8" and not ROUTED_EXPERT.match(m)]
+    fp8 = [m for m, rung in rungs.items() if rung == "fp8" and scale_group(m) == m]
     own = _scalars(checkpoint, {m + ".weight_scale" for m in fp8})
     stored = {m: own[m + ".weight_scale"] for m in fp8}
     served = _group_max(stored, _fused_groups(fp8, checkpoint.config))
