@@ -358,11 +358,16 @@ class TensorFP8Codec(Codec):
 
     code_problem = BlockFP8Codec.code_problem
 
-    def scale_problem(self, scales):
+    @staticmethod
+    def _scale_value(scales) -> float:
+        """The one bf16 scale whose raw bytes ``scales`` holds."""
         import numpy as np
         import torch
 
-        value = float(torch.frombuffer(bytearray(np.ascontiguousarray(scales).tobytes()), dtype=torch.bfloat16)[0])
+        return float(torch.frombuffer(bytearray(np.ascontiguousarray(scales).tobytes()), dtype=torch.bfloat16)[0])
+
+    def scale_problem(self, scales):
+        value = self._scale_value(scales)
         if not math.isfinite(value) or value <= 0:
             return f"weight_scale {value}: a NaN, Inf, zero or negative scale would decode to NaN, Inf or zeros"
         return None
@@ -400,11 +405,10 @@ class TensorFP8Codec(Codec):
     def decode_bytes(self, weight, scales, threads=None):
         """``fp8_fast``'s numba decode with the one scale in every tile: the same bytes as ``decode``."""
         import numpy as np
-        import torch
 
         from quant.formats import fp8_fast
 
-        scale = float(torch.frombuffer(bytearray(np.ascontiguousarray(scales).tobytes()), dtype=torch.bfloat16)[0])
+        scale = self._scale_value(scales)
         tiles = np.full((-(-weight.shape[0] // FP8_TILE), -(-weight.shape[1] // FP8_TILE)), scale, dtype=np.float32)
         return fp8_fast.decode_bf16(weight, tiles, threads).view("uint8")
 
